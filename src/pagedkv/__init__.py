@@ -1,0 +1,1 @@
+"""pagedkv: paged, compressed KV cache with attention on the compressed pages."""
