@@ -1,0 +1,150 @@
+"""The codec catalogue: one frozen row per codec; sizes, names and kernels derive from it.
+
+A codec says how one K or V tensor is stored. Every byte count of a block follows from the row:
+a block is its data section (`code_bits` per element) followed by its scale section (one scale of
+`scale_type` per `group_size` consecutive elements along head_dim), both token-major. Adding a codec
+means adding one row here (and, for a new value kind, its table in `tables.py`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+
+
+class ScaleType(enum.Enum):
+    """How a codec's scales are stored."""
+
+    NONE = "none"  # raw values, no scale (bf16)
+    TENSOR_FP32 = "tensor-fp32"  # one fp32 scale per layer and side, outside the blocks (fp8)
+    FP8_E4M3 = "fp8-e4m3"  # one byte per group
+    BF16 = "bf16"  # two bytes per group, little-endian
+    FP16 = "fp16"  # two bytes per group, little-endian
+
+    @property
+    def bytes_per_group(self) -> int:
+        return {"none": 0, "tensor-fp32": 0, "fp8-e4m3": 1, "bf16": 2, "fp16": 2}[self.value]
+
+
+class ValueKind(enum.Enum):
+    """What a code means before the scale is applied."""
+
+    BF16 = "bf16"  # the code is the value
+    FP8_E4M3 = "fp8-e4m3"  # an E4M3 float
+    E2M1 = "e2m1"  # an FP4 E2M1 float (sign bit 3)
+    LLOYD_MAX = "lloyd-max"  # an index into the codec's fitted Lloyd-Max levels
+    INT = "int"  # a signed integer (int8, or int4 stored as u - 8)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One row of the catalogue.
+
+    name: canonical name. code_bits: bits of one code in the data section. group_size: elements
+    per scale along head_dim (0 when the codec has no per-group scale). rotated: stored after the
+    orthonormal Walsh-Hadamard rotation over head_dim. description: one line for tables.
+    """
+
+    name: str
+    code_bits: int
+    values: ValueKind
+    group_size: int
+    scale_type: ScaleType
+    rotated: bool
+    description: str
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def scale_bytes_per_group(self) -> int:
+        return self.scale_type.bytes_per_group if self.group_size else 0
+
+    @property
+    def bits_per_element(self) -> float:
+        if not self.group_size:
+            return float(self.code_bits)
+        return self.code_bits + 8.0 * self.scale_bytes_per_group / self.group_size
+
+    def data_bytes(self, elements: int) -> int:
+        """Bytes of the data section holding `elements` codes."""
+        return elements * self.code_bits // 8
+
+    def scale_bytes(self, elements: int) -> int:
+        """Bytes of the scale section for `elements` elements."""
+        if not self.group_size:
+            return 0
+        return (elements // self.group_size) * self.scale_bytes_per_group
+
+    def row_data_bytes(self, head_dim: int) -> int:
+        return self.data_bytes(head_dim)
+
+    def row_scale_bytes(self, head_dim: int) -> int:
+        return self.scale_bytes(head_dim)
+
+    def row_bytes(self, head_dim: int) -> int:
+        return self.row_data_bytes(head_dim) + self.row_scale_bytes(head_dim)
+
+    def block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one block (one layer, one side): data section then scale section."""
+        self.check_head_dim(head_dim)
+        elements = block_size * num_kv_heads * head_dim
+        return self.data_bytes(elements) + self.scale_bytes(elements)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ConfigError if this codec cannot store vectors of `head_dim` elements."""
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            raise ConfigError(f"head_dim must be a positive integer, got {head_dim!r}")
+        need = max(self.group_size, 16 if self.rotated else 1, 8 if self.code_bits < 8 else 1)
+        if head_dim % need:
+            raise ConfigError(
+                f"codec {self.name!r} needs head_dim to be a multiple of {need}, got {head_dim}"
+            )
+
+    # ---- values ----------------------------------------------------------------------------
+    def value_table(self) -> Optional[torch.Tensor]:
+        """float32 [2**code_bits]: the value of each code before the group scale (None for bf16)."""
+        from .tables import value_table
+
+        return value_table(self)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _row(name, bits, values, group, scale, rotated, description) -> Codec:
+    return Codec(name, bits, values, group, scale, rotated, description)
+
+
+V, S = ValueKind, ScaleType
+CODECS: dict[str, Codec] = {
+    c.name: c
+    for c in (
+        _row("bf16", 16, V.BF16, 0, S.NONE, False, "raw bfloat16"),
+        _row("fp8", 8, V.FP8_E4M3, 0, S.TENSOR_FP32, False, "E4M3, one fp32 scale per layer and side"),
+        _row("nvfp4", 4, V.E2M1, 16, S.FP8_E4M3, False, "E2M1 + E4M3 scale per 16"),
+        _row("turbo4", 4, V.LLOYD_MAX, 16, S.FP8_E4M3, True, "WHT + 16-level Lloyd-Max + E4M3 scale per 16"),
+        _row("turbo3", 3, V.LLOYD_MAX, 16, S.FP8_E4M3, True, "WHT + 8-level Lloyd-Max + E4M3 scale per 16"),
+        _row("turbo2", 2, V.LLOYD_MAX, 16, S.FP8_E4M3, True, "WHT + 4-level Lloyd-Max + E4M3 scale per 16"),
+        _row("turbo8", 8, V.FP8_E4M3, 16, S.BF16, True, "WHT + E4M3 + bf16 scale per 16"),
+        _row("q8_0", 8, V.INT, 32, S.FP16, False, "int8 + fp16 scale per 32 (llama.cpp q8_0)"),
+        _row("q4_0", 4, V.INT, 32, S.FP16, False, "int4 + fp16 scale per 32 (llama.cpp q4_0)"),
+    )
+}
+del V, S
+
+
+def get_codec(name: str) -> Codec:
+    """The catalogue row called `name` (case-insensitive); ConfigError listing valid names."""
+    if isinstance(name, Codec):
+        return name
+    key = str(name).strip().lower()
+    try:
+        return CODECS[key]
+    except KeyError:
+        raise ConfigError(
+            f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}"
+        ) from None

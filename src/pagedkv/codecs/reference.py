@@ -1,0 +1,158 @@
+"""Reference encode/decode of every codec in the catalogue (readable torch, any device).
+
+Scale rules (chosen to minimise squared error):
+- nvfp4, turbo2/3/4 (table codes + one E4M3 scale per 16): the scale starts at
+  amax / max|level| and the encoder tries the E4M3 values from 5 codes below to 4 codes above it
+  (E4M3 bytes of positive values are monotonic), keeping the one with the least squared error of
+  the group; each element takes the nearest level. A group of zeros stores scale 0.
+- turbo8: bf16 scale amax / 448 per 16, values E4M3 of x / scale.
+- q8_0: fp16 d = amax / 127, q = round(x / d) (llama.cpp). q4_0: d = m / -8 with m the element of
+  largest magnitude, u = min(15, floor(x / d + 8.5)), value (u - 8) d (llama.cpp); the nibbles
+  use our generic 4-bit order (element 2i low), not ggml's in-block order.
+- fp8: E4M3 of x / tensor_scale, saturating at +-448.
+- bf16: round to nearest even.
+Rotated codecs encode rotate(x). NaN or Inf in x raises InvalidInput.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidInput
+from . import packing, wht
+from .catalogue import Codec, ScaleType, ValueKind
+from .floats import from_e4m3_bytes, from_half_bytes, to_e4m3_bytes, to_half_bytes
+
+SCALE_SEARCH = range(-5, 5)  # E4M3 code offsets tried around amax / max|level|
+_HALF = {ScaleType.BF16: torch.bfloat16, ScaleType.FP16: torch.float16}
+
+
+def search_group_scales(x: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best E4M3 scale per group and the nearest-level indices.
+
+    x: float32 [N, G]; levels: float32 [L] ascending. Returns (scale float32 [N] exactly
+    representable in E4M3, idx int64 [N, G] into `levels`).
+    """
+    levels = levels.to(x.device)
+    mids = (levels[1:] + levels[:-1]) / 2
+    amax = x.abs().amax(-1)
+    base = to_e4m3_bytes(amax / levels.abs().max()).to(torch.int32)  # [N]
+    offsets = torch.tensor(list(SCALE_SEARCH), dtype=torch.int32, device=x.device)
+    cand_bytes = (base[:, None] + offsets).clamp(1, 0x7E).to(torch.uint8)
+    cand = from_e4m3_bytes(cand_bytes)  # [N, K]
+    idx = torch.bucketize(x[:, None, :] / cand[..., None], mids)  # [N, K, G]
+    err = ((x[:, None, :] - levels[idx] * cand[..., None]) ** 2).sum(-1)  # [N, K]
+    best = err.argmin(-1)
+    scale = cand.gather(1, best[:, None]).squeeze(1)
+    idx = idx.gather(1, best[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
+    zero = amax == 0
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    return scale, idx
+
+
+def _check_input(codec: Codec, x: torch.Tensor) -> None:
+    if not torch.is_floating_point(x):
+        raise InvalidInput(f"{codec.name} encode needs a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise InvalidInput(f"{codec.name} encode needs a tensor [..., head_dim], got a scalar")
+    try:
+        codec.check_head_dim(int(x.shape[-1]))
+    except Exception as exc:
+        raise InvalidInput(str(exc)) from None
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise InvalidInput(f"{codec.name} encode got NaN or Inf values")
+
+
+def encode(codec: Codec, x: torch.Tensor, tensor_scale: float | None = None):
+    """x float [..., D] -> (data uint8 [..., row_data_bytes], scales uint8 [..., row_scale_bytes])."""
+    _check_input(codec, x)
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    xf = wht.rotate(x) if codec.rotated else x.float()
+    empty = torch.empty(*lead, 0, dtype=torch.uint8, device=x.device)
+    kind = codec.values
+
+    if kind is ValueKind.BF16:
+        return to_half_bytes(xf, torch.bfloat16), empty
+    if codec.scale_type is ScaleType.TENSOR_FP32:
+        s = 1.0 if tensor_scale is None else float(tensor_scale)
+        if not s > 0:
+            raise InvalidInput(f"fp8 tensor_scale must be > 0, got {tensor_scale!r}")
+        return to_e4m3_bytes(xf / s), empty
+
+    g = codec.group_size
+    groups = xf.reshape(-1, g)  # [N, G]
+    amax = groups.abs().amax(-1)
+    if kind is ValueKind.FP8_E4M3:  # turbo8
+        scale = from_half_bytes(to_half_bytes((amax / 448.0)[:, None], _HALF[codec.scale_type]), _HALF[codec.scale_type]).squeeze(-1)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = to_e4m3_bytes(groups / safe[:, None])
+        scale_bytes = to_half_bytes(scale[:, None], _HALF[codec.scale_type])
+    elif kind is ValueKind.INT:
+        dtype = _HALF[codec.scale_type]
+        if codec.code_bits == 8:
+            dq = (amax / 127.0).to(dtype).float()
+            safe = torch.where(dq > 0, dq, torch.ones_like(dq))
+            q = torch.round(groups / safe[:, None]).clamp(-127, 127)
+            codes = q.to(torch.int8).view(torch.uint8)
+        else:
+            pos = groups.abs().argmax(-1, keepdim=True)
+            m = groups.gather(1, pos).squeeze(1)
+            dq = (m / -8.0).to(dtype).float()
+            safe = torch.where(dq != 0, dq, torch.ones_like(dq))
+            u = torch.floor(groups / safe[:, None] + 8.5).clamp(0, 15)
+            codes = u.to(torch.uint8)
+        scale = dq
+        scale_bytes = to_half_bytes(scale[:, None], dtype)
+    else:  # table codes with an E4M3 group scale: nvfp4, turbo2/3/4
+        table = codec.value_table().to(x.device)
+        levels, order = table.sort()
+        scale, idx = search_group_scales(groups, levels)
+        codes = order[idx].to(torch.uint8)
+        scale_bytes = to_e4m3_bytes(scale[:, None])
+
+    data = packing.pack(codes.reshape(*lead, d), codec.code_bits)
+    scales = scale_bytes.reshape(*lead, codec.row_scale_bytes(d))
+    return data, scales
+
+
+def decode(
+    codec: Codec,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    head_dim: int,
+    tensor_scale: float | None = None,
+    rotated_basis: bool = False,
+) -> torch.Tensor:
+    """(data, scales) -> float32 [..., head_dim]; `rotated_basis` skips the inverse rotation."""
+    lead = data.shape[:-1]
+    if data.shape[-1] != codec.row_data_bytes(head_dim):
+        raise InvalidInput(
+            f"{codec.name} data rows must have {codec.row_data_bytes(head_dim)} bytes for "
+            f"head_dim {head_dim}, got {data.shape[-1]}"
+        )
+    if codec.values is ValueKind.BF16:
+        out = from_half_bytes(data, torch.bfloat16)
+    else:
+        codes = packing.unpack(data, codec.code_bits, head_dim).long()
+        table = codec.value_table().to(data.device)
+        vals = table[codes]
+        if codec.scale_type is ScaleType.TENSOR_FP32:
+            out = vals * (1.0 if tensor_scale is None else float(tensor_scale))
+        else:
+            g = codec.group_size
+            if codec.scale_type is ScaleType.FP8_E4M3:
+                s = from_e4m3_bytes(scales)
+            else:
+                s = from_half_bytes(scales, _HALF[codec.scale_type])
+            out = (vals.reshape(*lead, head_dim // g, g) * s.reshape(*lead, head_dim // g, 1))
+            out = out.reshape(*lead, head_dim)
+    if codec.rotated and not rotated_basis:
+        out = wht.unrotate(out)
+    return out
+
+
+def roundtrip(codec: Codec, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+    """decode(encode(x)) in the original basis, float32."""
+    data, scales = encode(codec, x, tensor_scale)
+    return decode(codec, data, scales, x.shape[-1], tensor_scale)

@@ -1,0 +1,101 @@
+"""KV formats: a (K codec, V codec) pair, parsed once from a name.
+
+Accepted spellings (case-insensitive):
+- symmetric: a codec name, `turbo3` = (turbo3, turbo3);
+- asymmetric: `<k>k_<v>v` for any two codecs (`bf16k_turbo3v`, `q8_0k_q4_0v`);
+- the short aliases of the original system, `<k>k<N>v` = `<k>k_turbo<N>v` (`turbo4k3v`,
+  `bf16k4v`, `fp8k2v`);
+- `k=<codec>,v=<codec>` (`k=fp8,v=turbo2`).
+Canonical names are the first two forms. Every pair of catalogue codecs is a format.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+from .codecs.catalogue import CODECS, Codec, get_codec
+from .errors import ConfigError
+
+_ASYM = re.compile(r"^(?P<k>[a-z0-9_]+?)k_(?P<v>[a-z0-9_]+)v$")
+_ALIAS = re.compile(r"^(?P<k>[a-z0-9_]+?)k(?P<bits>\d)v$")
+_KV = re.compile(r"^k\s*=\s*(?P<k>[a-z0-9_]+)\s*,\s*v\s*=\s*(?P<v>[a-z0-9_]+)$")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one layer stores its keys (k) and values (v)."""
+
+    k: Codec
+    v: Codec
+
+    @property
+    def name(self) -> str:
+        if self.k == self.v:
+            return self.k.name
+        return f"{self.k.name}k_{self.v.name}v"
+
+    @property
+    def symmetric(self) -> bool:
+        return self.k == self.v
+
+    @property
+    def bits_per_element(self) -> float:
+        """Mean stored bits per K and V element."""
+        return (self.k.bits_per_element + self.v.bits_per_element) / 2
+
+    def k_block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        return self.k.block_bytes(block_size, num_kv_heads, head_dim)
+
+    def v_block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        return self.v.block_bytes(block_size, num_kv_heads, head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        self.k.check_head_dim(head_dim)
+        self.v.check_head_dim(head_dim)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _valid_names_hint() -> str:
+    codecs = ", ".join(CODECS)
+    return (
+        f"valid: a codec ({codecs}), '<k>k_<v>v' with two codecs (e.g. bf16k_turbo3v), "
+        "'<k>k<N>v' for a turbo<N> V (e.g. turbo4k3v), or 'k=<codec>,v=<codec>'"
+    )
+
+
+def parse_format(name: "str | KVFormat") -> KVFormat:
+    """The KVFormat a name stands for; ConfigError naming the bad value and the valid forms."""
+    if isinstance(name, KVFormat):
+        return name
+    if not isinstance(name, str):
+        raise ConfigError(f"KV format must be a name, got {name!r}; {_valid_names_hint()}")
+    key = name.strip().lower()
+    try:
+        if key in CODECS:
+            c = CODECS[key]
+            return KVFormat(c, c)
+        for pattern in (_KV, _ASYM):
+            m = pattern.match(key)
+            if m and m["k"] in CODECS and m["v"] in CODECS:
+                return KVFormat(get_codec(m["k"]), get_codec(m["v"]))
+        m = _ALIAS.match(key)
+        if m and m["k"] in CODECS and f"turbo{m['bits']}" in CODECS:
+            return KVFormat(get_codec(m["k"]), get_codec(f"turbo{m['bits']}"))
+    except ConfigError:
+        pass
+    raise ConfigError(f"unknown KV format {name!r}; {_valid_names_hint()}")
+
+
+def all_formats() -> Iterator[KVFormat]:
+    """Every (K codec, V codec) pair of the catalogue, symmetric ones first."""
+    codecs = list(CODECS.values())
+    for c in codecs:
+        yield KVFormat(c, c)
+    for k in codecs:
+        for v in codecs:
+            if k != v:
+                yield KVFormat(k, v)

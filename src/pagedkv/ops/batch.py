@@ -1,0 +1,62 @@
+"""The frozen descriptions attention ops consume: one layer's pools and the attention settings.
+
+They live in ops/ (not cache/) so that ops never import the cache; the cache builds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..codecs.catalogue import Codec
+
+
+@dataclass(frozen=True, eq=False)
+class PagedLayer:
+    """One layer's paged storage.
+
+    k_pool, v_pool: uint8 [num_blocks, k/v block bytes] (data section then scale section).
+    k_scale, v_scale: float32 [1]; the fp8 per-layer tensor scale (1.0 for other codecs).
+    k_centre: optional float32 [num_kv_heads, head_dim]; stored keys are k - k_centre and
+    attention adds q . k_centre back, so results stay exact with soft-cap and sinks.
+    """
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    k_codec: Codec
+    v_codec: Codec
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_centre: Optional[torch.Tensor] = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k_pool.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_pool.device
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Settings of one attention call.
+
+    sliding_window: None or W; the query at position p sees keys at positions p - W < j <= p.
+    soft_cap: None or c; logits become c * tanh(s / c).
+    sinks: None or float32 [num_q_heads]; one learned logit per head joining the softmax
+    denominator (it takes weight but contributes no value).
+    sparse_v_threshold: 0.0 is exact; when > 0, positions whose softmax weight is below it skip
+    the V read.
+    """
+
+    scale: float
+    sliding_window: Optional[int] = None
+    soft_cap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+    sparse_v_threshold: float = 0.0
