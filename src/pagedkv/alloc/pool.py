@@ -1,0 +1,210 @@
+"""The block pool: ids, reference counts, free list, prefix index and LRU of cached blocks.
+
+Plain Python, no torch; every operation is O(1) (allocate(n) is O(n)).
+
+Each block id is in exactly one of three places:
+- **free** (ref 0, no hash): on the free list (a stack; block 0 comes out first);
+- **used** (ref > 0): held by one or more sequences (possibly also keyed in the prefix index);
+- **cached** (ref 0, hashed): its contents are a known prefix block; kept in LRU order and
+  reclaimed (evicted, key dropped) only when the free list is empty and a block is needed.
+`num_free + num_used + num_cached == num_blocks` always.
+
+The prefix index maps a chain hash (see `hashing.py`) to one block. A hashed block is immutable:
+the sequence layer either unregisters it (sole owner) or copies it (shared) before writing.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Optional
+
+from ..errors import CacheFull, ConfigError
+from .trace import BlockTrace
+
+
+class BlockPool:
+    """Hands out block ids `0 .. num_blocks-1` and counts references to them.
+
+    in_use: bytearray [num_blocks], 1 where ref > 0; fill: array('i') [num_blocks], how many
+    leading slots of each used block have been handed out (the most any holder has). Cheap
+    mirrors the cache uses to validate slot mappings without walking Python lists.
+    """
+
+    def __init__(self, num_blocks: int, *, trace: bool = False):
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._ref = [0] * num_blocks
+        self._hash: list[Optional[bytes]] = [None] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._index: dict[bytes, int] = {}
+        self.in_use = bytearray(num_blocks)
+        self.fill = array("i", [0]) * num_blocks  # slots handed out per block (max over holders)
+        self.trace: Optional[BlockTrace] = BlockTrace() if trace else None
+        self.evictions = 0
+
+    # ---- counts ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free list (no data anyone can find)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks kept for prefix hits (evictable)."""
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with ref > 0."""
+        return self.num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take: free + cached."""
+        return len(self._free) + len(self._cached)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def block_hash(self, block: int) -> Optional[bytes]:
+        """The prefix key a block is registered under, or None."""
+        return self._hash[block]
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
+
+    def free_blocks(self) -> list[int]:
+        """Copy of the free list (tests, debugging)."""
+        return list(self._free)
+
+    def cached_blocks(self) -> list[int]:
+        """Cached blocks, least recently used first."""
+        return list(self._cached)
+
+    def index_size(self) -> int:
+        return len(self._index)
+
+    # ---- allocation -----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks with ref 1: from the free list, then by evicting the LRU cached blocks.
+
+        Raises CacheFull (nothing changed) when fewer than n blocks are available."""
+        if n > len(self._free) + len(self._cached):
+            raise CacheFull(
+                f"need {n} blocks, {len(self._free)} free + {len(self._cached)} cached "
+                f"of {self.num_blocks}"
+            )
+        return [self._take() for _ in range(n)]
+
+    def allocate_one(self) -> int:
+        """One fresh block with ref 1 (CacheFull if none is available)."""
+        if not self._free and not self._cached:
+            raise CacheFull(f"need 1 block, 0 free + 0 cached of {self.num_blocks}")
+        return self._take()
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._cached.popitem(last=False)
+            h = self._hash[b]
+            self._hash[b] = None
+            if self._index.get(h) == b:
+                del self._index[h]
+            self.evictions += 1
+            if self.trace is not None:
+                self.trace.add("evict", b, 0)
+        self._ref[b] = 1
+        self.in_use[b] = 1
+        self.fill[b] = 0
+        if self.trace is not None:
+            self.trace.add("alloc", b, 1)
+        return b
+
+    def share(self, block: int) -> None:
+        """One more reference to `block` (a cached block is revived out of the LRU)."""
+        r = self._ref[block]
+        if r == 0:
+            if block not in self._cached:
+                raise AssertionError(f"share of free block {block}")
+            del self._cached[block]
+            self.in_use[block] = 1
+        self._ref[block] = r + 1
+        if self.trace is not None:
+            self.trace.add("share", block, r + 1)
+
+    def release(self, block: int) -> None:
+        """Drop one reference; at zero the block is cached (if hashed) or freed."""
+        r = self._ref[block] - 1
+        assert r >= 0, f"release of unreferenced block {block}"
+        self._ref[block] = r
+        if r == 0:
+            self.in_use[block] = 0
+            if self._hash[block] is not None:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
+        if self.trace is not None:
+            self.trace.add("free", block, r)
+
+    # ---- prefix index ---------------------------------------------------------------------
+    def lookup(self, key: bytes) -> Optional[int]:
+        """The block registered under `key`, or None."""
+        return self._index.get(key)
+
+    def register(self, block: int, key: bytes) -> bool:
+        """Key a used block's (fully written) contents. False if the key or block is taken."""
+        if self._hash[block] is not None or key in self._index:
+            return False
+        assert self._ref[block] > 0, f"register of unreferenced block {block}"
+        self._hash[block] = key
+        self._index[key] = block
+        if self.trace is not None:
+            self.trace.add("cache", block, self._ref[block])
+        return True
+
+    def unregister(self, block: int) -> None:
+        """Drop a used block's key (its owner is about to overwrite it)."""
+        h = self._hash[block]
+        if h is None:
+            return
+        assert self._ref[block] > 0, f"unregister of unreferenced block {block}"
+        self._hash[block] = None
+        if self._index.get(h) == block:
+            del self._index[h]
+        if self.trace is not None:
+            self.trace.add("uncache", block, self._ref[block])
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every key; cached blocks go back to the free list. Returns how many did."""
+        n = len(self._cached)
+        for b in self._cached:
+            self._hash[b] = None
+            self._free.append(b)
+            if self.trace is not None:
+                self.trace.add("evict", b, 0)
+        self._cached.clear()
+        for b in self._index.values():
+            self._hash[b] = None
+        self._index.clear()
+        return n
+
+    def record_copy(self, dst: int, src: int) -> None:
+        """Trace a copy-on-write (the data copy itself is the cache's job)."""
+        if self.trace is not None:
+            self.trace.add("copy", dst, self._ref[dst], src)
+
+    def reset(self) -> None:
+        """Everything free, no keys (all holders must have been dropped by the caller)."""
+        n = self.num_blocks
+        self._ref = [0] * n
+        self._hash = [None] * n
+        self._free = list(range(n - 1, -1, -1))
+        self._cached.clear()
+        self._index.clear()
+        self.in_use[:] = bytes(n)  # in place: views of it stay valid
+        for b in range(n):
+            self.fill[b] = 0

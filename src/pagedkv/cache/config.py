@@ -1,0 +1,228 @@
+"""CacheConfig: everything that fixes a paged cache's shape, validated once at construction.
+
+Layers here are the model's *attention* layers, numbered 0..num_layers-1 (a hybrid model's
+recurrent or MLP-only layers hold no KV and are not counted; the integration maps model layer
+indices to these). Format names are parsed once, here; everything below sees `KVFormat` objects.
+
+High-precision layers: the first and last N layers use `hp_format` (default bf16) instead of the
+base format; per side, the more precise of the two codecs is kept, so hp never lowers precision.
+`high_precision_layers="auto"` picks N from the most aggressive K codec among the layers:
+K >= 8 bits: 0, 4 bits: 2, 3 bits: 3, 2 bits: 4 (low-bit keys shift attention scores; the first
+and last layers are the most sensitive). 2N >= num_layers makes every layer high precision.
+
+Capacity: `num_blocks`, or `memory_bytes` (blocks = memory_bytes // bytes of one block id summed
+over every layer's K and V block; fp8's per-layer fp32 scales are outside the blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from hashlib import blake2b
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..errors import ConfigError
+from ..formats import KVFormat, parse_format
+
+FormatSpec = Union[str, KVFormat]
+
+# K code bits -> N for high_precision_layers="auto"
+AUTO_HP_BY_K_BITS = {16: 0, 8: 0, 4: 2, 3: 3, 2: 4}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One resolved cache layer: its dims, format, window and block sizes (bytes, per side)."""
+
+    index: int
+    num_kv_heads: int
+    head_dim: int
+    format: KVFormat
+    sliding_window: Optional[int]
+    high_precision: bool
+    k_block_bytes: int
+    v_block_bytes: int
+
+
+def _pos_int(name: str, v, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _more_precise(a, b):
+    """The codec of the two that keeps more information (code bits, then bits per element)."""
+    return a if (a.code_bits, a.bits_per_element) >= (b.code_bits, b.bits_per_element) else b
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape and capacity of a paged cache.
+
+    num_layers, num_kv_heads, head_dim: the attention layers and their default dims.
+    layer_dims: optional per-layer (num_kv_heads, head_dim), length num_layers.
+    kv_format: one format (name or KVFormat) or one per layer.
+    high_precision_layers: N >= 0 or "auto" (see module doc); hp_format: their format.
+    block_size: tokens per block. num_blocks or memory_bytes: capacity (give exactly one).
+    sliding_window: None, one W for every layer, or one (W or None) per layer. Stored for the
+    integration's AttentionParams; memory of positions that left the window is not reclaimed
+    yet (docs/internals.md, "Cache").
+    device: where the pools live. trace: record per-block events (off by default).
+    model_id: identity mixed into prefix keys (with formats and dims, see `fingerprint`).
+    key_centring: give every layer a `k_centre` (zeros until `PagedCache.configure_layer`).
+    check_slots: `store` verifies every slot belongs to a block some sequence holds (a host
+    sync for device tensors; turn off in production serving once the caller is trusted).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_format: Union[FormatSpec, Sequence[FormatSpec]] = "bf16"
+    layer_dims: Optional[Sequence[tuple[int, int]]] = None
+    high_precision_layers: Union[int, str] = "auto"
+    hp_format: FormatSpec = "bf16"
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    memory_bytes: Optional[int] = None
+    sliding_window: Union[None, int, Sequence[Optional[int]]] = None
+    device: Union[str, torch.device] = "cpu"
+    trace: bool = False
+    model_id: str = ""
+    key_centring: bool = False
+    check_slots: bool = True
+    layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
+    num_high_precision_layers: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _set = object.__setattr__
+        _pos_int("num_layers", self.num_layers)
+        _pos_int("num_kv_heads", self.num_kv_heads)
+        _pos_int("head_dim", self.head_dim)
+        _pos_int("block_size", self.block_size)
+        L = self.num_layers
+
+        # dims
+        if self.layer_dims is None:
+            dims = ((self.num_kv_heads, self.head_dim),) * L
+        else:
+            dims = tuple(tuple(d) for d in self.layer_dims)
+            if len(dims) != L:
+                raise ConfigError(f"layer_dims has {len(dims)} entries, num_layers is {L}")
+            for i, d in enumerate(dims):
+                if len(d) != 2:
+                    raise ConfigError(f"layer_dims[{i}] must be (num_kv_heads, head_dim), got {d!r}")
+                _pos_int(f"layer_dims[{i}] num_kv_heads", d[0])
+                _pos_int(f"layer_dims[{i}] head_dim", d[1])
+            _set(self, "layer_dims", dims)
+
+        # formats, parsed once
+        if isinstance(self.kv_format, (str, KVFormat)):
+            fmt = parse_format(self.kv_format)
+            base = (fmt,) * L
+            _set(self, "kv_format", fmt)
+        else:
+            try:
+                base = tuple(parse_format(f) for f in self.kv_format)
+            except TypeError:
+                raise ConfigError(
+                    f"kv_format must be a format name, a KVFormat, or one per layer; got "
+                    f"{self.kv_format!r}"
+                ) from None
+            if len(base) != L:
+                raise ConfigError(f"kv_format has {len(base)} entries, num_layers is {L}")
+            _set(self, "kv_format", base)
+        hp_fmt = parse_format(self.hp_format)
+        _set(self, "hp_format", hp_fmt)
+
+        n_hp = self.high_precision_layers
+        if n_hp == "auto":
+            k_bits = min(f.k.code_bits for f in base)
+            n_hp = AUTO_HP_BY_K_BITS.get(k_bits, 4 if k_bits < 2 else 0)
+        elif not isinstance(n_hp, int) or isinstance(n_hp, bool) or n_hp < 0:
+            raise ConfigError(
+                f"high_precision_layers must be an int >= 0 or 'auto', got {n_hp!r}"
+            )
+        hp_set = set(range(min(n_hp, L))) | set(range(max(L - n_hp, 0), L))
+
+        # sliding windows
+        sw = self.sliding_window
+        if sw is None or isinstance(sw, int):
+            _pos_int("sliding_window", sw, allow_none=True)
+            windows = (sw,) * L
+        else:
+            windows = tuple(sw)
+            if len(windows) != L:
+                raise ConfigError(f"sliding_window has {len(windows)} entries, num_layers is {L}")
+            for i, w in enumerate(windows):
+                _pos_int(f"sliding_window[{i}]", w, allow_none=True)
+            _set(self, "sliding_window", windows)
+
+        # capacity and device
+        try:
+            _set(self, "device", torch.device(self.device))
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device {self.device!r} is not a torch device: {exc}") from None
+        if not isinstance(self.trace, bool):
+            raise ConfigError(f"trace must be a bool, got {self.trace!r}")
+        if not isinstance(self.model_id, str):
+            raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
+
+        specs = []
+        for i in range(L):
+            h, d = dims[i]
+            f = base[i]
+            if i in hp_set:
+                f = KVFormat(_more_precise(hp_fmt.k, f.k), _more_precise(hp_fmt.v, f.v))
+            f.check_head_dim(d)
+            specs.append(LayerSpec(
+                index=i, num_kv_heads=h, head_dim=d, format=f, sliding_window=windows[i],
+                high_precision=i in hp_set,
+                k_block_bytes=f.k_block_bytes(self.block_size, h, d),
+                v_block_bytes=f.v_block_bytes(self.block_size, h, d),
+            ))
+        _set(self, "layers", tuple(specs))
+        _set(self, "num_high_precision_layers", min(n_hp, L))
+
+        if (self.num_blocks is None) == (self.memory_bytes is None):
+            raise ConfigError(
+                "give exactly one of num_blocks or memory_bytes, got "
+                f"num_blocks={self.num_blocks!r}, memory_bytes={self.memory_bytes!r}"
+            )
+        if self.num_blocks is not None:
+            _pos_int("num_blocks", self.num_blocks)
+        else:
+            _pos_int("memory_bytes", self.memory_bytes)
+            if self.memory_bytes // self.bytes_per_block == 0:
+                raise ConfigError(
+                    f"memory_bytes={self.memory_bytes} is less than one block "
+                    f"({self.bytes_per_block} bytes over all layers, K and V)"
+                )
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id takes, summed over every layer's K and V block."""
+        return sum(s.k_block_bytes + s.v_block_bytes for s in self.layers)
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks in the pool (num_blocks, or memory_bytes // bytes_per_block)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return self.memory_bytes // self.bytes_per_block
+
+    @property
+    def layer_formats(self) -> tuple[KVFormat, ...]:
+        """The format of every layer after the high-precision policy."""
+        return tuple(s.format for s in self.layers)
+
+    @property
+    def fingerprint(self) -> bytes:
+        """16 bytes naming what a stored block means: model id, block size, and every layer's
+        dims and format (and key centring). Mixed into every prefix key."""
+        parts = [f"pagedkv-cache-v1|{self.model_id}|bs={self.block_size}|kc={self.key_centring}"]
+        for s in self.layers:
+            parts.append(f"{s.num_kv_heads}x{s.head_dim}:{s.format.name}")
+        return blake2b("|".join(parts).encode(), digest_size=16).digest()

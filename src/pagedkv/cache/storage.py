@@ -1,0 +1,91 @@
+"""The tensors of a paged cache: per layer a K pool and a V pool, built from the catalogue.
+
+Layer i's pools are uint8 `[num_blocks, spec.k_block_bytes]` and `[num_blocks, spec.v_block_bytes]`
+(each side its own stride: asymmetric formats differ), zero-filled on `config.device`, wrapped in a
+`pagedkv.ops.batch.PagedLayer` together with the fp8 per-layer scales (float32 [1], 1.0 until
+configured) and the optional key centre. Block id b addresses the same token slots in every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..codecs import reference as codec_ref
+from ..codecs.catalogue import ScaleType
+from ..codecs.layout import block_views
+from ..ops.batch import PagedLayer
+from .config import CacheConfig, LayerSpec
+
+
+def build_layer(spec: LayerSpec, num_blocks: int, block_size: int, device: torch.device,
+                key_centring: bool) -> PagedLayer:
+    """Zeroed pools for one layer, sized from its format (exact catalogue bytes, no padding)."""
+    f = spec.format
+    return PagedLayer(
+        k_pool=torch.zeros(num_blocks, spec.k_block_bytes, dtype=torch.uint8, device=device),
+        v_pool=torch.zeros(num_blocks, spec.v_block_bytes, dtype=torch.uint8, device=device),
+        k_codec=f.k,
+        v_codec=f.v,
+        block_size=block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        k_scale=torch.ones(1, dtype=torch.float32, device=device),
+        v_scale=torch.ones(1, dtype=torch.float32, device=device),
+        k_centre=(torch.zeros(spec.num_kv_heads, spec.head_dim, dtype=torch.float32, device=device)
+                  if key_centring else None),
+    )
+
+
+def build_layers(config: CacheConfig) -> tuple[PagedLayer, ...]:
+    n = config.total_blocks
+    return tuple(build_layer(s, n, config.block_size, config.device, config.key_centring)
+                 for s in config.layers)
+
+
+def copy_blocks(layers: tuple[PagedLayer, ...], copies: list[tuple[int, int]]) -> None:
+    """Copy block src -> dst in both pools of every layer (copy-on-write). copies: [(src, dst)]."""
+    if not copies:
+        return
+    dev = layers[0].device
+    src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=dev)
+    dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=dev)
+    for pl in layers:
+        pl.k_pool[dst] = pl.k_pool[src]
+        pl.v_pool[dst] = pl.v_pool[src]
+
+
+def _tensor_scale(pl_codec, scale: torch.Tensor) -> Optional[float]:
+    return float(scale.item()) if pl_codec.scale_type is ScaleType.TENSOR_FP32 else None
+
+
+def store_fallback(pl: PagedLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Reference encode + scatter, used only when `pagedkv.ops.store` cannot be imported."""
+    keep = slots >= 0
+    slots = slots[keep]
+    blocks, offs = slots // pl.block_size, slots % pl.block_size
+    kf = k[keep].float()
+    if pl.k_centre is not None:
+        kf = kf - pl.k_centre
+    for codec, pool, scale, x in ((pl.k_codec, pl.k_pool, pl.k_scale, kf),
+                                  (pl.v_codec, pl.v_pool, pl.v_scale, v[keep].float())):
+        data, scales = codec_ref.encode(codec, x, _tensor_scale(codec, scale))
+        dv, sv = block_views(codec, pool, pl.block_size, pl.num_kv_heads, pl.head_dim)
+        dv[blocks, offs] = data
+        if scales.shape[-1]:
+            sv[blocks, offs] = scales
+
+
+def gather_side(pl: PagedLayer, side: str, slots: torch.Tensor) -> torch.Tensor:
+    """Decode the rows at `slots` (int64 [n]) of one side -> float32 [n, H, D], unrotated,
+    with the key centre added back."""
+    codec, pool, scale = ((pl.k_codec, pl.k_pool, pl.k_scale) if side == "k"
+                          else (pl.v_codec, pl.v_pool, pl.v_scale))
+    dv, sv = block_views(codec, pool, pl.block_size, pl.num_kv_heads, pl.head_dim)
+    blocks, offs = slots // pl.block_size, slots % pl.block_size
+    out = codec_ref.decode(codec, dv[blocks, offs], sv[blocks, offs], pl.head_dim,
+                           _tensor_scale(codec, scale))
+    if side == "k" and pl.k_centre is not None:
+        out = out + pl.k_centre
+    return out

@@ -1,0 +1,92 @@
+"""Block tables, slot mappings and the per-step batch description, as tensors for kernels.
+
+`slot(pos) = block_table[pos // block_size] * block_size + pos % block_size`.
+Block tables are int32 `[B, max_blocks]`, padded with 0 past a sequence's blocks (kernels read
+only the first ceil(seq_len / block_size) entries of a row); slot mappings are int64 `[T]`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What one forward step's ops need (see `PagedCache.step`).
+
+    slot_mapping: int64 [T], the new tokens' slots, sequences in batch order.
+    block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], tokens held including the new
+    ones; query_start_loc: int32 [B+1], offsets of each sequence's new tokens in the T axis.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def block_table_tensor(tables: Sequence[array], device: torch.device) -> torch.Tensor:
+    """int32 [B, max(1, longest table)] from per-sequence `array('i')` tables, 0-padded.
+
+    Rows are copied as raw bytes into one buffer (no per-element Python work)."""
+    width = max((len(t) for t in tables), default=0) or 1
+    row = width * 4
+    buf = bytearray(len(tables) * row)
+    for r, t in enumerate(tables):
+        buf[r * row:r * row + len(t) * 4] = t
+    out = torch.frombuffer(buf, dtype=torch.int32).view(len(tables), width) if tables else \
+        torch.zeros(0, width, dtype=torch.int32)
+    return out if device.type == "cpu" else out.to(device)
+
+
+def int_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor from Python ints, built on the CPU then moved (one transfer)."""
+    if dtype == torch.int64:
+        a = array("q", values)
+    else:
+        a = array("i", values)
+    t = torch.frombuffer(bytearray(a), dtype=dtype) if len(a) else torch.zeros(0, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def slots_from_block_table(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
+                           rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Slots of token positions through block tables (vectorized, any device).
+
+    block_tables: int32/int64 [max_blocks] (one sequence) or [B, max_blocks];
+    positions: int64 [T]; rows: int64 [T], the batch row of each position (2-D tables only).
+    Returns int64 [T]: `table[pos // block_size] * block_size + pos % block_size`.
+    """
+    if positions.numel() and int(positions.min()) < 0:
+        raise InvalidInput("positions must be >= 0")
+    pos = positions.long()
+    idx = pos // block_size
+    if block_tables.dim() == 1:
+        if idx.numel() and int(idx.max()) >= block_tables.shape[0]:
+            raise InvalidInput(
+                f"position {int(pos.max())} needs block {int(idx.max())}, the table has "
+                f"{block_tables.shape[0]}"
+            )
+        blocks = block_tables.long()[idx]
+    elif block_tables.dim() == 2:
+        if rows is None or rows.shape != positions.shape:
+            raise InvalidInput("2-D block tables need `rows`, int64 [T] like positions")
+        if idx.numel() and int(idx.max()) >= block_tables.shape[1]:
+            raise InvalidInput(
+                f"position {int(pos.max())} needs block {int(idx.max())}, the tables have "
+                f"{block_tables.shape[1]} columns"
+            )
+        blocks = block_tables.long()[rows.long(), idx]
+    else:
+        raise InvalidInput(f"block_tables must be 1-D or 2-D, got shape {list(block_tables.shape)}")
+    return blocks * block_size + pos % block_size
