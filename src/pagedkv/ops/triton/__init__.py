@@ -1,0 +1,67 @@
+"""GPU ops in Triton: store, paged decode (split-K) and chunked prefill on the compressed cache.
+
+One kernel source per op, generic over the (K codec, V codec) pair through compile-time
+constants derived from the catalogue rows (`spec.py`). Importing this module registers the
+"triton" backend for CUDA tensors with `pagedkv.ops.dispatch` (the dispatcher imports it lazily
+on the first op on a CUDA tensor). Without Triton the import fails with an ImportError saying
+`pip install triton`; the dispatcher logs it and falls back to the reference ops.
+
+On a machine without a GPU the kernels still run on CPU tensors under Triton's interpreter
+(`TRITON_INTERPRET=1`, which must be set before Triton is first imported; tests set it):
+`interpreter_backend()` returns an unregistered Backend for such tensors, to pass as
+`backend=` to the public ops.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "pagedkv's GPU kernels need Triton, which is not installed: pip install triton "
+        "(or pip install 'pagedkv[test]'); until then CUDA tensors use the reference ops"
+    ) from exc
+
+from ..batch import AttentionParams, PagedLayer
+from ..dispatch import Backend, Op, register_backend
+from .decode import decode_attention
+from .prefill import prefill_attention
+from .spec import supports_head_dim
+from .store import store
+
+
+def supports(op: Op, layer: PagedLayer, params: AttentionParams | None) -> bool:
+    """Every codec pair; head_dim a multiple of 16 up to 256."""
+    return supports_head_dim(layer.head_dim)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+BACKEND = Backend(
+    name="triton",
+    device_types=("cuda",),
+    store=store,
+    decode_attention=decode_attention,
+    prefill_attention=prefill_attention,
+    supports=supports,
+    priority=100,
+)
+register_backend(BACKEND)
+
+
+def interpreter_backend() -> Backend:
+    """The Triton ops as an unregistered backend that accepts CPU tensors (interpreter only)."""
+    if not interpreting():
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    return Backend(name="triton-interpreter", device_types=("cpu",), store=store,
+                   decode_attention=decode_attention, prefill_attention=prefill_attention,
+                   supports=supports)
+
+
+__all__ = ["store", "decode_attention", "prefill_attention", "BACKEND", "supports",
+           "interpreter_backend", "interpreting"]

@@ -1,0 +1,203 @@
+"""Triton store: encode new K/V rows and scatter them into their slots, one kernel for every codec.
+
+One program encodes BLOCK_T tokens of one kv head: load (optionally subtract k_centre), rotate
+with the WHT as a matmul by the rotation matrix (rotated codecs), find the group scales, encode
+each element, pack the codes 8 at a time into `BITS` bytes (the little-endian bit stream of
+docs/internals.md) and write codes and scales at `slot`. The encode rules are the reference
+encoder's (`pagedkv.codecs.reference`), written with integer rounding helpers so the bytes match:
+
+- bf16: round to nearest even; fp8: E4M3 of x / tensor_scale; turbo8: bf16 scale amax/448, E4M3
+  of x / scale; q8_0 / q4_0: llama.cpp rules with fp16 scales;
+- nvfp4, turbo2/3/4: the same E4M3 scale search (10 candidates around amax / max|level|, least
+  squared error of the group, first on ties) and nearest level (ties go down).
+
+Known deviation (documented, tested by tolerance): for rotated codecs the WHT matmul sums in a
+different order than torch's CPU matmul, so an element sitting within ~1e-7 of a decision
+boundary can take the neighbouring code or a group a neighbouring scale. Elsewhere the bytes are
+identical (floating-point contraction is disabled in the launch, divisions are IEEE).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...codecs import wht
+from ..batch import PagedLayer
+from .common import bf16_bits, bf16_round, e4m3_bits, fp16_bits, round_half_even
+from .spec import ENC_BF16, ENC_E4M3, ENC_INT, ENC_TABLE, SCALE_TENSOR, codec_spec, codec_tables, e4m3_values
+
+_ENC_BF16 = tl.constexpr(ENC_BF16)
+_ENC_E4M3 = tl.constexpr(ENC_E4M3)
+_ENC_TABLE = tl.constexpr(ENC_TABLE)
+_ENC_INT = tl.constexpr(ENC_INT)
+_SCALE_TENSOR = tl.constexpr(SCALE_TENSOR)
+
+
+@triton.jit
+def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mids_ptr, order_ptr,
+                  e4m3_ptr, tscale_ptr, T, stride_t, stride_h,
+                  H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr,
+                  ROW_DATA: tl.constexpr, ROW_SCALE: tl.constexpr, DATA_END: tl.constexpr,
+                  BLOCK_BYTES: tl.constexpr, ENCODE: tl.constexpr, ROTATED: tl.constexpr,
+                  HAS_CENTRE: tl.constexpr, N_MIDS: tl.constexpr, MAX_LEVEL: tl.constexpr,
+                  SEARCH_LO: tl.constexpr, SEARCH_N: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1)
+    keep = slot >= 0
+    mask = keep[:, None] & d_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_t + h * stride_h + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    if HAS_CENTRE:
+        x = x - tl.load(centre_ptr + h * D + offs_d, mask=d_ok, other=0.0)[None, :]
+    if ROTATED:  # y = x @ R^T, R [D, D] (rotate(x) = R x)
+        r = tl.load(rot_ptr + offs_d[None, :] * D + offs_d[:, None],
+                    mask=d_ok[None, :] & d_ok[:, None], other=0.0)  # r[j, i] = R[i, j]
+        x = tl.dot(x, r, input_precision="ieee")
+
+    slot64 = tl.where(keep, slot, 0).to(tl.int64)
+    blk = slot64 // BS
+    base = blk * BLOCK_BYTES + ((slot64 % BS) * H + h) * ROW_DATA  # [BLOCK_T]
+    sbase = blk * BLOCK_BYTES + DATA_END + ((slot64 % BS) * H + h) * ROW_SCALE
+
+    NG: tl.constexpr = BLOCK_D // GROUP
+    offs_g = tl.arange(0, NG)
+    g_ok = offs_g < D // GROUP
+    gmask = keep[:, None] & g_ok[None, :]
+
+    if ENCODE == _ENC_BF16:
+        code = bf16_bits(x)
+    elif ENCODE == _ENC_E4M3:
+        if SCALE_KIND == _SCALE_TENSOR:  # fp8: one fp32 scale per layer and side
+            code = e4m3_bits(tl.math.div_rn(x, tl.load(tscale_ptr) + tl.zeros_like(x)))
+        else:  # turbo8: bf16 scale amax / 448 per group
+            xg = tl.reshape(x, (BLOCK_T, NG, GROUP))
+            amax = tl.max(tl.abs(xg), axis=2)
+            scale = bf16_round(tl.math.div_rn(amax, 448.0 + tl.zeros_like(amax)))
+            safe = tl.where(scale > 0, scale, 1.0)
+            code = tl.reshape(e4m3_bits(tl.math.div_rn(xg, safe[:, :, None] + tl.zeros_like(xg))),
+                              (BLOCK_T, BLOCK_D))
+            sbits = bf16_bits(scale)
+    elif ENCODE == _ENC_INT:  # llama.cpp q8_0 / q4_0
+        xg = tl.reshape(x, (BLOCK_T, NG, GROUP))
+        ax = tl.abs(xg)
+        amax = tl.max(ax, axis=2)
+        if BITS == 8:
+            dq = tl.math.div_rn(amax, 127.0 + tl.zeros_like(amax)).to(tl.float16).to(tl.float32)
+            safe = tl.where(dq > 0, dq, 1.0)
+            q = round_half_even(tl.math.div_rn(xg, safe[:, :, None] + tl.zeros_like(xg)))
+            q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+            code = tl.reshape(q.to(tl.int32) & 255, (BLOCK_T, BLOCK_D))
+        else:
+            gi = tl.arange(0, GROUP)[None, None, :]
+            first = tl.min(tl.where(ax == amax[:, :, None], gi, GROUP), axis=2)
+            m = tl.sum(tl.where(gi == first[:, :, None], xg, 0.0), axis=2)
+            dq = tl.math.div_rn(m, -8.0 + tl.zeros_like(m)).to(tl.float16).to(tl.float32)
+            safe = tl.where(dq != 0, dq, 1.0)
+            u = tl.floor(tl.math.div_rn(xg, safe[:, :, None] + tl.zeros_like(xg)) + 8.5)
+            u = tl.minimum(tl.maximum(u, 0.0), 15.0)
+            code = tl.reshape(u.to(tl.int32), (BLOCK_T, BLOCK_D))
+        sbits = fp16_bits(dq)
+    else:  # _ENC_TABLE: nearest level with the E4M3 group-scale search (nvfp4, turbo2/3/4)
+        xg = tl.reshape(x, (BLOCK_T, NG, GROUP))
+        amax = tl.max(tl.abs(xg), axis=2)
+        base_code = e4m3_bits(tl.math.div_rn(amax, MAX_LEVEL + tl.zeros_like(amax)))
+        best_err = tl.full((BLOCK_T, NG), float("inf"), tl.float32)
+        best_code = tl.zeros((BLOCK_T, NG), tl.int32)
+        best_idx = tl.zeros((BLOCK_T, NG, GROUP), tl.int32)
+        for k in tl.static_range(SEARCH_N):
+            cb = tl.minimum(tl.maximum(base_code + (SEARCH_LO + k), 1), 0x7E)
+            cand = tl.load(e4m3_ptr + cb)  # [BLOCK_T, NG]
+            y = tl.math.div_rn(xg, cand[:, :, None] + tl.zeros_like(xg))
+            idx = tl.zeros((BLOCK_T, NG, GROUP), tl.int32)
+            for j in tl.static_range(N_MIDS):
+                idx += (y > tl.load(mids_ptr + j)).to(tl.int32)
+            diff = xg - tl.load(levels_ptr + idx) * cand[:, :, None]
+            err = tl.sum(diff * diff, axis=2)
+            better = err < best_err
+            best_err = tl.where(better, err, best_err)
+            best_code = tl.where(better, cb, best_code)
+            best_idx = tl.where(better[:, :, None], idx, best_idx)
+        best_code = tl.where(amax == 0, 0, best_code)
+        code = tl.reshape(tl.load(order_ptr + best_idx), (BLOCK_T, BLOCK_D))
+        sbits = best_code
+
+    # ---- codes: pack 8 at a time into BITS bytes (bf16: 2 bytes each) -------------------
+    if BITS == 16:
+        dst = pool_ptr + base[:, None] + offs_d[None, :] * 2
+        tl.store(dst, (code & 255).to(tl.uint8), mask=mask)
+        tl.store(dst + 1, ((code >> 8) & 255).to(tl.uint8), mask=mask)
+    elif BITS == 8:
+        tl.store(pool_ptr + base[:, None] + offs_d[None, :], code.to(tl.uint8), mask=mask)
+    else:
+        NW: tl.constexpr = BLOCK_D // 8
+        shifts = (tl.arange(0, 8) * BITS).to(tl.int64)[None, None, :]
+        words = tl.sum(tl.reshape(code, (BLOCK_T, NW, 8)).to(tl.int64) << shifts, axis=2)
+        offs_w = tl.arange(0, NW)
+        wmask = keep[:, None] & (offs_w < D // 8)[None, :]
+        dst = pool_ptr + base[:, None] + offs_w[None, :] * BITS
+        for k in tl.static_range(BITS):
+            tl.store(dst + k, ((words >> (8 * k)) & 255).to(tl.uint8), mask=wmask)
+
+    # ---- scales ---------------------------------------------------------------------------
+    if ROW_SCALE > 0:
+        SB: tl.constexpr = ROW_SCALE // (D // GROUP)
+        sdst = pool_ptr + sbase[:, None] + offs_g[None, :] * SB
+        tl.store(sdst, (sbits & 255).to(tl.uint8), mask=gmask)
+        if SB == 2:
+            tl.store(sdst + 1, ((sbits >> 8) & 255).to(tl.uint8), mask=gmask)
+
+
+SEARCH_LO, SEARCH_N = -5, 10  # the reference encoder's SCALE_SEARCH = range(-5, 5)
+
+
+def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch.Tensor,
+               x: torch.Tensor, slot_mapping: torch.Tensor, centre: Optional[torch.Tensor],
+               block_t: int = 16) -> None:
+    """Encode x float [T, H, D] with `codec` into `pool` at `slot_mapping` (int64 [T], <0 skip).
+
+    centre: optional float32 [H, D] subtracted first (keys). Inputs are already validated.
+    """
+    t, h, d = x.shape
+    if t == 0:
+        return
+    from ...codecs.reference import SCALE_SEARCH
+
+    assert (SCALE_SEARCH.start, len(SCALE_SEARCH)) == (SEARCH_LO, SEARCH_N), SCALE_SEARCH
+    spec = codec_spec(codec, layer.block_size, h, d)
+    tabs = codec_tables(codec, x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rot = wht.rotation_matrix(d, x.device) if codec.rotated else tabs.values
+    block_d = max(16, triton.next_power_of_2(d))
+    grid = (triton.cdiv(t, block_t), h)
+    _store_kernel[grid](
+        x, slot_mapping, pool, centre if centre is not None else tabs.values, rot,
+        tabs.levels, tabs.mids, tabs.order, e4m3_values(x.device), tensor_scale,
+        t, x.stride(0), x.stride(1),
+        H=h, D=d, BS=layer.block_size, BITS=spec.bits, GROUP=max(spec.group, 1),
+        SCALE_KIND=spec.scale_kind, ROW_DATA=spec.row_data, ROW_SCALE=spec.row_scale,
+        DATA_END=spec.data_end, BLOCK_BYTES=spec.block_bytes, ENCODE=spec.encode,
+        ROTATED=spec.rotated, HAS_CENTRE=centre is not None,
+        N_MIDS=max(spec.levels - 1, 0) if spec.encode == ENC_TABLE else 0,
+        MAX_LEVEL=tabs.max_level, SEARCH_LO=SEARCH_LO, SEARCH_N=SEARCH_N,
+        BLOCK_T=block_t, BLOCK_D=block_d, enable_fp_fusion=False,
+    )
+
+
+def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+          slot_mapping: torch.Tensor) -> None:
+    """Triton twin of `pagedkv.ops.reference.store` (same signature and bytes; see module doc)."""
+    if k is not None:
+        store_side(layer, layer.k_codec, layer.k_pool, layer.k_scale, k, slot_mapping, layer.k_centre)
+    if v is not None:
+        store_side(layer, layer.v_codec, layer.v_pool, layer.v_scale, v, slot_mapping, None)
