@@ -12,6 +12,9 @@ from ..errors import PagedKVError
 COMMANDS = {
     "formats": "formats_cmd",
     "codecs": "codecs_cmd",
+    "eval": "eval_cmd",
+    "generate": "generate_cmd",
+    "plan": "plan_cmd",
 }
 
 

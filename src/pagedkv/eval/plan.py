@@ -1,0 +1,63 @@
+"""Capacity planning: tokens and sequences that fit a KV memory budget, per format.
+
+Exact: block bytes come from the codec catalogue (`CacheConfig.bytes_per_block`, every layer's K
+and V block, high-precision layers included), capacity is whole blocks, and a sequence of L
+tokens takes ceil(L / block_size) blocks. Sliding-window layers are counted at full length (the
+cache does not yet reclaim blocks that left the window).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..cache.config import CacheConfig
+from ..errors import ConfigError
+from .runner import parse_choice
+
+DEFAULT_PLAN_FORMATS = ("bf16", "fp8", "q8_0", "turbo8", "q4_0", "turbo4", "fp8k_turbo3v", "turbo3",
+                        "turbo3+hp", "turbo2")
+
+
+def layer_layout(config) -> tuple[list[int], list[int], list[Optional[int]]]:
+    """Per attention layer: num_kv_heads, head_dim, sliding window (from a HF config)."""
+    from ..integrations.transformers import _layer_layout
+
+    _, windows, kv, hd = _layer_layout(config)
+    return kv, hd, windows
+
+
+def plan(config, memory_bytes: int, formats: Sequence[str], *, seq_len: Optional[int] = None,
+         block_size: int = 16) -> list[dict]:
+    """One dict per format: bits/element, bytes/token, tokens and sequences of `seq_len` that fit."""
+    kv, hd, windows = layer_layout(config)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if seq_len is None:
+        seq_len = int(getattr(text, "max_position_embeddings", 4096) or 4096)
+    if seq_len <= 0:
+        raise ConfigError(f"--seq-len must be positive, got {seq_len}")
+    def sizes(choice):
+        return CacheConfig(num_layers=len(kv), num_kv_heads=kv[0], head_dim=hd[0],
+                           layer_dims=list(zip(kv, hd)), kv_format=choice.kv_format,
+                           high_precision_layers=choice.high_precision_layers,
+                           block_size=block_size, num_blocks=1, sliding_window=windows)
+
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ConfigError(f"--block-size must be a positive integer, got {block_size!r}")
+    choices = [parse_choice(f) for f in formats]  # all names checked before any work
+    bf16_tokens = (memory_bytes // sizes(parse_choice("bf16")).bytes_per_block) * block_size
+    per_seq = -(-seq_len // block_size)
+    rows = []
+    for choice in choices:
+        cfg = sizes(choice)
+        blocks = memory_bytes // cfg.bytes_per_block
+        tokens = blocks * block_size
+        elems = sum(2 * s.num_kv_heads * s.head_dim for s in cfg.layers)
+        rows.append({
+            "format": choice.label, "layers": len(kv),
+            "bits_per_element": 8 * cfg.bytes_per_block / block_size / elems,
+            "bytes_per_token": cfg.bytes_per_block / block_size, "bytes_per_block": cfg.bytes_per_block,
+            "blocks": blocks, "tokens": tokens, "seq_len": seq_len, "sequences": blocks // per_seq,
+            "high_precision_layers": cfg.num_high_precision_layers,
+            "vs_bf16": tokens / bf16_tokens if bf16_tokens else float("inf"),
+        })
+    return rows

@@ -1,0 +1,201 @@
+"""`pagedkv eval`: quality, size and speed of KV formats on a real model, teacher-forced.
+
+For each window (int64 [N] tokens, BOS first when the tokenizer has one) and each format, a fresh
+`PagedKVCache` receives the whole window in one forward pass. The cache stores every token's K/V
+compressed *before* attention reads it (`update` stores, then the ops attend over the pages), so
+query p attends to the compressed K/V of tokens 0..p, itself included: exactly what it would see
+when decoding token by token. One pass per window is therefore faithful and ~N times cheaper than
+decoding. (Key centring and fp8 tensor scales are fixed from the window's K/V, as they would be
+from a prompt of that length.)
+
+Metrics against the pagedkv bf16 cache run on the same window (the reference): mean KL of the
+next-token distribution, top-1 agreement; plus perplexity, bits/element (averaged over layers,
+high-precision layers included), KV bytes per token, the longest context that fits a memory
+budget, and decode tokens/s (median of a few greedy steps after the first window, 1 thread).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..errors import ConfigError
+from ..formats import KVFormat, parse_format
+from .metrics import MetricSums, log_probs
+
+DEFAULT_FORMATS = ("bf16", "fp8", "q8_0", "q4_0", "turbo8", "turbo4", "turbo3", "turbo2",
+                   "fp8k_turbo3v", "bf16k_turbo2v", "fp8k_turbo2v", "turbo3+hp")
+REFERENCE_FORMAT = "bf16"
+_HP = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    """One row of the evaluation: a KV format and its high-precision layers.
+
+    `turbo3` = turbo3 everywhere; `turbo3+hp` = turbo3 with the automatic first/last
+    high-precision layers (see `pagedkv.cache.config`); `turbo3+hp2` = two at each end.
+    """
+
+    label: str
+    kv_format: KVFormat
+    high_precision_layers: Union[int, str]
+
+
+def parse_choice(spec: str) -> FormatChoice:
+    """A FormatChoice from `name`, `name+hp` or `name+hpN`; ConfigError naming the bad value."""
+    s = spec.strip()
+    m = _HP.match(s.lower())
+    if m:
+        fmt = parse_format(m["fmt"])
+        hp: Union[int, str] = int(m["n"]) if m["n"] else "auto"
+        return FormatChoice(f"{fmt.name}+hp{m['n']}", fmt, hp)
+    fmt = parse_format(s)
+    return FormatChoice(fmt.name, fmt, 0)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to evaluate. model/text: paths or None for the embedded ones."""
+
+    model: Optional[str] = None
+    text: Optional[str] = None
+    formats: tuple[str, ...] = DEFAULT_FORMATS
+    windows: int = 8
+    window_tokens: int = 1024
+    memory_bytes: int = 8 * 2**30
+    decode_steps: int = 6
+    block_size: int = 16
+
+    def __post_init__(self):
+        if not self.formats:
+            raise ConfigError("--formats needs at least one format")
+        for name, v in (("windows", self.windows), ("window_tokens", self.window_tokens),
+                        ("memory", self.memory_bytes), ("decode_steps", self.decode_steps)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "decode_steps" else 1):
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+
+@dataclass
+class FormatResult:
+    choice: FormatChoice
+    bits_per_element: float
+    bytes_per_token: float
+    max_context_tokens: int
+    high_precision_layers: int
+    sums: MetricSums = field(default_factory=MetricSums)
+    decode_times: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        dt = statistics.median(self.decode_times) if self.decode_times else float("nan")
+        return {
+            "format": self.choice.label,
+            "kv_format": self.choice.kv_format.name,
+            "high_precision_layers": self.high_precision_layers,
+            "bits_per_element": self.bits_per_element,
+            "bytes_per_token": self.bytes_per_token,
+            "ppl": self.sums.ppl,
+            "kl": self.sums.mean_kl,
+            "top1": self.sums.top1_rate,
+            "decode_tok_s": 1.0 / dt if dt == dt and dt > 0 else None,
+            "max_context_tokens": self.max_context_tokens,
+            "tokens": self.sums.tokens,
+            "kl_per_window": self.sums.per_window_kl,
+        }
+
+
+def cache_for(model, choice: FormatChoice, block_size: int = 16):
+    from ..integrations.transformers import PagedKVCache
+
+    return PagedKVCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
+                        block_size=block_size)
+
+
+def layout_numbers(cache, memory_bytes: int) -> tuple[float, float, int]:
+    """(bits/element over all layers, bytes/token, longest context fitting memory_bytes)."""
+    cfg = cache.config
+    elems_per_token = sum(2 * s.num_kv_heads * s.head_dim for s in cfg.layers)
+    bytes_per_token = cfg.bytes_per_block / cfg.block_size
+    fits = (memory_bytes // cfg.bytes_per_block) * cfg.block_size
+    return 8 * bytes_per_token / elems_per_token, bytes_per_token, int(fits)
+
+
+def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
+             progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Run every format over every window; returns one dict per format (see FormatResult)."""
+    from ..integrations.transformers import enable
+
+    enable(model)
+    choices = [parse_choice(f) for f in cfg.formats]
+    labels = [c.label for c in choices]
+    dupes = {x for x in labels if labels.count(x) > 1}
+    if dupes:
+        raise ConfigError(f"--formats lists {sorted(dupes)} more than once")
+    ref_choice = parse_choice(REFERENCE_FORMAT)
+    results = []
+    for c in choices:
+        cache = cache_for(model, c, cfg.block_size)
+        bits, bpt, fits = layout_numbers(cache, cfg.memory_bytes)
+        results.append(FormatResult(c, bits, bpt, fits, cache.config.num_high_precision_layers))
+    for wi, window in enumerate(windows):
+        ids = window[None]
+        targets = window[1:]
+        order = sorted(range(len(choices)), key=lambda i: choices[i].label != ref_choice.label)
+        ref_logp = None
+        if choices[order[0]].label != ref_choice.label:
+            ref_logp = log_probs(_forward(model, ids, ref_choice, cfg)[0][0, :-1])
+        for i in order:
+            r = results[i]
+            logits, cache = _forward(model, ids, r.choice, cfg)
+            lp_logits = logits[0, :-1]
+            if r.choice.label == ref_choice.label and ref_logp is None:
+                ref_logp = log_probs(lp_logits)
+            r.sums.add(lp_logits, targets, ref_logp)
+            if wi == 0 and cfg.decode_steps:
+                r.decode_times = _decode_times(model, cache, logits, cfg.decode_steps)
+            del cache, logits
+            if progress:
+                progress(r.choice.label)
+    return [r.as_dict() for r in results]
+
+
+@torch.inference_mode()
+def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig):
+    cache = cache_for(model, choice, cfg.block_size)
+    out = model(ids, cache=cache, use_cache=True)
+    return out.logits.float(), cache
+
+
+@torch.inference_mode()
+def _decode_times(model, cache, logits, steps: int) -> list[float]:
+    """Seconds per greedy decode step (1 thread) continuing from the cache."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            out = model(nxt, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - t)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        return times
+    finally:
+        torch.set_num_threads(threads)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points (bits, error) not dominated by a cheaper-and-better one, by bits."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best = [], math.inf
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front

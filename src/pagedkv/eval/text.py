@@ -1,0 +1,75 @@
+"""Evaluation text and windows.
+
+The default text is Python's own documentation topics (`pydoc_data.topics`, shipped with every
+Python): the topic texts in sorted key order joined by blank lines, real English prose with code.
+Windows are spread evenly over the token stream, first and last included, so runs with a
+different number of windows share their first and last windows and stay comparable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+
+
+def default_text() -> str:
+    """`pydoc_data.topics`: the topics' texts in sorted key order, joined by blank lines."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def read_text(path: Optional[str]) -> str:
+    """The text in `path` (UTF-8), or the default text when `path` is None."""
+    if path is None:
+        return default_text()
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"--text {path!r} is not a file; pass a UTF-8 text file or nothing for "
+                          "the default (pydoc_data.topics)")
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """int64 [N] token ids of `text`, without special tokens (BOS is added per window)."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def bos_id(tokenizer) -> Optional[int]:
+    """The tokenizer's BOS id, or None when it has none (base models like Gemma need it)."""
+    bid = getattr(tokenizer, "bos_token_id", None)
+    return int(bid) if bid is not None else None
+
+
+def window_starts(num_tokens: int, windows: int, length: int) -> list[int]:
+    """Start offsets of `windows` windows of `length` tokens spread evenly over `num_tokens`
+    (first at 0, last ending at the end). Raises ConfigError when the text is too short."""
+    if windows < 1:
+        raise ConfigError(f"--windows must be >= 1, got {windows}")
+    if length < 2:
+        raise ConfigError(f"--window-tokens must be >= 2, got {length}")
+    if num_tokens < length:
+        raise ConfigError(f"the text has {num_tokens} tokens, fewer than one window of {length}; "
+                          "pass a longer --text or a smaller --window-tokens")
+    last = num_tokens - length
+    if windows == 1:
+        return [0]
+    return [round(i * last / (windows - 1)) for i in range(windows)]
+
+
+def make_windows(tokens: torch.Tensor, windows: int, length: int, bos: Optional[int]) -> list[torch.Tensor]:
+    """`windows` int64 [length] windows; with a BOS id, each is BOS + (length - 1) text tokens."""
+    body = length - 1 if bos is not None else length
+    starts = window_starts(int(tokens.numel()), windows, body)
+    out = []
+    for s in starts:
+        w = tokens[s:s + body]
+        if bos is not None:
+            w = torch.cat([torch.tensor([bos], dtype=torch.int64), w])
+        out.append(w)
+    return out

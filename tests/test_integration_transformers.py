@@ -1,0 +1,206 @@
+"""The transformers drop-in on tiny random models of each supported family (offline, seconds).
+
+Oracles: transformers' own DynamicCache with eager attention (for bf16 K/V, within the bf16
+rounding of K/V), and a dense "quantize-dequantize" cache (K/V round-tripped through the codec's
+reference encode/decode, same key centre) for compressed formats, which the paged cache must
+match to fp32 rounding because attention on the pages is exact on the decoded values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache  # noqa: E402
+
+from pagedkv.codecs import reference as codec_ref  # noqa: E402
+from pagedkv.errors import ConfigError, InvalidInput  # noqa: E402
+from pagedkv.integrations.transformers import ATTN_IMPLEMENTATION, PagedKVCache, register  # noqa: E402
+
+VOCAB = 96
+
+
+def _tiny(family: str):
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+    if family == "llama":
+        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None), transformers.MistralForCausalLM
+    if family == "gemma2":
+        cfg = transformers.Gemma2Config(**common, sliding_window=8, attn_logit_softcapping=20.0,
+                                        final_logit_softcapping=30.0, query_pre_attn_scalar=32)
+        return cfg, transformers.Gemma2ForCausalLM
+    if family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=32,
+                                            layer_types=["sliding_attention", "sliding_attention",
+                                                         "full_attention"])
+        return cfg, transformers.Gemma3ForCausalLM
+    raise AssertionError(family)
+
+
+def _model(family: str, impl: str = "eager"):
+    register()
+    torch.manual_seed(0)
+    cfg, cls = _tiny(family)
+    model = cls(cfg).eval()
+    # random init is tiny; scale up projections so attention is far from uniform
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    model.set_attn_implementation(impl)
+    return model
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, n), generator=g)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
+
+
+def _logits(model, ids, cache):
+    with torch.no_grad():
+        return model(ids, cache=cache, use_cache=True).logits.float()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_cache_matches_dynamic_cache_prefill_and_decode(family):
+    model = _model(family)
+    ids = _ids(24)  # longer than the sliding window (8) of the Gemma families
+    ref = _logits(model, ids, DynamicCache(config=model.config))
+    ref_next = _logits(model, ids[:, :1] + 1, None) if False else None
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=4)
+    # prompt in one pass, then token by token (decode path)
+    out = torch.cat([_logits(model, ids[:, :10], cache)] +
+                    [_logits(model, ids[:, t:t + 1], cache) for t in range(10, 24)], dim=1)
+    assert cache.get_seq_length() == 24
+    scale = ref.abs().max()
+    # bf16 rounding of K/V only (relative 2^-8): a small fraction of the logit range
+    assert (out - ref).abs().max() <= 2e-2 * scale, (out - ref).abs().max()
+    del ref_next
+
+
+def _qdq(x: torch.Tensor, codec) -> torch.Tensor:
+    data, scales = codec_ref.encode(codec, x)
+    return codec_ref.decode(codec, data, scales, x.shape[-1])
+
+
+class _QDQLayer(transformers.cache_utils.DynamicLayer):
+    """Dense oracle: keys (k - centre) and values round-tripped through the codecs."""
+
+    def __init__(self, fmt, centring):
+        super().__init__()
+        self.fmt, self.centring, self.centre = fmt, centring, None
+
+    def update(self, k, v, *args, **kwargs):
+        if self.centre is None:
+            self.centre = k.float().mean(dim=(0, 2))[None, :, None, :] if self.centring else torch.zeros(1)
+        kq = _qdq((k.float() - self.centre).transpose(1, 2), self.fmt.k).transpose(1, 2) + self.centre
+        vq = _qdq(v.float().transpose(1, 2), self.fmt.v).transpose(1, 2)
+        return super().update(kq.to(k.dtype), vq.to(v.dtype))
+
+
+@pytest.mark.parametrize("family,fmt,centring", [
+    ("llama", "turbo3", True), ("llama", "q4_0", False), ("qwen3", "turbo4", True),
+    ("gemma2", "turbo2", True), ("gemma3", "bf16k_turbo3v", False), ("mistral", "q8_0", True),
+])
+def test_compressed_cache_equals_dense_attention_on_decoded_kv(family, fmt, centring):
+    from pagedkv.formats import parse_format
+
+    kvf = parse_format(fmt)
+    model = _model(family)
+    ids = _ids(20, seed=2)
+    oracle_cache = DynamicCache()
+    oracle_cache.layers = [_QDQLayer(kvf, centring) for _ in range(model.config.num_hidden_layers)]
+    oracle_cache.layer_class_to_replicate = None
+    # the oracle stores decoded K/V densely: prefill 12 tokens, then decode 8 one by one
+    ref = torch.cat([_logits(model, ids[:, :12], oracle_cache)] +
+                    [_logits(model, ids[:, t:t + 1], oracle_cache) for t in range(12, 20)], dim=1)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, fmt, high_precision_layers=0, key_centring=centring, block_size=8)
+    out = torch.cat([_logits(model, ids[:, :12], cache)] +
+                    [_logits(model, ids[:, t:t + 1], cache) for t in range(12, 20)], dim=1)
+    assert (out - ref).abs().max() <= 1e-3 * ref.abs().max(), (out - ref).abs().max()
+    # the cache really holds fewer bytes than bf16 would
+    bf16_bytes = sum(2 * 2 * s.num_kv_heads * s.head_dim for s in cache.config.layers) * 20
+    if kvf.k.name != "bf16" or kvf.v.name != "bf16":
+        assert cache.bytes_per_token() * 20 < bf16_bytes
+
+
+def test_generate_greedy_and_beam_match_dynamic_cache():
+    model = _model("llama")
+    ids = _ids(6, seed=3)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        ref_beam = model.generate(ids, num_beams=3, **kw)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        out = model.generate(ids, cache=PagedKVCache(model, "bf16", high_precision_layers=0), **kw)
+        cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=4)
+        out_beam = model.generate(ids, cache=cache, num_beams=3, **kw)
+    assert out.tolist() == ref.tolist()
+    assert out_beam.tolist() == ref_beam.tolist()
+    # beam rows share blocks: each row's table is consistent with the pool's reference counts
+    refs = [0] * cache.blocks.num_blocks
+    for table in cache.blocks.tables:
+        for b in table:
+            refs[b] += 1
+    assert refs == cache.blocks.ref
+
+
+def test_crop_then_refeed_reproduces_the_logits():
+    model = _model("qwen2")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = _ids(14, seed=4)
+    cache = PagedKVCache(model, "turbo4", high_precision_layers=0, block_size=4)
+    full = _logits(model, ids, cache)
+    cache.crop(-5)
+    assert cache.get_seq_length() == 9
+    again = _logits(model, ids[:, 9:], cache)
+    assert torch.allclose(again, full[:, 9:], atol=1e-4, rtol=1e-4)
+
+
+def test_pools_grow_and_capacity_limit():
+    from pagedkv.errors import CacheFull
+
+    model = _model("llama", ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, "turbo3", block_size=4)
+    _logits(model, _ids(100), cache)  # 25 blocks > the 16 allocated at first
+    assert cache.blocks.num_blocks >= 25 and cache.blocks.used == 25
+    small = PagedKVCache(model, "turbo3", block_size=4, max_tokens=16)
+    with pytest.raises(CacheFull):
+        _logits(model, _ids(20), small)
+
+
+def test_errors():
+    model = _model("llama")  # eager, not pagedkv
+    with pytest.raises(ConfigError, match="pagedkv"):
+        PagedKVCache(model, "turbo3")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    with pytest.raises(ConfigError, match="turbo9"):
+        PagedKVCache(model, "turbo9")
+    with pytest.raises(ConfigError, match="max_tokens"):
+        PagedKVCache(model, "turbo3", max_tokens=0)
+    ids = torch.cat([_ids(6), _ids(6, seed=9)])
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with pytest.raises(InvalidInput, match="padded"):
+        model(ids, attention_mask=mask, cache=PagedKVCache(model, "bf16"), use_cache=True)
+
+
+def test_plain_forward_without_cache_is_exact_attention():
+    model = _model("gemma2")
+    ids = _ids(20, seed=5)
+    ref = _logits(model, ids, None)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    out = _logits(model, ids, None)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
