@@ -1,0 +1,151 @@
+"""The Triton kernels against the reference ops, for every codec pair.
+
+On a GPU the kernels run natively on CUDA tensors through the registered "triton" backend; on a
+CPU-only machine the same tests run them under Triton's interpreter on CPU tensors
+(TRITON_INTERPRET=1 is set here, before pagedkv.ops.triton - and so Triton's JIT - is first
+imported; this module is that edge). Shapes are tiny so the interpreter stays fast.
+
+Stores are compared byte for byte with the reference store; attention outputs with the
+reference outputs over the same pools (fp32 rounding only), via the shared backend checker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from helpers.backend_check import CheckCase, all_pairs, check_backend, default_cases  # noqa: E402
+from pagedkv.codecs import CODECS  # noqa: E402
+from pagedkv.errors import InvalidInput  # noqa: E402
+from pagedkv.ops import AttentionParams, Op, api, make_layer, select_backend  # noqa: E402
+from pagedkv.ops import triton as tr  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKEND = tr.BACKEND if DEVICE == "cuda" else tr.interpreter_backend()
+ATTN = dict(decode_attention=tr.decode_attention, prefill_attention=tr.prefill_attention)
+TOL = dict(atol=2e-5, rtol=2e-5)  # fp32 arithmetic in a different order than the reference
+
+
+def _store_inputs(seed: int, t: int, h: int, d: int):
+    """Rows with the awkward cases: a zero row, tiny (E4M3-subnormal) and huge (saturating)
+    elements, a bf16 input, a padding slot (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, h, d, generator=gen) * 2
+    v = torch.randn(t, h, d, generator=gen)
+    k[1] = 0.0
+    v[2, :, :16] = 1e-4 * torch.randn(h, 16, generator=gen)
+    k[3, 0, 5] = 900.0
+    v[4, 1, 7] = -3000.0
+    slots = torch.randperm(4 * 16, generator=gen)[:t]
+    slots[5] = -1
+    return k.to(torch.bfloat16), v, slots
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_store_writes_the_reference_bytes(name):
+    codec = CODECS[name]
+    t, h, d = 23, 2, 64
+    k, v, slots = _store_inputs(0, t, h, d)
+    centre = torch.randn(h, d, generator=torch.Generator().manual_seed(1))
+    layers = [make_layer(codec, codec, 4, 16, h, d, k_scale=0.5, v_scale=2.0, k_centre=centre, device=DEVICE)
+              for _ in range(2)]
+    api.store(layers[0], k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), backend="reference")
+    api.store(layers[1], k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), backend=BACKEND)
+    for side in ("k_pool", "v_pool"):
+        want, got = getattr(layers[0], side).cpu(), getattr(layers[1], side).cpu()
+        assert bool(want.any())
+        diff = (want != got).nonzero()
+        assert diff.numel() == 0, f"{name} {side}: {diff.shape[0]} bytes differ, first at {diff[:3].tolist()}"
+
+
+PAIRS = all_pairs()
+
+
+def test_decode_and_prefill_every_pair():
+    """All 81 (K, V) pairs on one tiny ragged batch (GQA 2, a length-1 sequence)."""
+    assert len(PAIRS) == len(CODECS) ** 2
+    cases = [CheckCase(k, v, seq_lens=(19, 1, 33), q_lens=(4, 1, 3), num_kv_heads=1, group=2)
+             for k, v in PAIRS]
+    rows = check_backend(**ATTN, cases=cases, device=DEVICE, **TOL)
+    assert len(rows) == len(PAIRS)
+
+
+def test_settings_and_shapes():
+    """Window, soft-cap, sinks, sparse V, k_centre, GQA 8, head_dim 128/256, block 32, long prefill."""
+    settings = default_cases(pairs=[])  # the settings grid only (no all-pairs block)
+    assert len(settings) >= 6
+    check_backend(**ATTN, cases=settings, device=DEVICE, **TOL)
+
+
+def test_store_then_attend():
+    """The Triton store feeding the Triton attention, compared with the reference end to end."""
+    cases = [CheckCase("turbo3", "turbo2", seq_lens=(40, 7), centre=True, k_offset=3.0),
+             CheckCase("q4_0", "turbo4", seq_lens=(25,), head_dim=96, group=2),
+             CheckCase("bf16", "fp8", seq_lens=(17, 3), sliding_window=8)]
+    check_backend(**ATTN, store=tr.store, cases=cases, device=DEVICE, **TOL)
+
+
+def test_split_k_partitions_agree():
+    """Any number of context partitions (some of them empty) gives the reference output;
+    a zero-length (padding) sequence outputs zeros."""
+    cc = CheckCase("turbo4", "turbo3", seq_lens=(0, 70, 3), num_kv_heads=2, group=2, sinks=True)
+    case = cc.build(device=DEVICE)
+    params = cc.params()
+    params = replace(params, sinks=params.sinks.to(DEVICE))
+    from pagedkv.ops import reference
+
+    want = reference.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    for splits, block_n in ((1, 16), (3, 16), (7, 32)):
+        got = tr.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params,
+                                  num_splits=splits, block_n=block_n)
+        torch.testing.assert_close(got.cpu(), want.cpu(), **TOL)
+        assert bool((got[0] == 0).all())
+
+
+def test_sparse_v_skips_small_weights():
+    """With a threshold the output equals sum over kept weights (no renormalisation): compare
+    with the reference at a threshold that drops most positions, and check it differs from exact."""
+    cc = CheckCase("turbo8", "q8_0", seq_lens=(64, 30), group=4, sparse_v_threshold=0.02)
+    case = cc.build(device=DEVICE)
+    exact = replace(cc.params(), sparse_v_threshold=0.0)
+    sparse = cc.params()
+    from pagedkv.ops import reference
+
+    for fn, ref in ((tr.decode_attention, reference.decode_attention),):
+        got = fn(case.q_decode, case.layer, case.block_tables, case.seq_lens, sparse)
+        want = ref(case.q_decode, case.layer, case.block_tables, case.seq_lens, sparse)
+        full = fn(case.q_decode, case.layer, case.block_tables, case.seq_lens, exact)
+        torch.testing.assert_close(got.cpu(), want.cpu(), **TOL)
+        assert float((got - full).abs().max()) > 1e-3
+
+
+def test_dispatch():
+    """The triton backend serves CUDA tensors only; asked for on CPU tensors it says so."""
+    layer = make_layer(CODECS["turbo3"], CODECS["turbo3"], 2, 16, 1, 64)
+    assert select_backend(Op.DECODE, torch.device("cuda"), layer, AttentionParams(scale=1.0)).name == "triton"
+    assert select_backend(Op.STORE, torch.device("cpu"), layer, None).name != "triton"
+    with pytest.raises(InvalidInput, match="triton"):
+        api.store(layer, torch.zeros(1, 1, 64), None, torch.zeros(1, dtype=torch.int64), backend="triton")
+    odd = make_layer(CODECS["bf16"], CODECS["bf16"], 2, 16, 1, 8)
+    assert not tr.supports(Op.DECODE, odd, None)
+
+
+def test_missing_triton_says_how_to_install(monkeypatch):
+    import importlib
+
+    for mod in [m for m in sys.modules if m == "pagedkv.ops.triton" or m.startswith("pagedkv.ops.triton.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(ImportError, match="pip install triton"):
+        importlib.import_module("pagedkv.ops.triton")
