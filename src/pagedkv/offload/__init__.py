@@ -1,0 +1,31 @@
+"""Tiers below memory: a per-sequence resident cap with swap, and a shared prefix store.
+
+- `TieredCache(cache_config, OffloadConfig(...))`: a PagedCache with both features.
+- Tiers: `DiskTier` (files, size limit, LRU; the embedded default), `RedisTier` (shared across
+  processes and machines), `MemoryTier` (tests, benchmarks).
+- `record`: the checksummed byte format of one stored block (every layer, K and V).
+See docs/offload.md.
+"""
+
+from .config import OffloadConfig, default_cache_dir
+from .disk import DiskTier
+from .prefix import PrefixStore, store_key
+from .record import BlockLayout, RecordError, decode_record, encode_record, parse_header
+from .swap import SwapSpace
+from .tiered import TieredCache
+from .tiers import MemoryTier, SwapLost, Tier, TierWarning, TierWriteError
+
+__all__ = [
+    "OffloadConfig", "default_cache_dir", "TieredCache",
+    "Tier", "MemoryTier", "DiskTier", "TierWarning", "TierWriteError", "SwapLost",
+    "PrefixStore", "store_key", "SwapSpace",
+    "BlockLayout", "RecordError", "encode_record", "decode_record", "parse_header",
+]
+
+
+def __getattr__(name):  # RedisTier imports the optional `redis` package lazily
+    if name == "RedisTier":
+        from .redis_tier import RedisTier
+
+        return RedisTier
+    raise AttributeError(name)

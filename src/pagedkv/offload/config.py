@@ -1,0 +1,101 @@
+"""OffloadConfig: which tiers sit below memory, and where; built once, frozen.
+
+Two independent features:
+- **resident cap** (`resident_blocks_per_seq`, None = off): a sequence keeps at most that many
+  blocks in memory; older full blocks are swapped to a private tier (`swap`: "disk" under
+  `swap_dir`, or "memory") and read back, bit-exact, when attention needs them;
+- **shared prefix store** (`prefix_store`: "none", "disk" under `prefix_dir`, or "redis" at
+  `redis_url`): full blocks are published under a key derived from their token chain, the
+  cache's fingerprint (model id, formats, dims), the record layout and the sequence's salt;
+  a new sequence loads the blocks it finds instead of recomputing them.
+
+Directories default to `<cache_dir>/swap` and `<cache_dir>/prefix`; `cache_dir` defaults to
+`default_cache_dir()`, which the CLI resolves from XDG_CACHE_HOME (the one place the
+environment is read): library callers pass paths explicitly or accept `~/.cache/pagedkv`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+from ..errors import ConfigError
+
+SWAP_KINDS = ("disk", "memory")
+PREFIX_KINDS = ("none", "disk", "redis")
+
+
+def default_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+    """`$XDG_CACHE_HOME/pagedkv`, else `~/.cache/pagedkv`. `environ` is passed by the CLI; the
+    library default (None) ignores the environment and uses `~/.cache/pagedkv`."""
+    env = environ or {}
+    base = env.get("XDG_CACHE_HOME") or ""
+    root = Path(base) if base and os.path.isabs(base) else Path("~/.cache").expanduser()
+    return root / "pagedkv"
+
+
+def _pos_int_or_none(name: str, v) -> None:
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+        raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Tiers below memory (see module doc). All sizes in bytes.
+
+    resident_blocks_per_seq: None (off) or N >= 1 blocks kept in memory per sequence.
+    swap: "disk" or "memory"; swap_dir: None = `<cache_dir>/swap`; swap_limit_bytes: None =
+    unbounded (a swap write past the limit raises TierWriteError; swapped data is never dropped).
+    prefix_store: "none", "disk" or "redis"; prefix_dir: None = `<cache_dir>/prefix`;
+    prefix_limit_bytes: the disk store's size (LRU eviction).
+    redis_url, redis_prefix, redis_timeout_s, redis_retry_after_s, redis_ttl_s: the Redis tier.
+    prefetch: read the next layer's swapped blocks in a background thread during attention.
+    cache_dir: root of the default directories (None = `default_cache_dir()`).
+    """
+
+    resident_blocks_per_seq: Optional[int] = None
+    swap: str = "disk"
+    swap_dir: Optional[str] = None
+    swap_limit_bytes: Optional[int] = None
+    prefix_store: str = "none"
+    prefix_dir: Optional[str] = None
+    prefix_limit_bytes: int = 4 << 30
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "pagedkv:"
+    redis_timeout_s: float = 0.5
+    redis_retry_after_s: float = 5.0
+    redis_ttl_s: Optional[int] = None
+    prefetch: bool = True
+    cache_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _pos_int_or_none("resident_blocks_per_seq", self.resident_blocks_per_seq)
+        if self.swap not in SWAP_KINDS:
+            raise ConfigError(f"swap must be one of {', '.join(SWAP_KINDS)}; got {self.swap!r}")
+        if self.prefix_store not in PREFIX_KINDS:
+            raise ConfigError(
+                f"prefix_store must be one of {', '.join(PREFIX_KINDS)}; got {self.prefix_store!r}"
+            )
+        _pos_int_or_none("swap_limit_bytes", self.swap_limit_bytes)
+        _pos_int_or_none("prefix_limit_bytes", self.prefix_limit_bytes)
+        if self.prefix_limit_bytes is None:
+            raise ConfigError("prefix_limit_bytes must be a positive integer, got None")
+        _pos_int_or_none("redis_ttl_s", self.redis_ttl_s)
+        if not isinstance(self.prefetch, bool):
+            raise ConfigError(f"prefetch must be a bool, got {self.prefetch!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.resident_blocks_per_seq is not None or self.prefix_store != "none"
+
+    def root(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+    def swap_path(self) -> Path:
+        """This process's swap directory is a fresh subdirectory of this (see SwapSpace)."""
+        return Path(self.swap_dir).expanduser() if self.swap_dir else self.root() / "swap"
+
+    def prefix_path(self) -> Path:
+        return Path(self.prefix_dir).expanduser() if self.prefix_dir else self.root() / "prefix"

@@ -1,0 +1,118 @@
+"""The shared prefix store: publish full blocks, load a new sequence's prefix block by block.
+
+Key of a block: `pkv1.<blake2b(layout fingerprint | chain hash)>` where the chain hash is the
+cache's own prefix key (`pagedkv.alloc.hashing`: every token id up to the block's end, the cache
+fingerprint -- model id, formats, dims -- and the sequence's salt, for tenant isolation) and the
+layout fingerprint pins what the bytes mean (codecs, codebooks, fp8 scales, key centre). The
+record (`record.py`) is bound to the chain hash, so a value stored under the wrong key is a miss.
+
+`load` walks a prompt's full blocks in order: a block already in memory is kept; otherwise the
+store is asked; the first miss ends the walk (later blocks depend on it). Loaded blocks are written
+into fresh pool blocks and registered under their chain hash, so the cache's own `add_sequence`
+then finds them as ordinary prefix hits. Publishing never raises: a tier that is down or full
+skips the write (the tier warns once).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Sequence
+
+from ..alloc import BlockPool
+from ..alloc.hashing import Salt, chain_hash, root_hash
+from ..ops.batch import PagedLayer
+from .record import BlockLayout, encode_record, read_block, try_decode_record, write_block
+from .tiers import Tier, TierWriteError
+
+log = logging.getLogger(__name__)
+
+
+def store_key(layout: BlockLayout, chain: bytes) -> str:
+    """The tier key of the block whose prefix chain hash is `chain`."""
+    return "pkv1." + blake2b(layout.fingerprint + chain, digest_size=20).hexdigest()
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0  # add_sequence calls that consulted the store
+    blocks_loaded: int = 0  # blocks read from the store into memory
+    blocks_published: int = 0
+    publish_failures: int = 0
+    bytes_loaded: int = 0
+    bytes_published: int = 0
+
+
+class PrefixStore:
+    """Publishes and loads whole blocks (every layer) through one tier."""
+
+    def __init__(self, tier: Tier):
+        self.tier = tier
+        self.stats = PrefixStats()
+
+    def load(self, pool: BlockPool, layers: Sequence[PagedLayer], layout: BlockLayout,
+             namespace: bytes, tokens: Sequence[int], salt: Salt) -> int:
+        """Bring the stored leading full blocks of `tokens` into the pool as cached prefix blocks.
+
+        Considers the blocks `SequenceManager.add` would (at least one token is left to run).
+        Returns how many blocks were loaded from the store. Never raises for tier faults."""
+        bs = layout.block_size
+        n = len(tokens)
+        nfull = (n - 1) // bs if n else 0
+        if nfull == 0:
+            return 0
+        self.stats.lookups += 1
+        h = root_hash(namespace, salt)
+        held: list[int] = []
+        loaded = 0
+        try:
+            for i in range(nfull):
+                h = chain_hash(h, tokens[i * bs:(i + 1) * bs])
+                b = pool.lookup(h)
+                if b is not None:  # already in memory: hold it so loading cannot evict it
+                    pool.share(b)
+                    held.append(b)
+                    continue
+                if pool.num_available == 0:
+                    break
+                raw = self.tier.get(store_key(layout, h))
+                sections = try_decode_record(raw, layout, h)
+                if sections is None:
+                    if raw is not None:
+                        log.warning("prefix store: entry for block %d failed its checks; "
+                                    "recomputing", i)
+                    break
+                b = pool.allocate_one()
+                write_block(layers, b, sections)
+                fill = getattr(pool, "fill", None)
+                if fill is not None:
+                    fill[b] = bs
+                if not pool.register(b, h):  # cannot happen (lookup missed); stay safe
+                    pool.release(b)
+                    break
+                held.append(b)
+                loaded += 1
+                self.stats.bytes_loaded += len(raw)
+        finally:
+            for b in reversed(held):  # the first block released last: most recently used
+                pool.release(b)
+        self.stats.blocks_loaded += loaded
+        return loaded
+
+    def publish(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int,
+                chain: bytes) -> bool:
+        """Store pool block `block` (prefix key `chain`) unless already stored. Never raises for
+        tier faults (returns False)."""
+        rec = encode_record(layout, chain, read_block(layers, block))
+        try:
+            ok = self.tier.put(store_key(layout, chain), rec, if_absent=True)
+        except TierWriteError as exc:
+            self.tier._warn_once("write", f"{exc}; prefix blocks are not published until it has room")
+            ok = False
+        if ok:
+            self.stats.blocks_published += 1
+            self.stats.bytes_published += len(rec)
+        else:
+            self.stats.publish_failures += 1
+        return ok

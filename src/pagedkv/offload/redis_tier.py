@@ -1,0 +1,151 @@
+"""The Redis tier: a shared store of compressed blocks that several processes or machines use.
+
+Values are records (`record.py`) under `prefix + key`. Everything that can go wrong with the
+server is a miss, never an exception in the caller's run:
+- down / refused / slow (socket timeouts): the read or write is a miss or a skipped write, ONE
+  `TierWarning` is issued, and the tier stays quiet for `retry_after_s` (no request is sent:
+  misses are instant) before it tries the server again; on success it logs that it is back;
+- full (`OOM command not allowed`, maxmemory without eviction): the write is skipped with one
+  warning; reads continue;
+- any other Redis error: a miss with one warning.
+The client retries nothing itself (a dead server must cost one timeout, not several).
+
+Requires the `redis` package (`pip install redis`, or the `test` extra).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from ..errors import ConfigError
+from .tiers import Tier
+
+log = logging.getLogger(__name__)
+
+
+def _import_redis():
+    try:
+        import redis  # noqa: F401
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError:
+        raise ConfigError(
+            "the Redis tier needs the 'redis' package: pip install redis"
+        ) from None
+    return redis, Retry, NoBackoff
+
+
+class RedisTier(Tier):
+    """A tier on a Redis server.
+
+    url: e.g. "redis://127.0.0.1:6379/0" (also rediss:// and unix://).
+    prefix: prepended to every key (namespace several deployments on one server).
+    timeout_s: socket connect and read timeout; retry_after_s: quiet period after a fault.
+    ttl_s: expiry of written values (None = keep; let the server's maxmemory policy evict).
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, *, prefix: str = "pagedkv:", timeout_s: float = 0.5,
+                 retry_after_s: float = 5.0, ttl_s: Optional[int] = None):
+        super().__init__()
+        redis, Retry, NoBackoff = _import_redis()
+        if not isinstance(url, str) or "://" not in url:
+            raise ConfigError(f"redis url must look like redis://host:port/db, got {url!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"redis timeout_s must be a number > 0, got {timeout_s!r}")
+        if isinstance(retry_after_s, bool) or not isinstance(retry_after_s, (int, float)) \
+                or not retry_after_s >= 0:
+            raise ConfigError(f"redis retry_after_s must be a number >= 0, got {retry_after_s!r}")
+        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s <= 0):
+            raise ConfigError(f"redis ttl_s must be a positive int or None, got {ttl_s!r}")
+        self._errors = redis.exceptions
+        try:
+            self.client = redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"redis url {url!r} is not valid: {exc}") from None
+        self.name = f"redis tier {url}"
+        self.url = url
+        self.prefix = prefix
+        self.retry_after_s = float(retry_after_s)
+        self.ttl_s = ttl_s
+        self._down_until = 0.0
+        self._was_down = False
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _fault(self, exc: Exception, doing: str) -> None:
+        e = self._errors
+        if isinstance(exc, e.OutOfMemoryError) or (
+                isinstance(exc, e.ResponseError) and str(exc).startswith("OOM")):
+            self._warn_once("full", f"server out of memory while {doing} ({exc}); writes are "
+                                    "skipped until it has room")
+            return
+        if isinstance(exc, (e.ConnectionError, e.TimeoutError, OSError)):
+            self._down_until = time.monotonic() + self.retry_after_s
+            self._was_down = True
+            self._warn_once("down", f"server unreachable or slow while {doing} ({exc}); reads "
+                                    f"are misses, retrying in {self.retry_after_s:g}s")
+            return
+        self._warn_once("error", f"error while {doing} ({exc}); treated as a miss")
+
+    def _ok(self) -> None:
+        if self._was_down:
+            self._was_down = False
+            self._recovered("down")
+            log.info("%s is reachable again", self.name)
+
+    def _call(self, doing: str, fn, *args):
+        """Run one client call: (True, result) or (False, None) after a counted fault."""
+        if not self._available():
+            with self._lock:
+                self.stats.faults += 1
+            return False, None
+        try:
+            out = fn(*args)
+        except self._errors.RedisError as exc:
+            self._fault(exc, doing)
+            return False, None
+        except OSError as exc:
+            self._fault(exc, doing)
+            return False, None
+        self._ok()
+        return True, out
+
+    def _get(self, key: str) -> Optional[bytes]:
+        ok, v = self._call("reading", self.client.get, self._k(key))
+        return v if ok else None
+
+    def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
+        if length == 0:
+            return b""
+        ok, v = self._call("reading", self.client.getrange, self._k(key), start, start + length - 1)
+        return v if ok and v else None
+
+    def _put(self, key: str, value: bytes, if_absent: bool) -> bool:
+        ok, res = self._call("writing", lambda: self.client.set(self._k(key), value, ex=self.ttl_s,
+                                                                 nx=if_absent))
+        if not ok:
+            return False
+        if res is None and if_absent:  # NX and the key already exists: as good as stored
+            return True
+        self._recovered("full")
+        return True
+
+    def _delete(self, key: str) -> None:
+        self._call("deleting", self.client.delete, self._k(key))
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # pragma: no cover - closing a dead connection
+            pass

@@ -1,0 +1,153 @@
+"""Swap records: write a block out, read it back whole or one layer at a time, with prefetch.
+
+A swapped block is one record (`record.py`) in a private tier under a key unique to this swap
+space (`<session>-<n>`), bound into the record's checksums. Reading back for attention is per
+layer: layer l's sections of every needed record are fetched (`Tier.get_range` of the section
+span: one read per block and layer) and verified against the header this space expects; with
+prefetch on, layer l+1's sections are fetched in a background thread while layer l computes.
+A record that is missing, short or fails a checksum raises `SwapLost` (its data would otherwise
+be silently wrong; the swap tier never evicts, so this means outside damage).
+
+Several sequences may reference one record (fork); it is deleted when the last reference goes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..ops.batch import PagedLayer
+from .record import (BlockLayout, RecordError, decode_record, decode_section, encode_record,
+                     read_block, section_span)
+from .tiers import SwapLost, Tier
+
+Sections = list[tuple[bytes, bytes]]
+
+
+@dataclass
+class SwapStats:
+    swap_outs: int = 0
+    swap_ins: int = 0  # whole blocks brought back into the pool (pop into swapped region)
+    bytes_out: int = 0
+    sections_read: int = 0
+    bytes_read: int = 0
+    read_s: float = 0.0  # time spent reading sections (including in the prefetch thread)
+    wait_s: float = 0.0  # time attention waited for sections
+    prefetch_hits: int = 0
+
+
+class SwapSpace:
+    """Records of swapped-out blocks in one private tier, reference counted."""
+
+    def __init__(self, tier: Tier, *, prefetch: bool = True):
+        self.tier = tier
+        self.session = f"s{os.getpid()}{uuid.uuid4().hex[:10]}"
+        self._ids = itertools.count()
+        self.refs: dict[str, int] = {}
+        self.stats = SwapStats()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-swap") \
+            if prefetch else None
+        self._pending: dict[int, tuple[tuple[str, ...], Future]] = {}
+
+    # ---- writing ----------------------------------------------------------------------------
+    def write(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int) -> str:
+        """Store block `block` of every layer; returns its record key (1 reference).
+        Raises TierWriteError with nothing stored."""
+        key = f"{self.session}-{next(self._ids)}"
+        rec = encode_record(layout, key.encode(), read_block(layers, block))
+        self.tier.put(key, rec)
+        self.refs[key] = 1
+        self.stats.swap_outs += 1
+        self.stats.bytes_out += len(rec)
+        return key
+
+    def share(self, key: str) -> None:
+        self.refs[key] += 1
+
+    def release(self, key: str) -> None:
+        r = self.refs[key] - 1
+        if r:
+            self.refs[key] = r
+        else:
+            del self.refs[key]
+            self.tier.delete(key)
+
+    def clear(self) -> None:
+        self._drop_pending()
+        for key in list(self.refs):
+            self.tier.delete(key)
+        self.refs.clear()
+
+    # ---- reading ----------------------------------------------------------------------------
+    def read_whole(self, layout: BlockLayout, key: str) -> Sections:
+        """Every layer's bytes of a record (SwapLost if it is not intact)."""
+        t0 = time.perf_counter()
+        raw = self.tier.get(key)
+        try:
+            out = decode_record(raw, layout, key.encode())
+        except RecordError as exc:
+            raise SwapLost(f"swapped block {key} in {self.tier.name} is unusable ({exc}); its "
+                           "K/V cannot be restored") from None
+        self.stats.read_s += time.perf_counter() - t0
+        self.stats.swap_ins += 1
+        self.stats.bytes_read += len(raw)
+        return out
+
+    def _fetch(self, layout: BlockLayout, layer: int, keys: tuple[str, ...]
+               ) -> list[Optional[tuple[bytes, bytes]]]:
+        t0 = time.perf_counter()
+        out: list[Optional[tuple[bytes, bytes]]] = []
+        nbytes = 0
+        for key in keys:
+            kb = key.encode()
+            off, length = section_span(layout, kb, layer)
+            raw = self.tier.get_range(key, off, length)
+            try:
+                out.append(decode_section(raw, layout, kb, layer))
+                nbytes += length
+            except RecordError:
+                out.append(None)
+        self.stats.read_s += time.perf_counter() - t0
+        self.stats.sections_read += len(keys)
+        self.stats.bytes_read += nbytes
+        return out
+
+    def read_layer(self, layout: BlockLayout, layer: int, keys: tuple[str, ...]
+                   ) -> list[tuple[bytes, bytes]]:
+        """(K bytes, V bytes) of layer `layer` for each record in `keys`; then starts fetching
+        the next layer (wrapping to 0) in the background. SwapLost if any is not intact."""
+        pending = self._pending.pop(layer, None)
+        t0 = time.perf_counter()
+        if pending is not None and pending[0] == keys:
+            got = pending[1].result()
+            self.stats.prefetch_hits += 1
+        else:
+            got = self._fetch(layout, layer, keys)
+        self.stats.wait_s += time.perf_counter() - t0
+        if self._pool is not None and keys:
+            nxt = (layer + 1) % len(layout.layers)
+            old = self._pending.get(nxt)
+            if old is None or old[0] != keys:
+                self._pending[nxt] = (keys, self._pool.submit(self._fetch, layout, nxt, keys))
+        for key, item in zip(keys, got):
+            if item is None:
+                raise SwapLost(f"swapped block {key} (layer {layer}) in {self.tier.name} is "
+                               "missing or failed its checksum; its K/V cannot be restored")
+        return got  # type: ignore[return-value]
+
+    def _drop_pending(self) -> None:
+        for _, fut in self._pending.values():
+            fut.cancel()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.tier.close()

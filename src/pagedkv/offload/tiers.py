@@ -1,0 +1,198 @@
+"""The storage tiers below memory share one small interface: bytes in, bytes (or a miss) out.
+
+A tier maps string keys (`[0-9A-Za-z_.-]`, at most 200 characters) to immutable byte values:
+- `get(key)` -> bytes or None (a miss: absent, or the tier is unreachable);
+- `get_range(key, start, length)` -> exactly `length` bytes or None;
+- `put(key, value)`: atomic (a reader never sees half a value). A failure that the caller must
+  know about (disk full, value over the size limit) raises `TierWriteError` with nothing
+  written; a remote tier that is down or out of memory counts the failure and warns once;
+- `delete(key)`, `close()`.
+Tiers never interpret the bytes: integrity is the record's job (`record.py`).
+`stats` counts hits, misses, bytes and failures for benchmarks and reports.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from ..errors import ConfigError, PagedKVError
+
+_KEY = re.compile(r"^[0-9A-Za-z_.\-]{1,200}$")
+
+
+class TierWriteError(PagedKVError, OSError):
+    """A value could not be stored (disk full, over the tier's size limit); nothing was written."""
+
+
+class SwapLost(PagedKVError):
+    """A swapped-out block could not be read back intact (its file was removed or corrupted)."""
+
+
+class TierWarning(UserWarning):
+    """A tier is unreachable, slow or full: its reads are misses until it recovers."""
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY.match(key):
+        raise ConfigError(f"tier key must match [0-9A-Za-z_.-]{{1,200}}, got {key!r}")
+    return key
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier (mutable; read with `snapshot()`)."""
+
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    faults: int = 0  # reads or writes that failed because the tier was down / slow / full
+
+    def snapshot(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Tier:
+    """Base class: subclasses implement `_get`, `_get_range`, `_put`, `_delete`."""
+
+    name = "tier"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- public, counted --------------------------------------------------------------------
+    def get(self, key: str) -> Optional[bytes]:
+        check_key(key)
+        v = self._get(key)
+        self._count_read(v)
+        return v
+
+    def get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
+        check_key(key)
+        if start < 0 or length < 0:
+            raise ConfigError(f"get_range needs start, length >= 0, got {start}, {length}")
+        v = self._get_range(key, start, length)
+        if v is not None and len(v) != length:
+            v = None  # short value: truncated entry
+        self._count_read(v)
+        return v
+
+    def put(self, key: str, value: bytes, if_absent: bool = False) -> bool:
+        """Store `value`; True when stored (or, with if_absent, already there), False when a
+        remote tier skipped it (down or full; warned once)."""
+        check_key(key)
+        try:
+            ok = self._put(key, bytes(value) if not isinstance(value, bytes) else value, if_absent)
+        except TierWriteError:
+            with self._lock:
+                self.stats.put_failures += 1
+            raise
+        with self._lock:
+            if ok:
+                self.stats.puts += 1
+                self.stats.bytes_written += len(value)
+            else:
+                self.stats.put_failures += 1
+        return ok
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        self._delete(key)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _count_read(self, v: Optional[bytes]) -> None:
+        with self._lock:
+            self.stats.gets += 1
+            if v is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+                self.stats.bytes_read += len(v)
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        """One TierWarning per kind of fault until `_recovered(kind)`."""
+        with self._lock:
+            self.stats.faults += 1
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:
+            warnings.warn(f"{self.name}: {message}", TierWarning, stacklevel=4)
+
+    def _recovered(self, kind: str) -> None:
+        self._warned.discard(kind)
+
+    # ---- to implement -----------------------------------------------------------------------
+    def _get(self, key: str) -> Optional[bytes]:
+        raise NotImplementedError
+
+    def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
+        v = self._get(key)
+        return None if v is None else v[start:start + length]
+
+    def _put(self, key: str, value: bytes, if_absent: bool) -> bool:
+        raise NotImplementedError
+
+    def _delete(self, key: str) -> None:
+        raise NotImplementedError
+
+
+class MemoryTier(Tier):
+    """A dict in this process (tests, benchmarks, and a swap tier when disk is not wanted).
+
+    limit_bytes: None for unbounded, else puts beyond it raise TierWriteError (no eviction:
+    a swap tier must never drop data)."""
+
+    name = "memory"
+
+    def __init__(self, limit_bytes: Optional[int] = None):
+        super().__init__()
+        self.limit_bytes = limit_bytes
+        self._data: dict[str, bytes] = {}
+        self._used = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def _get(self, key):
+        return self._data.get(key)
+
+    def _put(self, key, value, if_absent):
+        if if_absent and key in self._data:
+            return True
+        old = len(self._data.get(key, b""))
+        if self.limit_bytes is not None and self._used - old + len(value) > self.limit_bytes:
+            raise TierWriteError(
+                f"memory tier full: {len(value)} more bytes would exceed its limit of "
+                f"{self.limit_bytes} ({self._used} used)"
+            )
+        self._data[key] = value
+        self._used += len(value) - old
+        return True
+
+    def _delete(self, key):
+        v = self._data.pop(key, None)
+        if v is not None:
+            self._used -= len(v)
+
+    def keys(self) -> list[str]:
+        return list(self._data)
