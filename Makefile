@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup setup-test
+.PHONY: demo test setup setup-test redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,5 +30,12 @@ setup-test: $(VENV)/.testdeps
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/pagedkv eval
 
-test: setup-test
+# The Redis tier tests start their own redis-server on loopback: install it if missing (CI runs
+# as root on Debian); without it those tests skip with a hint.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	  redis-server) >/dev/null 2>&1; } || echo "note: redis-server not installed; Redis tier tests will skip"
+
+test: setup-test redis-server
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
