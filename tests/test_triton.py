@@ -149,3 +149,32 @@ def test_missing_triton_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     with pytest.raises(ImportError, match="pip install triton"):
         importlib.import_module("pagedkv.ops.triton")
+
+
+def test_lower_precision_matmuls():
+    """bf16 / tf32 operands (fp32 accumulation) stay close to the exact reference; bad names fail."""
+    cc = CheckCase("turbo4", "bf16", seq_lens=(50, 9), group=2)
+    case = cc.build(device=DEVICE)
+    from pagedkv.errors import ConfigError
+    from pagedkv.ops import reference
+
+    params = cc.params()
+    want = reference.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    for prec in ("tf32", "bf16"):
+        got = tr.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params, precision=prec)
+        torch.testing.assert_close(got.cpu(), want.cpu(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ConfigError, match="precision"):
+        tr.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params, precision="fp16")
+
+
+def test_bench_dry_run():
+    """The GPU benchmark's logic end to end on tiny shapes (on a GPU: the real device, tiny)."""
+    from pagedkv.ops.triton.bench import BenchConfig, format_table, run_cuda_bench
+
+    cfg = replace(BenchConfig.tiny(), dry_run=DEVICE == "cpu")
+    result = run_cuda_bench(cfg)
+    ours = [r for r in result["rows"] if r["impl"] == "ours" and r["op"] == "decode"]
+    assert {r["format"] for r in ours} == set(cfg.formats)
+    by_format = {r["format"]: r["rel_err_vs_sdpa"] for r in ours}
+    assert by_format["bf16"] < 1e-2 < 1.0 > by_format["turbo3"] > by_format["bf16"]
+    assert "decode" in format_table(result)

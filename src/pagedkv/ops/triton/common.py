@@ -63,6 +63,20 @@ def load_rows(pool_ptr, table_ptr, e4m3_ptr, tensor_scale, row_off, scale_off, o
 
 
 @triton.jit
+def dot(a, b, DOT: tl.constexpr):
+    """fp32 a [M, K] @ fp32 b [K, N] with an fp32 accumulator. DOT picks the operand precision:
+    "ieee" (exact fp32 products, CUDA cores), "tf32" or "bf16" (operands rounded, tensor cores);
+    "bf16-emulated": bf16-rounded operands multiplied in fp32 (the interpreter's dot treats bf16
+    storage as integers, so the launchers use this there)."""
+    if DOT == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    elif DOT == "bf16-emulated":
+        return tl.dot(bf16_round(a), bf16_round(b), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, input_precision=DOT, out_dtype=tl.float32)
+
+
+@triton.jit
 def round_half_even(y):
     """float32 -> float32 rounded to the nearest integer, ties to even (torch.round); |y| < 2**23."""
     f = tl.floor(y)

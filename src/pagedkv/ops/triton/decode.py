@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from ...codecs import wht
+from ...errors import ConfigError
 from ..batch import AttentionParams, PagedLayer
-from .common import load_rows, soft_cap_logits
+from .common import dot, load_rows, soft_cap_logits
 from .spec import codec_spec, codec_tables, e4m3_values
 
 
@@ -45,7 +46,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
                    V_ROW_DATA: tl.constexpr, V_ROW_SCALE: tl.constexpr, V_DATA_END: tl.constexpr,
                    V_BLOCK_BYTES: tl.constexpr,
                    HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
-                   PASS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PASS: tl.constexpr, DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -87,7 +88,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
                       (page * K_BLOCK_BYTES + srow * K_ROW_DATA)[:, None],
                       (page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE)[:, None],
                       offs_d[None, :], kmask, K_BITS, K_GROUP, K_SCALE_KIND)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_G, BLOCK_N] fp32
+        s = dot(q, tl.trans(k), DOT)  # [BLOCK_G, BLOCK_N] fp32
         if HAS_QC:
             s = s + qc[:, None]
         s = s * scale
@@ -102,7 +103,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
             need = tl.max(p, axis=0) > 0  # [BLOCK_N]: some head of the group keeps the token
             v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts, v_off, v_soff, offs_d[None, :],
                           need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND)
-            acc += tl.dot(p, v, input_precision="ieee")
+            acc += dot(p, v, DOT)
         else:
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -111,7 +112,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
             if PASS == 0:
                 v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts, v_off, v_soff, offs_d[None, :],
                               kmask, V_BITS, V_GROUP, V_SCALE_KIND)
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                acc = acc * alpha[:, None] + dot(p, v, DOT)
             m_i = m_new
 
     part_row = row * NUM_SPLITS + split
@@ -162,6 +163,21 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, lens_ptr, out_ptr, gm_ptr, 
     tl.store(out_ptr + row * D + offs_d, out, mask=d_ok)
 
 
+PRECISIONS = ("ieee", "tf32", "bf16")
+
+
+def check_precision(precision: str) -> str:
+    """Validate a precision name; returns the DOT constexpr for the kernels."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "bf16":
+        from triton import knobs
+
+        if knobs.runtime.interpret:
+            return "bf16-emulated"
+    return precision
+
+
 def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
     """Context partitions per (sequence, kv head): enough programs to fill the device (~4 per SM),
     never more than there are BLOCK_N tiles, at most 64."""
@@ -197,12 +213,15 @@ def side_args(layer: PagedLayer, device: torch.device):
 
 def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, params: AttentionParams, *, block_n: int = 32,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, precision: str = "ieee") -> torch.Tensor:
     """Triton twin of `pagedkv.ops.reference.decode_attention`: q [B, Hq, D] -> [B, Hq, D] (q's dtype).
 
     block_n: tokens per tile; num_splits: context partitions per sequence (None: from the
-    device's SM count). Inputs are already validated by `pagedkv.ops.api`.
+    device's SM count); precision: operands of the two matmuls, "ieee" (exact fp32, the
+    default), "tf32" or "bf16" (tensor cores); accumulation is fp32 in every case.
+    Inputs are already validated by `pagedkv.ops.api`.
     """
+    dot_kind = check_precision(precision)
     bsz, hq, d = q.shape
     h = layer.num_kv_heads
     g = hq // h
@@ -226,7 +245,7 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     common = dict(
         NUM_SPLITS=splits, H=h, G=g, D=d, BS=layer.block_size, HAS_QC=qc is not None,
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
-        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, BLOCK_D=block_d, **consts,
+        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, BLOCK_D=block_d, DOT=dot_kind, **consts,
     )
     args = (qk, qc if qc is not None else gm, layer.k_pool, layer.v_pool, k_tab, v_tab, e4m3_values(dev),
             layer.k_scale, layer.v_scale, block_tables, seq_lens, m, l, acc, gm, gz,

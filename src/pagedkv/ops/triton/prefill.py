@@ -19,8 +19,8 @@ import triton.language as tl
 
 from ...codecs import wht
 from ..batch import AttentionParams, PagedLayer
-from .common import load_rows, soft_cap_logits
-from .decode import prepare_query, side_args
+from .common import dot, load_rows, soft_cap_logits
+from .decode import check_precision, prepare_query, side_args
 from .spec import e4m3_values
 
 
@@ -30,7 +30,7 @@ def _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row_ptr, kpos, qpos, row_ok
             K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr,
             K_ROW_DATA: tl.constexpr, K_ROW_SCALE: tl.constexpr, K_DATA_END: tl.constexpr,
             K_BLOCK_BYTES: tl.constexpr, HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr,
-            WINDOW: tl.constexpr):
+            WINDOW: tl.constexpr, DOT: tl.constexpr):
     """Masked logits [BLOCK_M, BLOCK_N] of the tile's queries against keys at `kpos`, and the
     keys' page ids / slot rows (for the V read)."""
     k_ok = kpos <= tl.max(tl.where(row_ok, qpos, -1), axis=0)
@@ -40,7 +40,7 @@ def _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row_ptr, kpos, qpos, row_ok
                   (page * K_BLOCK_BYTES + srow * K_ROW_DATA)[:, None],
                   (page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE)[:, None],
                   offs_d[None, :], k_ok[:, None] & d_ok[None, :], K_BITS, K_GROUP, K_SCALE_KIND)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    s = dot(q, tl.trans(k), DOT)
     if HAS_QC:
         s = s + qc[:, None]
     s = s * scale
@@ -66,7 +66,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
                     V_ROW_DATA: tl.constexpr, V_ROW_SCALE: tl.constexpr, V_DATA_END: tl.constexpr,
                     V_BLOCK_BYTES: tl.constexpr,
                     HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
-                    HAS_SINKS: tl.constexpr, SPARSE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                    HAS_SINKS: tl.constexpr, SPARSE: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     tid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -124,7 +124,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
         s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row, kpos, qpos, row_ok,
                                       offs_d, d_ok, scale, soft_cap, window, H, BS, kvh,
                                       K_BITS, K_GROUP, K_SCALE_KIND, K_ROW_DATA, K_ROW_SCALE,
-                                      K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW)
+                                      K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
@@ -135,7 +135,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
                           (page * V_BLOCK_BYTES + srow * V_ROW_DATA)[:, None],
                           (page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE)[:, None],
                           offs_d[None, :], k_ok[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + dot(p, v, DOT)
         m_i = m_new
     if SPARSE:  # second pass: exact weights, keep p >= threshold, read only the kept V rows
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -145,7 +145,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
             s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row, kpos, qpos, row_ok,
                                           offs_d, d_ok, scale, soft_cap, window, H, BS, kvh,
                                           K_BITS, K_GROUP, K_SCALE_KIND, K_ROW_DATA, K_ROW_SCALE,
-                                          K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW)
+                                          K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
             p = tl.exp(s - m_fin[:, None]) / z[:, None]
             p = tl.where(p >= threshold, p, 0.0)
             need = (tl.max(p, axis=0) > 0) & k_ok
@@ -153,7 +153,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
                           (page * V_BLOCK_BYTES + srow * V_ROW_DATA)[:, None],
                           (page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE)[:, None],
                           offs_d[None, :], need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND)
-            acc += tl.dot(p, v, input_precision="ieee")
+            acc += dot(p, v, DOT)
         out = acc
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -162,12 +162,15 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
 
 def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      params: AttentionParams, *, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+                      params: AttentionParams, *, block_m: int = 32, block_n: int = 32,
+                      precision: str = "ieee") -> torch.Tensor:
     """Triton twin of `pagedkv.ops.reference.prefill_attention`: q [Tq, Hq, D] -> [Tq, Hq, D].
 
-    block_m: rows (query tokens x heads of a group) per tile; block_n: keys per tile.
-    Inputs are already validated by `pagedkv.ops.api`.
+    block_m: rows (query tokens x heads of a group) per tile; block_n: keys per tile;
+    precision: matmul operands as in `decode_attention`. Inputs are already validated by
+    `pagedkv.ops.api`.
     """
+    dot_kind = check_precision(precision)
     tq, hq, d = q.shape
     h = layer.num_kv_heads
     g = hq // h
@@ -194,7 +197,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
         H=h, G=g, GP=gp, D=d, BS=layer.block_size, HAS_QC=qc is not None,
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
         HAS_SINKS=params.sinks is not None, SPARSE=params.sparse_v_threshold > 0,
-        SEARCH_STEPS=max(1, bsz.bit_length()), BLOCK_Q=block_q, BLOCK_N=block_n,
+        SEARCH_STEPS=max(1, bsz.bit_length()), DOT=dot_kind, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)), **consts,
     )
     if layer.v_codec.rotated:
