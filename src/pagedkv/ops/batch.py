@@ -60,3 +60,33 @@ class AttentionParams:
     soft_cap: Optional[float] = None
     sinks: Optional[torch.Tensor] = None
     sparse_v_threshold: float = 0.0
+
+
+def make_layer(k_codec: Codec, v_codec: Codec, num_blocks: int, block_size: int,
+               num_kv_heads: int, head_dim: int, *, k_scale: float = 1.0, v_scale: float = 1.0,
+               k_centre: Optional[torch.Tensor] = None,
+               device: torch.device | str = "cpu") -> PagedLayer:
+    """A PagedLayer with zeroed pools sized from the codecs (tests, benchmarks, simple callers).
+
+    Pools: uint8 [num_blocks, codec.block_bytes(block_size, num_kv_heads, head_dim)] per side.
+    Raises ConfigError if a codec cannot store `head_dim`.
+    """
+    from ..errors import ConfigError
+
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    k_bytes = k_codec.block_bytes(block_size, num_kv_heads, head_dim)
+    v_bytes = v_codec.block_bytes(block_size, num_kv_heads, head_dim)
+    return PagedLayer(
+        k_pool=torch.zeros(num_blocks, k_bytes, dtype=torch.uint8, device=device),
+        v_pool=torch.zeros(num_blocks, v_bytes, dtype=torch.uint8, device=device),
+        k_codec=k_codec,
+        v_codec=v_codec,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        k_scale=torch.tensor([float(k_scale)], dtype=torch.float32, device=device),
+        v_scale=torch.tensor([float(v_scale)], dtype=torch.float32, device=device),
+        k_centre=None if k_centre is None else k_centre.to(device, torch.float32),
+    )

@@ -1,0 +1,21 @@
+"""The reference ops: readable torch, any device, the oracle every fast path is tested against.
+
+Same signatures as the public ops in `pagedkv.ops` (which validate, then dispatch); registered
+as the "reference" backend, the fallback for every device.
+"""
+
+from ..dispatch import Backend, register_backend
+from .attention import attend, decode_attention, gather_rows, prefill_attention
+from .store import store, store_side
+
+BACKEND = Backend(
+    name="reference",
+    device_types=(),
+    store=store,
+    decode_attention=decode_attention,
+    prefill_attention=prefill_attention,
+    priority=-1000,
+)
+register_backend(BACKEND)
+
+__all__ = ["store", "store_side", "decode_attention", "prefill_attention", "attend", "gather_rows", "BACKEND"]

@@ -1,0 +1,135 @@
+"""Reference attention over the paged, compressed cache: gather, decode, fp32 attention.
+
+The oracle for every fast path. Per sequence it gathers the codes through the block table,
+decodes them in the ROTATED basis (`rotated_basis=True`), rotates q once when K is rotated,
+computes fp32 attention and un-rotates the output once when V is rotated. It materialises one
+sequence's context in fp32 at a time: fine for an oracle, not for speed.
+
+Semantics (the fast paths must match):
+- logits s_j = scale * (q . (k_j - c) + q . c) with c = layer.k_centre (or 0), then soft-cap
+  `cap * tanh(s / cap)`;
+- visibility: key j is seen by a query at position p iff j <= p and (no window or j > p - W);
+- sinks (one logit per q head, used as given: not scaled, not capped) join the denominator:
+  m = max(max_j s_j, sink), Z = sum_j exp(s_j - m) + exp(sink - m), p_j = exp(s_j - m) / Z;
+- sparse V: with threshold t > 0, positions with p_j < t contribute nothing (their V is not
+  read); the kept weights are NOT renormalised, so out = sum_{p_j >= t} p_j v_j;
+- a decode sequence of length 0 (batch padding) outputs zeros;
+- the output has q's dtype; all arithmetic is fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...codecs import reference as codec_ref
+from ...codecs import wht
+from ...codecs.catalogue import Codec
+from ...codecs.layout import block_views
+from ..batch import AttentionParams, PagedLayer
+from .store import tensor_scale
+
+
+def gather_rows(layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torch.Tensor,
+                block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """Decode the first n tokens of one sequence -> float32 [n, num_kv_heads, head_dim].
+
+    Values stay in the codec's stored (rotated, for rotated codecs) basis.
+    block_table: int [max_blocks], logical block -> physical block id.
+    """
+    bs, h, d = layer.block_size, layer.num_kv_heads, layer.head_dim
+    data, scales = block_views(codec, pool, bs, h, d)
+    ids = block_table[: -(-n // bs)].long()
+    slots = ids.numel() * bs
+    rows = data[ids].reshape(slots, h, data.shape[-1])[:n]
+    row_scales = scales[ids].reshape(slots, h, scales.shape[-1])[:n]
+    return codec_ref.decode(codec, rows, row_scales, d, tensor_scale(codec, scale), rotated_basis=True)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+           layer: PagedLayer, params: AttentionParams) -> torch.Tensor:
+    """fp32 attention of one sequence.
+
+    q: float [Tq, Hq, D] (original basis); k, v: float32 [n, H, D] in the stored bases;
+    q_pos: int64 [Tq] positions of the queries. Returns float32 [Tq, Hq, D] (original basis).
+    """
+    tq, hq, d = q.shape
+    n, h = k.shape[0], layer.num_kv_heads
+    g = hq // h
+    qf = q.float().reshape(tq, h, g, d)
+    qk = wht.rotate(qf) if layer.k_codec.rotated else qf
+    s = torch.einsum("thgd,nhd->hgtn", qk, k)
+    if layer.k_centre is not None:
+        centre = layer.k_centre.to(qf.device, torch.float32)
+        s = s + torch.einsum("thgd,hd->hgt", qf, centre)[..., None]
+    s = s * params.scale
+    if params.soft_cap is not None:
+        s = params.soft_cap * torch.tanh(s / params.soft_cap)
+    key_pos = torch.arange(n, device=q.device)
+    visible = key_pos[None, :] <= q_pos[:, None]
+    if params.sliding_window is not None:
+        visible &= key_pos[None, :] > q_pos[:, None] - params.sliding_window
+    s = s.masked_fill(~visible, float("-inf"))
+    m = s.amax(-1, keepdim=True)  # [h, g, tq, 1]
+    if params.sinks is not None:
+        sink = params.sinks.to(q.device, torch.float32).reshape(h, g, 1, 1)
+        m = torch.maximum(m, sink)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    z = e.sum(-1, keepdim=True)
+    if params.sinks is not None:
+        z = z + torch.exp(sink - m)
+    p = e / z
+    if params.sparse_v_threshold > 0:
+        p = torch.where(p < params.sparse_v_threshold, torch.zeros_like(p), p)
+    out = torch.einsum("hgtn,nhd->thgd", p, v)
+    if layer.v_codec.rotated:
+        out = wht.unrotate(out)
+    return out.reshape(tq, hq, d)
+
+
+def _sequence_kv(layer: PagedLayer, block_table: torch.Tensor, n: int):
+    k = gather_rows(layer, layer.k_codec, layer.k_pool, layer.k_scale, block_table, n)
+    v = gather_rows(layer, layer.v_codec, layer.v_pool, layer.v_scale, block_table, n)
+    return k, v
+
+
+def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """One query token per sequence.
+
+    q: float [B, Hq, D]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B] (the query is
+    at position seq_lens[b] - 1; its own K/V were stored before the call). Returns [B, Hq, D]
+    in q's dtype.
+    """
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        k, v = _sequence_kv(layer, block_tables[b], n)
+        q_pos = torch.tensor([n - 1], device=q.device)
+        out[b] = attend(q[b : b + 1], k, v, q_pos, layer, params)[0]
+    return out.to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      params: AttentionParams) -> torch.Tensor:
+    """Several query tokens per sequence, packed varlen, causal and bottom-right aligned.
+
+    q: float [Tq, Hq, D]; query_start_loc: int32 [B+1] (sequence b owns q rows
+    query_start_loc[b]:query_start_loc[b+1]); seq_lens: int32 [B] including the new tokens,
+    which were stored before the call; query j of sequence b is at position
+    seq_lens[b] - q_len_b + j. Returns [Tq, Hq, D] in q's dtype.
+    """
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    starts = query_start_loc.tolist()
+    for b, n in enumerate(seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        k, v = _sequence_kv(layer, block_tables[b], n)
+        q_pos = torch.arange(n - (hi - lo), n, device=q.device)
+        out[lo:hi] = attend(q[lo:hi], k, v, q_pos, layer, params)
+    return out.to(q.dtype)

@@ -1,0 +1,55 @@
+"""Reference store: encode new K/V rows and scatter them into their slots of the block pools.
+
+Readable torch, any device; the oracle the fast stores are checked against (byte-exact).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...codecs import reference as codec_ref
+from ...codecs.catalogue import Codec, ScaleType
+from ...codecs.layout import block_views
+from ..batch import PagedLayer
+
+
+def tensor_scale(codec: Codec, scale: torch.Tensor) -> Optional[float]:
+    """The fp32 per-layer tensor scale as a float for codecs that use one (fp8), else None."""
+    return float(scale.reshape(-1)[0]) if codec.scale_type is ScaleType.TENSOR_FP32 else None
+
+
+def store_side(layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torch.Tensor,
+               x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Encode x float [T, H, D] with `codec` and write row t to slot `slot_mapping[t]` of `pool`.
+
+    Negative slots are skipped (padding tokens). slot = block_id * block_size + offset.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    if slots.numel() == 0:
+        return
+    data, scales = codec_ref.encode(codec, x[keep], tensor_scale(codec, scale))
+    data_view, scale_view = block_views(codec, pool, layer.block_size, layer.num_kv_heads, layer.head_dim)
+    blocks, offsets = slots // layer.block_size, slots % layer.block_size
+    data_view[blocks, offsets] = data
+    if scales.shape[-1]:
+        scale_view[blocks, offsets] = scales
+
+
+def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+          slot_mapping: torch.Tensor) -> None:
+    """Write new keys and values into the layer's pools.
+
+    k, v: float [T, num_kv_heads, head_dim] (either may be None to store one side only);
+    slot_mapping: int64 [T], negative = skip. Keys are stored as k - layer.k_centre when a
+    centre is set; fp8 uses layer.k_scale / layer.v_scale as its tensor scale.
+    """
+    if k is not None:
+        kf = k.float()
+        if layer.k_centre is not None:
+            kf = kf - layer.k_centre.to(kf.device, torch.float32)
+        store_side(layer, layer.k_codec, layer.k_pool, layer.k_scale, kf, slot_mapping)
+    if v is not None:
+        store_side(layer, layer.v_codec, layer.v_pool, layer.v_scale, v.float(), slot_mapping)
