@@ -210,3 +210,27 @@ def test_memory_swap_tier_and_config_checks(tmp_path):
     assert tc.swap.tier.used_bytes > 0
     tc.close()
     assert tc.swap.tier.used_bytes == 0
+
+
+def test_shared_prefix_blocks_are_swapped_once(tmp_path):
+    cfg = _cfg("bf16")
+    prompts = [PROMPT[:40] + [1, 2, 3], PROMPT[:40] + [4, 5]]  # 5 shared full blocks
+
+    def run(cache):
+        m = ToyLM(cache, seed=2)
+        return [m.generate(p, 4) for p in prompts]
+
+    want = run(PagedCache(cfg))
+    with _tiered(tmp_path, cfg, 1) as tc:
+        got = run(tc)
+        for a, b in zip(want, got):
+            _same(a, b)
+        assert got[1].hit_tokens == 40
+        # the second sequence's 5 prefix blocks reuse the first one's records
+        assert tc.offload_stats()["swap"]["swap_outs"] == len(tc.swap.refs) == 5
+        assert sorted(tc.swap.refs.values()) == [2] * 5
+        tc.free(got[0].seq_id)
+        assert sorted(tc.swap.refs.values()) == [1] * 5
+        tc.free(got[1].seq_id)
+        assert tc.swap.refs == {} and tc.swap.by_chain == {}
+        tc.seqs.check_invariants()

@@ -8,7 +8,9 @@ prefetch on, layer l+1's sections are fetched in a background thread while layer
 A record that is missing, short or fails a checksum raises `SwapLost` (its data would otherwise
 be silently wrong; the swap tier never evicts, so this means outside damage).
 
-Several sequences may reference one record (fork); it is deleted when the last reference goes.
+Several sequences may reference one record (fork, or the same prefix block swapped out by
+several sequences: records of prefix-keyed blocks are shared by chain hash, so a common prompt is
+swapped out once); a record is deleted when its last reference goes.
 """
 
 from __future__ import annotations
@@ -49,19 +51,31 @@ class SwapSpace:
         self.session = f"s{os.getpid()}{uuid.uuid4().hex[:10]}"
         self._ids = itertools.count()
         self.refs: dict[str, int] = {}
+        self.by_chain: dict[bytes, str] = {}  # prefix chain hash -> record of that block
+        self._chain_of: dict[str, bytes] = {}
         self.stats = SwapStats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-swap") \
             if prefetch else None
         self._pending: dict[int, tuple[tuple[str, ...], Future]] = {}
 
     # ---- writing ----------------------------------------------------------------------------
-    def write(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int) -> str:
-        """Store block `block` of every layer; returns its record key (1 reference).
-        Raises TierWriteError with nothing stored."""
+    def write(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int,
+              chain: Optional[bytes] = None) -> str:
+        """Store block `block` of every layer; returns its record key (one more reference).
+        `chain`: the block's prefix key when it has one (immutable contents): a record already
+        holding that block is shared instead of written again. Raises TierWriteError with
+        nothing stored."""
+        if chain is not None and chain in self.by_chain:
+            key = self.by_chain[chain]
+            self.refs[key] += 1
+            return key
         key = f"{self.session}-{next(self._ids)}"
         rec = encode_record(layout, key.encode(), read_block(layers, block))
         self.tier.put(key, rec)
         self.refs[key] = 1
+        if chain is not None:
+            self.by_chain[chain] = key
+            self._chain_of[key] = chain
         self.stats.swap_outs += 1
         self.stats.bytes_out += len(rec)
         return key
@@ -75,6 +89,9 @@ class SwapSpace:
             self.refs[key] = r
         else:
             del self.refs[key]
+            chain = self._chain_of.pop(key, None)
+            if chain is not None:
+                del self.by_chain[chain]
             self.tier.delete(key)
 
     def clear(self) -> None:
@@ -82,6 +99,8 @@ class SwapSpace:
         for key in list(self.refs):
             self.tier.delete(key)
         self.refs.clear()
+        self.by_chain.clear()
+        self._chain_of.clear()
 
     # ---- reading ----------------------------------------------------------------------------
     def read_whole(self, layout: BlockLayout, key: str) -> Sections:

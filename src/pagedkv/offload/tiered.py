@@ -275,15 +275,18 @@ class TieredCache(PagedCache):
                 break
             if i in sw:
                 continue
-            self._swap_out(seq_id, i)
+            if not self._swap_out(seq_id, i):
+                break
             moved += 1
         return moved
 
-    def _swap_out(self, seq_id: Hashable, i: int) -> None:
+    def _swap_out(self, seq_id: Hashable, i: int) -> bool:
+        """Move logical block i out (False when the pool has no block left for the
+        placeholder and i's block cannot serve as one: nothing changed)."""
         table = self.seqs.table(seq_id)
         b = table[i]
-        key = self.swap.write(self.layers, self.layout, b)  # type: ignore[union-attr]
         pool = self.pool
+        key = self.swap.write(self.layers, self.layout, b, pool.block_hash(b))  # type: ignore[union-attr]
         if self._ph is None:
             try:
                 self._ph = pool.allocate_one()  # its one reference is this entry's
@@ -292,7 +295,7 @@ class TieredCache(PagedCache):
                     self._ph = b  # b's own reference becomes the placeholder's
                 else:
                     self.swap.release(key)  # type: ignore[union-attr]
-                    return
+                    return False
             else:
                 pool.release(b)
         else:
@@ -302,6 +305,7 @@ class TieredCache(PagedCache):
         self._ph_refs += 1
         self._swapped[seq_id][i] = key
         self._changed()
+        return True
 
     def _swap_in(self, seq_id: Hashable, i: int) -> None:
         """Bring logical block i back into a fresh pool block (CacheFull / SwapLost, nothing

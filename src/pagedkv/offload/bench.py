@@ -1,0 +1,241 @@
+"""`pagedkv bench offload`: bytes moved and read-back time per tier and format, vs recomputing.
+
+For each KV format, a prefix of `--tokens` seeded random K/V is stored in a cache of `--layers`
+layers ({heads} KV heads x {head_dim}); then for each tier (memory, disk in a temporary
+directory, and Redis when `--redis-url` is given):
+- bytes/token: record bytes (every layer, K and V, headers and checksums) / block_size, and the
+  ratio to bf16's bytes/token;
+- write: encode + put of every block (publish / swap-out), per token;
+- load: get + verify + write into a pool block of every block (a prefix hit), per token;
+- swap read: the per-layer section reads attention does for a swapped block, per token;
+against recomputing the prefix:
+- recompute (store): encoding and storing the prefix's K/V in every layer from float K/V,
+  a LOWER BOUND on recomputing (a real model also runs its projections, MLPs and attention);
+- recompute (toy prefill): the prefill of `pagedkv.offload.toy.ToyLM` (projections, store,
+  attention) over the prefix.
+Times are medians of `--repeats` runs, one thread; loads are checked to restore the exact bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..cache import CacheConfig, PagedCache
+from ..errors import ConfigError
+from ..ops import api as ops
+from .disk import DiskTier
+from .record import (BlockLayout, decode_section, encode_record, read_block, section_span,
+                     try_decode_record, write_block)
+from .tiers import MemoryTier, Tier
+from .toy import ToyLM
+
+DEFAULT_FORMATS = ("bf16", "q8_0", "turbo4", "turbo3")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the `offload` bench target."""
+    g = p.add_argument_group("offload target")
+    g.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help=f"comma-separated KV formats (default {','.join(DEFAULT_FORMATS)})")
+    g.add_argument("--tokens", type=int, default=512, help="prefix tokens (default 512)")
+    g.add_argument("--layers", type=int, default=8, help="attention layers (default 8)")
+    g.add_argument("--heads", type=int, default=4, help="KV heads (default 4)")
+    g.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    g.add_argument("--repeats", type=int, default=3, help="timed repeats, median (default 3)")
+    g.add_argument("--redis-url", default=None,
+                   help="also measure a Redis tier at this URL (e.g. redis://127.0.0.1:6379/0)")
+    g.add_argument("--disk-dir", default=None,
+                   help="directory for the disk tier (default: a temporary directory)")
+
+
+def _median(fn: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `repeats` timed calls after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _fill(cache: PagedCache, tokens: int, seed: int = 0) -> tuple[list[int], list]:
+    """Store `tokens` seeded random K/V in every layer; returns (block ids, per-layer K/V)."""
+    g = torch.Generator().manual_seed(seed)
+    new = cache.add_sequence(list(range(tokens)) + [0])
+    kv = []
+    for li, pl in enumerate(cache.layers):
+        k = torch.randn(tokens + 1, pl.num_kv_heads, pl.head_dim, generator=g)
+        v = torch.randn(tokens + 1, pl.num_kv_heads, pl.head_dim, generator=g)
+        cache.store(li, k, v, new.slot_mapping)
+        kv.append((k, v))
+    cache.commit(new.seq_id)
+    nb = tokens // cache.block_size
+    return list(cache.seqs.table(new.seq_id))[:nb], kv
+
+
+def measure_tier(tier: Tier, cache: PagedCache, blocks: list[int], repeats: int) -> dict:
+    """Write / load / swap-read times (s, medians) and bytes of `blocks` through `tier`."""
+    layers, layout = cache.layers, BlockLayout.from_layers(cache.layers)
+    keys = [f"bench-{b}" for b in blocks]
+    recs = {}
+
+    def write():
+        for key, b in zip(keys, blocks):
+            rec = encode_record(layout, key.encode(), read_block(layers, b))
+            tier.put(key, rec)
+            recs[key] = len(rec)
+
+    write_s = _median(write, repeats)
+    scratch = cache.pool.allocate_one()  # a pool block to load into
+    want = [read_block(layers, b) for b in blocks]
+
+    def load():
+        for key, expect in zip(keys, want):
+            sections = try_decode_record(tier.get(key), layout, key.encode())
+            if sections is None:
+                raise RuntimeError(f"bench: {tier.name} lost {key}")
+            write_block(layers, scratch, sections)
+        assert read_block(layers, scratch) == want[-1]
+
+    load_s = _median(load, repeats)
+
+    def swap_read():
+        for li in range(len(layers)):
+            for key in keys:
+                off, n = section_span(layout, key.encode(), li)
+                decode_section(tier.get_range(key, off, n), layout, key.encode(), li)
+
+    swap_s = _median(swap_read, repeats)
+    cache.pool.release(scratch)
+    for key in keys:
+        tier.delete(key)
+    return {"write_s": write_s, "load_s": load_s, "swap_read_s": swap_s,
+            "record_bytes": sum(recs.values())}
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    """Measure every format x tier; returns a JSON-ready dict (see module doc)."""
+    torch.set_num_threads(1)
+    for name in ("tokens", "layers", "heads", "head_dim", "block_size", "repeats"):
+        v = getattr(args, name)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if args.tokens < args.block_size:
+        raise ConfigError(f"--tokens ({args.tokens}) must be at least --block-size ({args.block_size})")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    tmp = None
+    if args.disk_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="pagedkv-bench-")
+    disk_root = args.disk_dir or tmp.name
+    tiers: list[tuple[str, Callable[[], Tier]]] = [
+        ("memory", MemoryTier), ("disk", lambda: DiskTier(disk_root))]
+    if args.redis_url:
+        from .redis_tier import RedisTier
+
+        tiers.append(("redis", lambda: RedisTier(args.redis_url, prefix="pagedkv-bench:")))
+    bs, T = args.block_size, args.tokens
+    n_blocks = T // bs
+    bf16_per_token = 2 * 2 * args.layers * args.heads * args.head_dim
+    results = []
+    try:
+        for fmt in formats:
+            cfg = CacheConfig(num_layers=args.layers, num_kv_heads=args.heads,
+                              head_dim=args.head_dim, kv_format=fmt, block_size=bs,
+                              num_blocks=2 * n_blocks + 4, high_precision_layers=0)
+            cache = PagedCache(cfg)
+            blocks, kv = _fill(cache, n_blocks * bs)  # also warms the codec's tables up
+            slots = cache.slot_mapping(cache.sequence_ids()[0], 0, n_blocks * bs)
+
+            def restore():
+                for li, (k, v) in enumerate(kv):
+                    ops.store(cache.layers[li], k[:n_blocks * bs], v[:n_blocks * bs], slots)
+
+            store_s = _median(restore, args.repeats)
+            toy_cache = PagedCache(cfg)
+            model = ToyLM(toy_cache)
+            prompt = [i % model.vocab for i in range(n_blocks * bs)]
+
+            def toy_prefill():
+                toy_cache.clear()
+                new = toy_cache.add_sequence(prompt)
+                model.forward(prompt, [new.seq_id], new.slot_mapping,
+                              torch.tensor([0, len(prompt)], dtype=torch.int32))
+
+            toy_prefill()
+            toy_s = _median(toy_prefill, args.repeats)
+            for tier_name, make in tiers:
+                tier = make()
+                try:
+                    m = measure_tier(tier, cache, blocks, args.repeats)
+                finally:
+                    tier.close()
+                faults = tier.stats.faults
+                ntok = n_blocks * bs
+                results.append({
+                    "format": cfg.layers[0].format.name, "tier": tier_name,
+                    "bytes_per_token": m["record_bytes"] / ntok,
+                    "vs_bf16": (m["record_bytes"] / ntok) / bf16_per_token,
+                    "write_us_per_token": 1e6 * m["write_s"] / ntok,
+                    "load_us_per_token": 1e6 * m["load_s"] / ntok,
+                    "swap_read_us_per_token": 1e6 * m["swap_read_s"] / ntok,
+                    "recompute_store_us_per_token": 1e6 * store_s / ntok,
+                    "recompute_toy_us_per_token": 1e6 * toy_s / ntok,
+                    "load_vs_store": store_s / m["load_s"],
+                    "tier_faults": faults,
+                })
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return {"tokens": n_blocks * bs, "layers": args.layers, "kv_heads": args.heads,
+            "head_dim": args.head_dim, "block_size": bs, "repeats": args.repeats,
+            "bf16_bytes_per_token": bf16_per_token, "results": results}
+
+
+COLUMNS = ("format", "tier", "B/token", "vs bf16", "write us/tok", "load us/tok",
+           "swap read us/tok", "recompute store us/tok", "toy prefill us/tok", "load speedup vs store")
+
+
+def table(result: dict) -> tuple[str, tuple[str, ...], list[list]]:
+    """(title, columns, rows) for printing `run_bench`'s result."""
+    title = (f"offload: {result['tokens']}-token prefix, {result['layers']} layers x "
+             f"{result['kv_heads']} kv heads x {result['head_dim']}, block {result['block_size']} "
+             f"(median of {result['repeats']}, 1 thread; 'recompute store' is a lower bound)")
+    rows = [[r["format"], r["tier"], round(r["bytes_per_token"], 1), round(r["vs_bf16"], 3),
+             r["write_us_per_token"], r["load_us_per_token"], r["swap_read_us_per_token"],
+             r["recompute_store_us_per_token"], r["recompute_toy_us_per_token"],
+             round(r["load_vs_store"], 2)] for r in result["results"]]
+    return title, COLUMNS, rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Stand-alone entry (`python -m pagedkv.offload.bench`) until the CLI hook exists."""
+    p = argparse.ArgumentParser(prog="pagedkv bench offload", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    result = run_bench(args)
+    if args.json:
+        import json
+        import sys
+
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    else:
+        title, cols, rows = table(result)
+        print(title)
+        print(" | ".join(cols))
+        for r in rows:
+            print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
