@@ -12,7 +12,9 @@ against recomputing the prefix:
 - recompute (store): encoding and storing the prefix's K/V in every layer from float K/V,
   a LOWER BOUND on recomputing (a real model also runs its projections, MLPs and attention);
 - recompute (toy prefill): the prefill of `pagedkv.offload.toy.ToyLM` (projections, store,
-  attention) over the prefix.
+  attention) over the prefix;
+- recompute (model), with `--model embedded|PATH`: a plain forward of that model over the prefix
+  (what a prefix hit actually saves); the cache dims then follow the model's config.
 Times are medians of `--repeats` runs, one thread; loads are checked to restore the exact bytes.
 """
 
@@ -53,6 +55,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure a Redis tier at this URL (e.g. redis://127.0.0.1:6379/0)")
     g.add_argument("--disk-dir", default=None,
                    help="directory for the disk tier (default: a temporary directory)")
+    g.add_argument("--model", default=None,
+                   help="also time a forward of this model over the prefix ('embedded' or a "
+                        "path); the cache dims follow its config")
+
+
+def _model_recompute(name: str, tokens: int, repeats: int) -> tuple[dict, float, str]:
+    """(dims, median seconds of a forward over `tokens` token ids, label) for a model.
+
+    Imports the eval layer lazily (only this optional measurement needs transformers)."""
+    from ..eval.model import load_model, resolve_model_source
+
+    lm = load_model(resolve_model_source(None if name == "embedded" else name))
+    c = lm.model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    dims = {"layers": c.num_hidden_layers, "heads": c.num_key_value_heads, "head_dim": head_dim}
+    ids = torch.randint(0, min(int(c.vocab_size), 30000), (1, tokens),
+                        generator=torch.Generator().manual_seed(0))
+
+    def fwd():
+        with torch.no_grad():
+            lm.model(ids, use_cache=False)
+
+    return dims, _median(fwd, repeats), lm.label
 
 
 def _median(fn: Callable[[], None], repeats: int) -> float:
@@ -131,6 +156,11 @@ def run_bench(args: argparse.Namespace) -> dict:
     if args.tokens < args.block_size:
         raise ConfigError(f"--tokens ({args.tokens}) must be at least --block-size ({args.block_size})")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    model_s, model_label = None, None
+    if getattr(args, "model", None):
+        dims, model_s, model_label = _model_recompute(
+            args.model, (args.tokens // args.block_size) * args.block_size, args.repeats)
+        args.layers, args.heads, args.head_dim = dims["layers"], dims["heads"], dims["head_dim"]
     tmp = None
     if args.disk_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="pagedkv-bench-")
@@ -189,6 +219,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                     "recompute_store_us_per_token": 1e6 * store_s / ntok,
                     "recompute_toy_us_per_token": 1e6 * toy_s / ntok,
                     "load_vs_store": store_s / m["load_s"],
+                    "recompute_model_us_per_token": None if model_s is None else 1e6 * model_s / ntok,
+                    "load_vs_model": None if model_s is None else model_s / m["load_s"],
                     "tier_faults": faults,
                 })
     finally:
@@ -196,7 +228,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             tmp.cleanup()
     return {"tokens": n_blocks * bs, "layers": args.layers, "kv_heads": args.heads,
             "head_dim": args.head_dim, "block_size": bs, "repeats": args.repeats,
-            "bf16_bytes_per_token": bf16_per_token, "results": results}
+            "bf16_bytes_per_token": bf16_per_token, "model": model_label, "results": results}
 
 
 COLUMNS = ("format", "tier", "B/token", "vs bf16", "write us/tok", "load us/tok",
@@ -208,11 +240,17 @@ def table(result: dict) -> tuple[str, tuple[str, ...], list[list]]:
     title = (f"offload: {result['tokens']}-token prefix, {result['layers']} layers x "
              f"{result['kv_heads']} kv heads x {result['head_dim']}, block {result['block_size']} "
              f"(median of {result['repeats']}, 1 thread; 'recompute store' is a lower bound)")
+    cols = COLUMNS
     rows = [[r["format"], r["tier"], round(r["bytes_per_token"], 1), round(r["vs_bf16"], 3),
              r["write_us_per_token"], r["load_us_per_token"], r["swap_read_us_per_token"],
              r["recompute_store_us_per_token"], r["recompute_toy_us_per_token"],
              round(r["load_vs_store"], 2)] for r in result["results"]]
-    return title, COLUMNS, rows
+    if result.get("model"):
+        title += f"; model: {result['model']}"
+        cols = cols + ("model prefill us/tok", "load speedup vs model")
+        for row, r in zip(rows, result["results"]):
+            row += [r["recompute_model_us_per_token"], round(r["load_vs_model"], 1)]
+    return title, cols, rows
 
 
 def main(argv: Optional[list[str]] = None) -> int:
