@@ -1,7 +1,7 @@
 """`pagedkv bench offload`: bytes moved and read-back time per tier and format, vs recomputing.
 
 For each KV format, a prefix of `--tokens` seeded random K/V is stored in a cache of `--layers`
-layers ({heads} KV heads x {head_dim}); then for each tier (memory, disk in a temporary
+layers (`--kv-heads` x `--head-dim`); then for each tier (memory, disk in a temporary
 directory, and Redis when `--redis-url` is given):
 - bytes/token: record bytes (every layer, K and V, headers and checksums) / block_size, and the
   ratio to bf16's bytes/token;
@@ -41,43 +41,28 @@ DEFAULT_FORMATS = ("bf16", "q8_0", "turbo4", "turbo3")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of the `offload` bench target."""
+    """The options only the `offload` target has. It shares --formats, --layers, --kv-heads,
+    --head-dim, --block-size, --repeats and --json with the other `pagedkv bench` targets."""
     g = p.add_argument_group("offload target")
-    g.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
-                   help=f"comma-separated KV formats (default {','.join(DEFAULT_FORMATS)})")
-    g.add_argument("--tokens", type=int, default=512, help="prefix tokens (default 512)")
-    g.add_argument("--layers", type=int, default=8, help="attention layers (default 8)")
-    g.add_argument("--heads", type=int, default=4, help="KV heads (default 4)")
-    g.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    g.add_argument("--repeats", type=int, default=3, help="timed repeats, median (default 3)")
+    g.add_argument("--tokens", type=int, default=512, help="offload: prefix tokens (default 512)")
     g.add_argument("--redis-url", default=None,
-                   help="also measure a Redis tier at this URL (e.g. redis://127.0.0.1:6379/0)")
+                   help="offload: also measure a Redis tier at this URL (redis://host:port/db)")
     g.add_argument("--disk-dir", default=None,
-                   help="directory for the disk tier (default: a temporary directory)")
+                   help="offload: directory of the disk tier (default: a temporary directory)")
     g.add_argument("--model", default=None,
-                   help="also time a forward of this model over the prefix ('embedded' or a "
-                        "path); the cache dims follow its config")
+                   help="offload: also time a forward of this model over the prefix ('embedded' "
+                        "or a path); the cache dims then follow its config")
 
 
-def _model_recompute(name: str, tokens: int, repeats: int) -> tuple[dict, float, str]:
-    """(dims, median seconds of a forward over `tokens` token ids, label) for a model.
-
-    Imports the eval layer lazily (only this optional measurement needs transformers)."""
-    from ..eval.model import load_model, resolve_model_source
-
-    lm = load_model(resolve_model_source(None if name == "embedded" else name))
-    c = lm.model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dims = {"layers": c.num_hidden_layers, "heads": c.num_key_value_heads, "head_dim": head_dim}
-    ids = torch.randint(0, min(int(c.vocab_size), 30000), (1, tokens),
-                        generator=torch.Generator().manual_seed(0))
-
-    def fwd():
-        with torch.no_grad():
-            lm.model(ids, use_cache=False)
-
-    return dims, _median(fwd, repeats), lm.label
+def _shared_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help=f"KV formats (default {','.join(DEFAULT_FORMATS)})")
+    p.add_argument("--layers", type=int, default=30, help="layers (default 30)")
+    p.add_argument("--kv-heads", type=int, default=3, help="KV heads (default 3)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats, median (default 3)")
+    p.add_argument("--json", action="store_true")
 
 
 def _median(fn: Callable[[], None], repeats: int) -> float:
@@ -146,39 +131,51 @@ def measure_tier(tier: Tier, cache: PagedCache, blocks: list[int], repeats: int)
             "record_bytes": sum(recs.values())}
 
 
-def run_bench(args: argparse.Namespace) -> dict:
+def run_from_args(args: argparse.Namespace) -> dict:
+    """`run_bench` from a parsed `pagedkv bench offload` command line."""
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    return run_bench(formats, tokens=args.tokens, layers=args.layers, kv_heads=args.kv_heads,
+                     head_dim=args.head_dim, block_size=args.block_size, repeats=args.repeats,
+                     redis_url=args.redis_url, disk_dir=args.disk_dir, model=args.model)
+
+
+def run_bench(formats: list[str], *, tokens: int = 512, layers: int = 30, kv_heads: int = 3,
+              head_dim: int = 64, block_size: int = 16, repeats: int = 3,
+              redis_url: Optional[str] = None, disk_dir: Optional[str] = None,
+              model: Optional[str] = None) -> dict:
     """Measure every format x tier; returns a JSON-ready dict (see module doc)."""
     torch.set_num_threads(1)
-    for name in ("tokens", "layers", "heads", "head_dim", "block_size", "repeats"):
-        v = getattr(args, name)
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-    if args.tokens < args.block_size:
-        raise ConfigError(f"--tokens ({args.tokens}) must be at least --block-size ({args.block_size})")
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for name, v in (("tokens", tokens), ("layers", layers), ("kv-heads", kv_heads),
+                    ("head-dim", head_dim), ("block-size", block_size), ("repeats", repeats)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"--{name} must be a positive integer, got {v!r}")
+    if tokens < block_size:
+        raise ConfigError(f"--tokens ({tokens}) must be at least --block-size ({block_size})")
+    if not formats:
+        raise ConfigError("--formats needs at least one KV format")
     model_s, model_label = None, None
-    if getattr(args, "model", None):
-        dims, model_s, model_label = _model_recompute(
-            args.model, (args.tokens // args.block_size) * args.block_size, args.repeats)
-        args.layers, args.heads, args.head_dim = dims["layers"], dims["heads"], dims["head_dim"]
+    if model:
+        dims, model_s, model_label = _model_recompute(model, (tokens // block_size) * block_size,
+                                                      repeats)
+        layers, kv_heads, head_dim = dims["layers"], dims["heads"], dims["head_dim"]
     tmp = None
-    if args.disk_dir is None:
+    if disk_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="pagedkv-bench-")
-    disk_root = args.disk_dir or tmp.name
+    disk_root = disk_dir or tmp.name
     tiers: list[tuple[str, Callable[[], Tier]]] = [
         ("memory", MemoryTier), ("disk", lambda: DiskTier(disk_root))]
-    if args.redis_url:
+    if redis_url:
         from .redis_tier import RedisTier
 
-        tiers.append(("redis", lambda: RedisTier(args.redis_url, prefix="pagedkv-bench:")))
-    bs, T = args.block_size, args.tokens
-    n_blocks = T // bs
-    bf16_per_token = 2 * 2 * args.layers * args.heads * args.head_dim
+        tiers.append(("redis", lambda: RedisTier(redis_url, prefix="pagedkv-bench:")))
+    bs = block_size
+    n_blocks = tokens // bs
+    bf16_per_token = 2 * 2 * layers * kv_heads * head_dim
     results = []
     try:
         for fmt in formats:
-            cfg = CacheConfig(num_layers=args.layers, num_kv_heads=args.heads,
-                              head_dim=args.head_dim, kv_format=fmt, block_size=bs,
+            cfg = CacheConfig(num_layers=layers, num_kv_heads=kv_heads,
+                              head_dim=head_dim, kv_format=fmt, block_size=bs,
                               num_blocks=2 * n_blocks + 4, high_precision_layers=0)
             cache = PagedCache(cfg)
             blocks, kv = _fill(cache, n_blocks * bs)  # also warms the codec's tables up
@@ -188,7 +185,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 for li, (k, v) in enumerate(kv):
                     ops.store(cache.layers[li], k[:n_blocks * bs], v[:n_blocks * bs], slots)
 
-            store_s = _median(restore, args.repeats)
+            store_s = _median(restore, repeats)
             toy_cache = PagedCache(cfg)
             model = ToyLM(toy_cache)
             prompt = [i % model.vocab for i in range(n_blocks * bs)]
@@ -200,11 +197,11 @@ def run_bench(args: argparse.Namespace) -> dict:
                               torch.tensor([0, len(prompt)], dtype=torch.int32))
 
             toy_prefill()
-            toy_s = _median(toy_prefill, args.repeats)
+            toy_s = _median(toy_prefill, repeats)
             for tier_name, make in tiers:
                 tier = make()
                 try:
-                    m = measure_tier(tier, cache, blocks, args.repeats)
+                    m = measure_tier(tier, cache, blocks, repeats)
                 finally:
                     tier.close()
                 faults = tier.stats.faults
@@ -226,8 +223,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return {"tokens": n_blocks * bs, "layers": args.layers, "kv_heads": args.heads,
-            "head_dim": args.head_dim, "block_size": bs, "repeats": args.repeats,
+    return {"tokens": n_blocks * bs, "layers": layers, "kv_heads": kv_heads,
+            "head_dim": head_dim, "block_size": bs, "repeats": repeats,
             "bf16_bytes_per_token": bf16_per_token, "model": model_label, "results": results}
 
 
@@ -256,10 +253,10 @@ def table(result: dict) -> tuple[str, tuple[str, ...], list[list]]:
 def main(argv: Optional[list[str]] = None) -> int:
     """Stand-alone entry (`python -m pagedkv.offload.bench`) until the CLI hook exists."""
     p = argparse.ArgumentParser(prog="pagedkv bench offload", description=__doc__.split("\n")[0])
+    _shared_arguments(p)
     add_arguments(p)
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    result = run_bench(args)
+    result = run_from_args(args)
     if args.json:
         import json
         import sys
