@@ -32,7 +32,7 @@ def _import_redis():
         from redis.retry import Retry
     except ImportError:
         raise ConfigError(
-            "the Redis tier needs the 'redis' package: pip install redis"
+            "the Redis tier needs the 'redis' package: pip install 'pagedkv[redis]' (or pip install redis)"
         ) from None
     return redis, Retry, NoBackoff
 
