@@ -110,11 +110,11 @@ class FormatResult:
         }
 
 
-def cache_for(model, choice: FormatChoice, block_size: int = 16):
+def cache_for(model, choice: FormatChoice, block_size: int = 16, checks: bool = True):
     from ..integrations.transformers import PagedKVCache
 
     return PagedKVCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
-                        block_size=block_size)
+                        block_size=block_size, checks=checks)
 
 
 def layout_numbers(cache, memory_bytes: int) -> tuple[float, float, int]:
@@ -127,8 +127,13 @@ def layout_numbers(cache, memory_bytes: int) -> tuple[float, float, int]:
 
 
 def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
-             progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Run every format over every window; returns one dict per format (see FormatResult)."""
+             progress: Optional[Callable[[str], None]] = None,
+             on_window: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
+    """Run every format over every window; returns one dict per format (see FormatResult).
+
+    progress(label) is called after each pass; on_window(rows) after each window with the
+    results so far (for long runs that should leave partial results behind).
+    """
     from ..integrations.transformers import enable
 
     enable(model)
@@ -162,12 +167,14 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
             del cache, logits
             if progress:
                 progress(r.choice.label)
+        if on_window:
+            on_window([r.as_dict() for r in results])
     return [r.as_dict() for r in results]
 
 
 @torch.inference_mode()
 def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig):
-    cache = cache_for(model, choice, cfg.block_size)
+    cache = cache_for(model, choice, cfg.block_size, checks=False)  # model K/V: skip NaN scans
     out = model(ids, cache=cache, use_cache=True)
     return out.logits.float(), cache
 

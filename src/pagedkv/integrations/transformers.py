@@ -144,14 +144,15 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     block_size: tokens per block. max_tokens: None grows the pools on demand; an int fixes the
     capacity to that many tokens summed over rows (CacheFull beyond).
     device: where the pools live (default: the model's device, else cpu).
-    backend: ops backend name (None = automatic).
+    backend: ops backend name (None = automatic). checks: the ops' value checks (NaN/Inf in K/V,
+    slot ranges); False skips those scans (shape/dtype checks always run).
     """
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[int, str] = "auto", hp_format: Union[str, KVFormat] = "bf16",
                  key_centring: Optional[bool] = None, block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
-                 check_attn_implementation: bool = True):
+                 checks: bool = True, check_attn_implementation: bool = True):
         config = getattr(model_or_config, "config", model_or_config)
         if check_attn_implementation and hasattr(model_or_config, "config"):
             impl = getattr(config, "_attn_implementation", None)
@@ -178,6 +179,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             key_centring = any(s.format.k.name != "bf16" for s in self.config.layers)
         self.key_centring = bool(key_centring)
         self.backend = backend
+        self.checks = bool(checks)
         self.blocks = _Blocks(block_size, initial_blocks, growable=max_tokens is None)
         self._table_tensor: Optional[torch.Tensor] = None
         self._table_version = -1
@@ -441,7 +443,7 @@ class PagedCacheLayer:
             slots = self.cache._slots(self.length, t, self.paged.device)
             k = key_states.transpose(1, 2).reshape(b * t, h, d)
             v = value_states.transpose(1, 2).reshape(b * t, h, d)
-            store(self.paged, k, v, slots, backend=self.cache.backend)
+            store(self.paged, k, v, slots, backend=self.cache.backend, checks=self.cache.checks)
             self.length += t
         setattr(key_states, _TAG, self)
         return key_states, value_states
@@ -518,12 +520,12 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     q = query.transpose(1, 2)  # [B, Tq, Hq, D]
     if tq == 1:
         out = decode_attention(q[:, 0].contiguous(), layer.paged, tables, seq_lens, params,
-                               backend=cache.backend)
+                               backend=cache.backend, checks=cache.checks)
         out = out[:, None]
     else:
         qsl = torch.arange(b + 1, dtype=torch.int32, device=query.device) * tq
         out = prefill_attention(q.reshape(b * tq, hq, d).contiguous(), layer.paged, tables, seq_lens,
-                                qsl, params, backend=cache.backend)
+                                qsl, params, backend=cache.backend, checks=cache.checks)
         out = out.reshape(b, tq, hq, d)
     return out.to(query.dtype), None
 

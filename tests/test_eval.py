@@ -1,0 +1,125 @@
+"""Evaluation building blocks: windows, metrics, format choices, the runner on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.eval.metrics import MetricSums, kl_sum, log_probs, nll_sum, top1_matches
+from pagedkv.eval.runner import EvalConfig, parse_choice, pareto_front
+from pagedkv.eval.text import default_text, make_windows, window_starts
+
+
+def test_window_starts_spread_evenly_first_and_last_included():
+    assert window_starts(1000, 1, 100) == [0]
+    assert window_starts(1000, 2, 100) == [0, 900]
+    s = window_starts(1000, 4, 100)
+    assert s == [0, 300, 600, 900]
+    assert set(window_starts(1000, 2, 100)) <= set(window_starts(1000, 4, 100))
+    with pytest.raises(ConfigError, match="fewer than one window"):
+        window_starts(50, 2, 100)
+    with pytest.raises(ConfigError, match="--windows"):
+        window_starts(1000, 0, 100)
+
+
+def test_make_windows_prepends_bos():
+    toks = torch.arange(10, 110)
+    w = make_windows(toks, 3, 10, bos=1)
+    assert [x.tolist()[:2] for x in w] == [[1, 10], [1, 56], [1, 101]]
+    assert all(x.numel() == 10 for x in w)
+    assert w[-1][-1] == 109  # the last window ends at the end of the text
+    assert make_windows(toks, 1, 10, bos=None)[0].tolist() == list(range(10, 20))
+
+
+def test_default_text_is_pydoc_topics_sorted():
+    from pydoc_data.topics import topics
+
+    text = default_text()
+    first = sorted(topics)[0]
+    assert text.startswith(topics[first]) and len(text) > 100_000
+
+
+def test_metrics_against_direct_formulas():
+    torch.manual_seed(0)
+    a, b = torch.randn(7, 11) * 3, torch.randn(7, 11) * 3
+    t = torch.randint(0, 11, (7,))
+    la, lb = log_probs(a), log_probs(b)
+    assert math.isclose(nll_sum(la, t), float(torch.nn.functional.cross_entropy(a, t, reduction="sum")), rel_tol=1e-5)
+    direct = float(torch.nn.functional.kl_div(lb, la, log_target=True, reduction="sum"))
+    assert math.isclose(kl_sum(la, lb), direct, rel_tol=1e-5)
+    assert kl_sum(la, la) == 0.0
+    assert top1_matches(la, lb) == int((a.argmax(-1) == b.argmax(-1)).sum())
+    m = MetricSums()
+    m.add(a, t, la)
+    m.add(a, t, la)
+    assert m.tokens == 14 and m.mean_kl == 0 and m.top1_rate == 1
+    assert math.isclose(m.ppl, math.exp(nll_sum(la, t) / 7), rel_tol=1e-6)
+
+
+def test_parse_choice():
+    c = parse_choice("turbo3+hp")
+    assert c.label == "turbo3+hp" and c.high_precision_layers == "auto" and c.kv_format.name == "turbo3"
+    assert parse_choice("turbo4k3v+hp2").high_precision_layers == 2
+    assert parse_choice("turbo4k3v").label == "turbo4k_turbo3v"
+    assert parse_choice("q8_0").high_precision_layers == 0
+    with pytest.raises(ConfigError, match="turbo9"):
+        parse_choice("turbo9+hp")
+    with pytest.raises(ConfigError, match="windows"):
+        EvalConfig(windows=0)
+
+
+def test_pareto_front():
+    pts = [(16, 0.0), (8, 0.01), (8.5, 0.02), (4.5, 0.05), (3.5, 0.1), (6, 0.2)]
+    assert pareto_front(pts) == [4, 3, 1, 0]
+
+
+def test_evaluate_tiny_model_and_plot(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from pagedkv.eval.plot import plot_results
+    from pagedkv.eval.runner import evaluate
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("k_proj.weight", "q_proj.weight")):
+                p.mul_(8)
+    toks = torch.randint(3, 64, (400,))
+    windows = make_windows(toks, 2, 48, bos=1)
+    ecfg = EvalConfig(formats=("turbo3", "bf16", "turbo2+hp1"), windows=2, window_tokens=48,
+                      memory_bytes=2**20, decode_steps=2)
+    rows = evaluate(model, windows, ecfg)
+    by = {r["format"]: r for r in rows}
+    assert [r["format"] for r in rows] == ["turbo3", "bf16", "turbo2+hp1"]
+    assert by["bf16"]["kl"] == 0 and by["bf16"]["top1"] == 1
+    assert by["turbo3"]["kl"] > 0 and by["turbo3"]["bits_per_element"] == 3.5
+    assert by["bf16"]["bytes_per_token"] == 2 * 2 * 32 * 2  # 2 layers x K,V x 32 dims x 2 bytes
+    assert by["turbo2+hp1"]["high_precision_layers"] == 1
+    assert by["turbo2+hp1"]["bits_per_element"] == 16  # both layers are high precision
+    assert by["turbo3"]["max_context_tokens"] == (2**20 // (56 * 16)) * 16  # 2 layers x K,V x 32 x 3.5 bits = 56 B
+    assert all(r["decode_tok_s"] > 0 and r["tokens"] == 94 for r in rows)
+    # bf16 cache perplexity equals the DynamicCache perplexity (fp32 K/V) closely
+    nll = 0.0
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        for w in windows:
+            nll += nll_sum(log_probs(model(w[None]).logits[0, :-1]), w[1:])
+    assert math.isclose(by["bf16"]["ppl"], math.exp(nll / 94), rel_tol=1e-3)
+    out = tmp_path / "p.png"
+    plot_results(rows, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_bad_arguments_before_loading(capsys):
+    from pagedkv.cli.main import main
+
+    assert main(["eval", "--formats", "bf16,turbo9"]) == 2
+    assert "turbo9" in capsys.readouterr().err
+    assert main(["eval", "--plot", "x.txt", "--formats", "bf16"]) == 2
+    assert main(["eval", "--memory", "lots"]) == 2
+    assert main(["generate", "hi", "--kv-format", "nope"]) == 2
