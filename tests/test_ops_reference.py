@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers.attention_oracle import (expected_error_rms, make_case, oracle_attention, oracle_outputs,
                                       rms, run_op)
@@ -154,3 +156,38 @@ def test_sparse_threshold_zero_is_exact():
     a = run_op(case, AttentionParams(scale=0.125), mode="decode")
     b = run_op(case, AttentionParams(scale=0.125, sparse_v_threshold=0.0), mode="decode")
     assert torch.equal(a, b)
+
+
+def test_prefill_query_chunking_changes_nothing(monkeypatch):
+    from pagedkv.ops.reference import attention as ref_attention
+
+    case = make_case(CODECS["turbo2"], CODECS["q8_0"], seq_lens=[40, 23], q_lens=[17, 9], group=3, seed=9)
+    params = AttentionParams(scale=0.125, sliding_window=12, sinks=torch.zeros(6))
+    whole = run_op(case, params, mode="prefill")
+    monkeypatch.setattr(ref_attention, "LOGIT_BUDGET", 6 * 40 * 4)  # 4 queries per chunk
+    torch.testing.assert_close(run_op(case, params, mode="prefill"), whole, atol=1e-6, rtol=1e-6)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_cases_match_the_oracle(data):
+    """Random pair, head_dim (96 = 64 + 32 WHT blocks), GQA, block size, lengths and settings."""
+    fmt = data.draw(st.sampled_from(FORMATS), label="format")
+    d = data.draw(st.sampled_from([32, 64, 96]), label="head_dim")
+    h = data.draw(st.integers(1, 3), label="kv_heads")
+    g = data.draw(st.sampled_from([1, 2, 3, 8]), label="group")
+    bs = data.draw(st.sampled_from([1, 8, 16, 32]), label="block_size")
+    lens = data.draw(st.lists(st.integers(1, 60), min_size=1, max_size=3), label="seq_lens")
+    q_lens = [data.draw(st.integers(1, n), label="q_len") for n in lens]
+    window = data.draw(st.one_of(st.none(), st.integers(1, 70)), label="window")
+    cap = data.draw(st.one_of(st.none(), st.floats(1.0, 50.0)), label="soft_cap")
+    sinks = data.draw(st.booleans(), label="sinks")
+    centre = data.draw(st.booleans(), label="centre")
+    case = make_case(fmt.k, fmt.v, seq_lens=lens, q_lens=q_lens, num_kv_heads=h, group=g, head_dim=d,
+                     block_size=bs, centre=centre, k_offset=2.0 if centre else 0.0,
+                     seed=data.draw(st.integers(0, 2**16), label="seed"))
+    params = AttentionParams(scale=d ** -0.5, sliding_window=window, soft_cap=cap,
+                             sinks=torch.linspace(-1, 1, h * g) if sinks else None)
+    for mode in ("decode", "prefill"):
+        torch.testing.assert_close(run_op(case, params, mode=mode).double(),
+                                   oracle_outputs(case, params, mode=mode), **TIGHT)

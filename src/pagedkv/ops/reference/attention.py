@@ -30,6 +30,8 @@ from ...codecs.layout import block_views
 from ..batch import AttentionParams, PagedLayer
 from .store import tensor_scale
 
+LOGIT_BUDGET = 1 << 24  # fp32 logits per prefill chunk (64 MiB; a few such temporaries live at once)
+
 
 def gather_rows(layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torch.Tensor,
                 block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -131,5 +133,9 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
             continue
         k, v = _sequence_kv(layer, block_tables[b], n)
         q_pos = torch.arange(n - (hi - lo), n, device=q.device)
-        out[lo:hi] = attend(q[lo:hi], k, v, q_pos, layer, params)
+        # Query chunks keep the [Hq, chunk, n] fp32 logits near LOGIT_BUDGET elements.
+        step = max(1, LOGIT_BUDGET // max(1, q.shape[1] * n))
+        for c in range(lo, hi, step):
+            e = min(hi, c + step)
+            out[c:e] = attend(q[c:e], k, v, q_pos[c - lo : e - lo], layer, params)
     return out.to(q.dtype)
