@@ -1,0 +1,288 @@
+"""Decode (and prefill) attention speed on the compressed paged cache vs torch over bf16.
+
+Everything runs side by side in one process on a model-shaped cache (default: 30 layers, 9 q
+heads, 3 kv heads, head_dim 64, block size 16, the embedded model's shape):
+- ours: `pagedkv.ops.cpu.attention` (the fused C kernel) over paged pools of each format;
+- baseline: the FASTEST of three torch ways over a contiguous bf16 cache [B, H, n, D] of the same
+  shape: SDPA with enable_gqa, SDPA with the GQA group folded into the query length, and plain
+  bf16 matmul -> fp32 softmax -> matmul with the group folded.
+
+Timing: `timed_layers` distinct layers (each its own memory) are run back to back per repeat and
+the per-layer median over repeats is scaled to `layers`; `timed_layers` is chosen so the timed
+bytes exceed 4x the L3 cache (the reads come from DRAM, as in a real 30-layer step) within a
+memory budget. Contents: a few real encoded blocks (random N(0,1) K/V through the reference
+store) tiled over the pools, randomly permuted block tables.
+
+Each row: format, context, batch, ms (per decode step over all layers), baseline_ms, ratio =
+ms / baseline_ms, gbps (effective GB/s of the K/V bytes a step reads), plus the baseline ways,
+the bytes per step and the timed layer count.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..codecs.catalogue import ScaleType
+from ..errors import ConfigError
+from ..formats import KVFormat, parse_format
+from ..ops import AttentionParams, PagedLayer, make_layer
+from ..ops.reference import store as reference_store
+
+L3_BYTES = 32 << 20
+SEED_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """The model shape and the timing settings of a run."""
+
+    layers: int = 30
+    num_q_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+    repeats: int = 5
+    threads: int = 1
+    memory_budget: int = 3 << 30  # bytes of cache the bench may allocate at once
+
+    def check(self) -> None:
+        for name in ("layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "repeats", "threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ConfigError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+                              f"({self.num_kv_heads})")
+
+
+def _timed_layers(shape: BenchShape, layer_bytes: int) -> int:
+    want = max(2, math.ceil(4 * L3_BYTES / max(layer_bytes, 1)))
+    fit = max(1, shape.memory_budget // max(layer_bytes, 1))
+    return max(1, min(shape.layers, want, fit))
+
+
+def _median_ms(fn: Callable[[int], object], n_layers: int, repeats: int) -> float:
+    """Median over repeats of the per-layer time (ms) of running fn(l) for l in range(n_layers)."""
+    fn(0)  # warm-up (first touch, allocator)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for i in range(n_layers):
+            fn(i)
+        times.append((time.perf_counter() - t) / n_layers)
+    return statistics.median(times) * 1e3
+
+
+def _seeded_layers(fmt: KVFormat, shape: BenchShape, num_blocks: int, count: int) -> list[PagedLayer]:
+    """`count` layers of `num_blocks` blocks filled with tiled real encoded blocks."""
+    h, d, bs = shape.num_kv_heads, shape.head_dim, shape.block_size
+    seed_blocks = min(num_blocks, max(1, SEED_TOKENS // bs))
+    gen = torch.Generator().manual_seed(1234)
+    k = torch.randn(seed_blocks * bs, h, d, generator=gen)
+    v = torch.randn(seed_blocks * bs, h, d, generator=gen)
+    seed = make_layer(fmt.k, fmt.v, seed_blocks, bs, h, d)
+    reference_store(seed, k, v, torch.arange(seed_blocks * bs))
+    layers = []
+    for _ in range(count):
+        layer = make_layer(fmt.k, fmt.v, num_blocks, bs, h, d)
+        for src, dst in ((seed.k_pool, layer.k_pool), (seed.v_pool, layer.v_pool)):
+            reps = -(-num_blocks // seed_blocks)
+            dst.copy_(src.repeat(reps, 1)[:num_blocks])
+        layers.append(layer)
+    return layers
+
+
+def layer_bytes(fmt: KVFormat, shape: BenchShape, tokens: int) -> int:
+    """K + V bytes of `tokens` tokens of one layer (what a decode step reads per layer)."""
+    h, d = shape.num_kv_heads, shape.head_dim
+    return tokens * h * (fmt.k.row_bytes(d) + fmt.v.row_bytes(d))
+
+
+# ---------------------------------------------------------------------------- torch baseline
+def baseline_decode(shape: BenchShape, context: int, batch: int) -> dict:
+    """Per-step ms of the three torch ways over a contiguous bf16 cache; 'best' is the minimum."""
+    h, hq, d = shape.num_kv_heads, shape.num_q_heads, shape.head_dim
+    g = hq // h
+    per_layer = 2 * batch * h * context * d * 2
+    n = _timed_layers(shape, per_layer)
+    gen = torch.Generator().manual_seed(7)
+    ks = [torch.randn(batch, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
+    vs = [torch.randn(batch, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
+    q = torch.randn(batch, hq, 1, d, generator=gen).to(torch.bfloat16)
+    qf = q.reshape(batch, h, g, d)  # group folded into the query length
+    scale = d ** -0.5
+
+    def sdpa_gqa(i):
+        return F.scaled_dot_product_attention(q, ks[i], vs[i], scale=scale, enable_gqa=True)
+
+    def sdpa_folded(i):
+        return F.scaled_dot_product_attention(qf, ks[i], vs[i], scale=scale)
+
+    def matmul_folded(i):
+        s = torch.matmul(qf, ks[i].transpose(-1, -2)).float() * scale
+        return torch.matmul(torch.softmax(s, -1).to(torch.bfloat16), vs[i])
+
+    ways = {}
+    for name, fn in (("sdpa_gqa", sdpa_gqa), ("sdpa_folded", sdpa_folded), ("matmul_folded", matmul_folded)):
+        ways[name] = _median_ms(fn, n, shape.repeats) * shape.layers
+    best = min(ways, key=ways.get)
+    return {"ways": ways, "best": best, "ms": ways[best], "timed_layers": n, "bytes": per_layer * shape.layers}
+
+
+# ---------------------------------------------------------------------------- ours
+def ours_decode(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable) -> dict:
+    bs = shape.block_size
+    blocks_per_seq = -(-context // bs)
+    num_blocks = blocks_per_seq * batch
+    per_layer = layer_bytes(fmt, shape, context * batch)
+    n = _timed_layers(shape, per_layer)
+    layers = _seeded_layers(fmt, shape, num_blocks, n)
+    gen = torch.Generator().manual_seed(11)
+    tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).reshape(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, generator=gen).to(torch.bfloat16)
+    params = AttentionParams(scale=shape.head_dim ** -0.5)
+
+    def step(i):
+        return attention(q, layers[i], tables, lens, qsl, params, num_threads=shape.threads)
+
+    ms = _median_ms(step, n, shape.repeats) * shape.layers
+    return {"ms": ms, "timed_layers": n, "bytes": per_layer * shape.layers}
+
+
+def peak_memory_decode(fmt: KVFormat, shape: BenchShape, context: int, attention: Callable) -> dict:
+    """Peak resident memory added by one decode step of one layer at `context` (batch 1).
+
+    Linux: resets the peak-RSS mark (/proc/self/clear_refs) and reads VmHWM after the call. The
+    compressed cache itself is allocated (and touched) before the mark.
+    """
+    bs = shape.block_size
+    nb = -(-context // bs)
+    layer = _seeded_layers(fmt, shape, nb, 1)[0]
+    tables = torch.arange(nb, dtype=torch.int32).reshape(1, nb)
+    lens = torch.tensor([context], dtype=torch.int32)
+    qsl = torch.arange(2, dtype=torch.int32)
+    q = torch.randn(1, shape.num_q_heads, shape.head_dim).to(torch.bfloat16)
+    params = AttentionParams(scale=shape.head_dim ** -0.5)
+    cache_bytes = layer.k_pool.numel() + layer.v_pool.numel()
+    attention(q, layer, tables, lens, qsl, params, num_threads=shape.threads)  # warm-up
+
+    def status_kb(key: str) -> Optional[int]:
+        try:
+            with open("/proc/self/status") as fh:
+                for line in fh:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return {"format": fmt.name, "context": context, "cache_mb": cache_bytes / 2**20, "peak_extra_mb": None}
+    before = status_kb("VmRSS")
+    attention(q, layer, tables, lens, qsl, params, num_threads=shape.threads)
+    peak = status_kb("VmHWM")
+    full_fp32_mb = 2 * context * shape.num_kv_heads * shape.head_dim * 4 / 2**20
+    return {"format": fmt.name, "context": context, "cache_mb": cache_bytes / 2**20,
+            "peak_extra_mb": (peak - before) / 1024 if peak and before else None,
+            "fp32_context_copy_mb": full_fp32_mb}
+
+
+def prefill_row(fmt: KVFormat, shape: BenchShape, context: int, q_len: int, attention: Callable) -> dict:
+    """One chunked-prefill step (q_len queries at the end of `context`, batch 1) vs torch SDPA
+    over bf16 with the same bottom-right causal mask (fastest of enable_gqa / expanded K,V)."""
+    h, hq, d, bs = shape.num_kv_heads, shape.num_q_heads, shape.head_dim, shape.block_size
+    g = hq // h
+    nb = -(-context // bs)
+    n = 2
+    reps = max(2, min(shape.repeats, 3))
+    layers = _seeded_layers(fmt, shape, nb, n)
+    tables = torch.arange(nb, dtype=torch.int32).reshape(1, nb)
+    lens = torch.tensor([context], dtype=torch.int32)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(q_len, hq, d, generator=gen).to(torch.bfloat16)
+    params = AttentionParams(scale=d ** -0.5)
+    ms = _median_ms(lambda i: attention(q, layers[i], tables, lens, qsl, params, num_threads=shape.threads),
+                    n, reps) * shape.layers
+
+    kb = [torch.randn(1, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
+    vb = [torch.randn(1, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
+    ke = [k.repeat_interleave(g, dim=1) for k in kb]
+    ve = [v.repeat_interleave(g, dim=1) for v in vb]
+    qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    pos = torch.arange(context - q_len, context)
+    mask = torch.arange(context)[None, :] <= pos[:, None]
+    ways = {
+        "sdpa_gqa": _median_ms(lambda i: F.scaled_dot_product_attention(
+            qb, kb[i], vb[i], attn_mask=mask, scale=d ** -0.5, enable_gqa=True), n, reps) * shape.layers,
+        "sdpa_expanded": _median_ms(lambda i: F.scaled_dot_product_attention(
+            qb, ke[i], ve[i], attn_mask=mask, scale=d ** -0.5), n, reps) * shape.layers,
+    }
+    best = min(ways, key=ways.get)
+    return {"format": fmt.name, "context": context, "q_len": q_len, "ms": ms, "baseline_ms": ways[best],
+            "ratio": ms / ways[best], "baseline": best, "baseline_ways": ways}
+
+
+# ---------------------------------------------------------------------------- driver
+@dataclass
+class BenchResult:
+    rows: list = field(default_factory=list)
+    prefill: list = field(default_factory=list)
+    memory: list = field(default_factory=list)
+    bandwidth_gbps: Optional[float] = None
+    kernel: dict = field(default_factory=dict)
+
+
+def run(formats: list[str], contexts: list[int], batches: list[int], shape: BenchShape, *,
+        prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None) -> BenchResult:
+    """Run the benchmark grid; formats are KV format names (parsed here, the config edge)."""
+    shape.check()
+    fmts = [parse_format(f) for f in formats]
+    for c in contexts + batches:
+        if not isinstance(c, int) or c < 1:
+            raise ConfigError(f"contexts and batch sizes must be positive integers, got {c!r}")
+    from ..ops import cpu
+
+    if not cpu.available():
+        raise ConfigError(f"the fast CPU attention kernel is not available: {cpu.kernel_info().get('error')}")
+    torch.set_num_threads(shape.threads)
+    res = BenchResult(kernel=cpu.kernel_info())
+    res.bandwidth_gbps = cpu.stream_read_gbps(threads=shape.threads)
+    say = progress or (lambda s: None)
+    for batch in batches:
+        for context in contexts:
+            base = baseline_decode(shape, context, batch)
+            for fmt in fmts:
+                ours = ours_decode(fmt, shape, context, batch, cpu.attention)
+                row = {"format": fmt.name, "context": context, "batch": batch, "ms": ours["ms"],
+                       "baseline_ms": base["ms"], "ratio": ours["ms"] / base["ms"],
+                       "gbps": ours["bytes"] / (ours["ms"] / 1e3) / 1e9,
+                       "baseline_gbps": base["bytes"] / (base["ms"] / 1e3) / 1e9,
+                       "baseline": base["best"], "baseline_ways": base["ways"],
+                       "bytes_per_step": ours["bytes"], "timed_layers": ours["timed_layers"],
+                       "baseline_timed_layers": base["timed_layers"], "layers": shape.layers,
+                       "threads": shape.threads}
+                res.rows.append(row)
+                say(f"{fmt.name:>14} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
+                    f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}")
+    if prefill:
+        for fmt in fmts:
+            res.prefill.append(prefill_row(fmt, shape, 4096, 512, cpu.attention))
+            p = res.prefill[-1]
+            say(f"prefill {fmt.name:>14}: {p['ms']:.0f} ms vs {p['baseline_ms']:.0f} ms ratio {p['ratio']:.2f}")
+    if memory:
+        for fmt in fmts:
+            res.memory.append(peak_memory_decode(fmt, shape, max(contexts), cpu.attention))
+    return res

@@ -1,0 +1,185 @@
+"""Python side of the fast CPU attention: describe the codecs, prepare q, call the C kernel.
+
+What happens around the kernel (once per call, O(Tq * Hq * D), never O(context)):
+- q float [Tq, Hq, D] -> fp32; rotated by the WHT when K is stored rotated; multiplied by
+  `params.scale` (and the fp8 K tensor scale), so the kernel's score is a plain dot product;
+- `layer.k_centre` [H, D] -> a per-query bias `scale * q . k_centre` [Tq, Hq] added to every
+  score (keys are stored as k - centre, before the rotation);
+- the output [Tq, Hq, D] fp32 is multiplied by the fp8 V tensor scale (inside the kernel) and
+  un-rotated when V is stored rotated, then cast to q's dtype.
+
+A codec side is described to the kernel by its properties (`side_desc`): code bits, how a code
+becomes a value (bf16 raw, E4M3 bits, int8, or a table lookup), group size and scale type, the
+row byte sizes and where the scale section starts in a block. One kernel serves every pair.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...codecs import wht
+from ...codecs.catalogue import Codec, ScaleType, ValueKind
+from ...codecs.floats import e4m3_table
+from ...errors import InvalidInput
+from ..batch import AttentionParams, PagedLayer
+
+EK_BF16, EK_LUT, EK_E4M3, EK_I8 = 0, 1, 2, 3
+SC_NONE, SC_E4M3, SC_BF16, SC_FP16 = 0, 1, 2, 3
+_SCALE_KIND = {ScaleType.NONE: SC_NONE, ScaleType.TENSOR_FP32: SC_NONE, ScaleType.FP8_E4M3: SC_E4M3,
+               ScaleType.BF16: SC_BF16, ScaleType.FP16: SC_FP16}
+
+_p = ctypes.c_void_p
+_i32 = ctypes.c_int32
+_i64 = ctypes.c_int64
+_f32 = ctypes.c_float
+
+
+class _Side(ctypes.Structure):
+    _fields_ = [("pool", _p), ("block_stride", _i64), ("scale_offset", _i64), ("bits", _i32),
+                ("kind", _i32), ("group", _i32), ("scale_kind", _i32), ("row_data_bytes", _i32),
+                ("row_scale_bytes", _i32), ("table", _p), ("e4m3", _p)]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("num_seqs", _i32), ("num_q_heads", _i32), ("num_kv_heads", _i32), ("head_dim", _i32),
+                ("block_size", _i32), ("bt_stride", _i32), ("q", _p), ("bias", _p),
+                ("block_tables", _p), ("seq_lens", _p), ("query_start", _p), ("window", _i32),
+                ("soft_cap", _f32), ("sinks", _p), ("sparse_thr", _f32), ("out_scale", _f32),
+                ("out", _p), ("num_threads", _i32), ("rows_per_tile", _i32), ("heads_per_task", _i32),
+                ("num_splits", _i32), ("stats", _p)]
+
+
+@dataclass(frozen=True)
+class SideDesc:
+    """How the kernel reads one codec: element kind, bits, group, scale kind, 256-entry table."""
+
+    kind: int
+    bits: int
+    group: int
+    scale_kind: int
+    table: torch.Tensor  # float32 [256]
+
+
+@functools.lru_cache(maxsize=None)
+def side_desc(codec: Codec) -> SideDesc:
+    """The kernel's description of `codec` (derived from the catalogue row, cached)."""
+    bits = codec.code_bits
+    if codec.values is ValueKind.BF16:
+        kind = EK_BF16
+    elif bits == 8 and codec.values is ValueKind.FP8_E4M3:
+        kind = EK_E4M3  # decoded by bit arithmetic (tests check it equals the table)
+    elif bits == 8 and codec.values is ValueKind.INT:
+        kind = EK_I8
+    else:
+        kind = EK_LUT
+    table = torch.zeros(256, dtype=torch.float32)
+    vt = codec.value_table()
+    if vt is not None:
+        vt = vt.float().reshape(-1)
+        # sub-byte tables are replicated so that ignoring the code's upper bits is harmless
+        table = vt.repeat(256 // vt.numel())[:256].contiguous()
+    per_group = codec.group_size and codec.scale_type not in (ScaleType.NONE, ScaleType.TENSOR_FP32)
+    return SideDesc(kind, bits, codec.group_size if per_group else 0, _SCALE_KIND[codec.scale_type], table)
+
+
+_E4M3 = None
+
+
+def _e4m3() -> torch.Tensor:
+    global _E4M3
+    if _E4M3 is None:
+        _E4M3 = e4m3_table().float().contiguous()
+    return _E4M3
+
+
+def _side(codec: Codec, pool: torch.Tensor, layer: PagedLayer) -> tuple[_Side, SideDesc]:
+    d = side_desc(codec)
+    h, hd, bs = layer.num_kv_heads, layer.head_dim, layer.block_size
+    s = _Side()
+    s.pool = pool.data_ptr()
+    s.block_stride = pool.stride(0)
+    s.scale_offset = codec.data_bytes(bs * h * hd)
+    s.bits, s.kind, s.group, s.scale_kind = d.bits, d.kind, d.group, d.scale_kind
+    s.row_data_bytes = codec.row_data_bytes(hd)
+    s.row_scale_bytes = codec.row_scale_bytes(hd)
+    s.table = d.table.data_ptr()
+    s.e4m3 = _e4m3().data_ptr()
+    return s, d
+
+
+def _tensor_scale(codec: Codec, scale: torch.Tensor) -> float:
+    return float(scale.reshape(-1)[0]) if codec.scale_type is ScaleType.TENSOR_FP32 else 1.0
+
+
+def _i32c(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int32).contiguous()
+
+
+def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, params: AttentionParams,
+                  *, num_threads: Optional[int] = None, stats: Optional[dict] = None) -> torch.Tensor:
+    """Attention of packed queries q float [Tq, Hq, D] over the layer (decode: one per sequence).
+
+    block_tables int32 [B, max_blocks]; seq_lens int32 [B]; query_start_loc int32 [B+1]
+    (decode: arange(B+1)). Returns [Tq, Hq, D] in q's dtype. num_threads: None =
+    torch.get_num_threads(). stats: if a dict, receives "v_rows_read" and "v_rows_skipped".
+    """
+    if layer.k_pool.stride(1) != 1 or layer.v_pool.stride(1) != 1:
+        raise InvalidInput("the CPU kernel needs pools with contiguous rows (stride 1 along bytes)")
+    tq, hq, hd = q.shape
+    h = layer.num_kv_heads
+    g = hq // h
+    qf = q.float()
+    qk = wht.rotate(qf) if layer.k_codec.rotated else qf
+    qk = (qk * (params.scale * _tensor_scale(layer.k_codec, layer.k_scale))).contiguous()
+    bias = None
+    if layer.k_centre is not None:
+        c = layer.k_centre.float()
+        bias = (torch.einsum("thgd,hd->thg", qf.reshape(tq, h, g, hd), c) * params.scale).reshape(tq, hq).contiguous()
+    sinks = None if params.sinks is None else params.sinks.float().contiguous()
+    bt = _i32c(block_tables)
+    lens = _i32c(seq_lens)
+    qsl = _i32c(query_start_loc)
+    out = torch.empty(tq, hq, hd, dtype=torch.float32)
+    counters = torch.zeros(2, dtype=torch.int64)
+    ks, _ = _side(layer.k_codec, layer.k_pool, layer)
+    vs, _ = _side(layer.v_codec, layer.v_pool, layer)
+
+    a = _Args()
+    a.num_seqs = int(lens.shape[0])
+    a.num_q_heads, a.num_kv_heads, a.head_dim, a.block_size = hq, h, hd, layer.block_size
+    a.bt_stride = int(bt.shape[1]) if bt.dim() == 2 else 0
+    a.q = qk.data_ptr()
+    a.bias = bias.data_ptr() if bias is not None else None
+    a.block_tables, a.seq_lens, a.query_start = bt.data_ptr(), lens.data_ptr(), qsl.data_ptr()
+    a.window = int(params.sliding_window or 0)
+    a.soft_cap = float(params.soft_cap or 0.0)
+    a.sinks = sinks.data_ptr() if sinks is not None else None
+    a.sparse_thr = float(params.sparse_v_threshold)
+    a.out_scale = _tensor_scale(layer.v_codec, layer.v_scale)
+    a.out = out.data_ptr()
+    a.num_threads = int(num_threads or torch.get_num_threads())
+    max_q = int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0
+    if max_q <= 1:  # decode: every kv head of a block in one task (each cache line read once)
+        a.rows_per_tile, a.heads_per_task = 1, h
+    else:  # prefill: one kv head per task, ~64 query vectors share each decoded block
+        a.rows_per_tile, a.heads_per_task = max(1, 64 // g), 1
+    a.num_splits = 0
+    a.stats = counters.data_ptr()
+    rc = kernel.lib.pkv_attention(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
+    if rc == -1:
+        raise MemoryError("pagedkv CPU attention kernel: out of memory for its working set")
+    if rc != 0:
+        raise InvalidInput(f"pagedkv CPU attention kernel rejected the arguments (code {rc}): "
+                           f"Hq={hq}, H={h}, head_dim={hd}, block_size={layer.block_size}")
+    if stats is not None:
+        stats["v_rows_read"] = stats.get("v_rows_read", 0) + int(counters[0])
+        stats["v_rows_skipped"] = stats.get("v_rows_skipped", 0) + int(counters[1])
+    if layer.v_codec.rotated:
+        out = wht.unrotate(out)
+    return out.to(q.dtype)

@@ -1,0 +1,868 @@
+/* pagedkv fast CPU attention over the paged, compressed KV cache.
+ *
+ * One kernel for every (K codec, V codec) pair of the catalogue: a side (K or V) is described by
+ * its properties (code bits, how a code becomes a value, group size, scale type, byte layout), not
+ * by its name. Every non-bf16 codec decodes as value_table[code] * group_scale; bf16 is raw.
+ *
+ * Shape of the work (flash-decoding style, fp32 accumulation, online softmax):
+ *   task = (sequence, group of kv heads, tile of query rows, range of blocks)
+ *   for each block of the range (one block = block_size tokens, read once while hot in L1):
+ *     for each kv head of the task:
+ *       decode the block's K rows (rotated basis, group scales applied) into an fp32 tile,
+ *       transpose it to [head_dim][16 tokens], compute the scores of ALL query vectors that
+ *       share this kv head (GQA group x query rows) as broadcast-FMAs, soft-cap, mask (causal,
+ *       sliding window), online-softmax update, decode the V rows that some query still needs
+ *       (sparse V) and accumulate p * v.
+ *   partial results of block ranges (split-K, used when there are fewer tasks than threads) are
+ *   merged at the end; sinks join the denominator at the merge.
+ *
+ * The caller (ops/cpu/attention.py) rotates q (rotated K), folds scale * k tensor scale into q,
+ * passes the k_centre term as a per-query bias, and un-rotates the output (rotated V).
+ *
+ * Code paths: compiled with AVX-512 F/BW/VL/VBMI the decode uses byte permutes (vpermb) to move
+ * each code into a 32-bit lane, a variable shift, and vpermps as a 16-entry table lookup;
+ * otherwise portable C (auto-vectorised when compiled with -mavx2 -mfma).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
+#define PKV_AVX512 1
+#include <immintrin.h>
+#endif
+
+#define PKV_ABI_VERSION 3
+#define SMALL_M 8
+
+enum { EK_BF16 = 0, EK_LUT = 1, EK_E4M3 = 2, EK_I8 = 3 };
+enum { SC_NONE = 0, SC_E4M3 = 1, SC_BF16 = 2, SC_FP16 = 3 };
+
+typedef struct {
+    const uint8_t *pool;      /* [num_blocks, block_stride] */
+    int64_t block_stride;     /* bytes between consecutive blocks */
+    int64_t scale_offset;     /* bytes of the data section (scales start here) */
+    int32_t bits;             /* 16, 8, 4, 3, 2 */
+    int32_t kind;             /* EK_* */
+    int32_t group;            /* elements per scale; 0 = no per-group scale */
+    int32_t scale_kind;       /* SC_* */
+    int32_t row_data_bytes;   /* bytes of one (token, head) row of codes */
+    int32_t row_scale_bytes;  /* bytes of one (token, head) row of scales */
+    const float *table;       /* value of each code: 256 entries (<= 4 bits: replicated to 16) */
+    const float *e4m3;        /* 256-entry E4M3 table for scales */
+} pkv_side;
+
+typedef struct {
+    int32_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
+    int32_t bt_stride;            /* elements between block-table rows */
+    const float *q;               /* [Tq, Hq, D] fp32, already rotated/scaled */
+    const float *bias;            /* [Tq, Hq] or NULL: added to every score (k_centre term) */
+    const int32_t *block_tables;  /* [B, bt_stride] */
+    const int32_t *seq_lens;      /* [B] */
+    const int32_t *query_start;   /* [B+1] */
+    int32_t window;               /* 0 = none */
+    float soft_cap;               /* 0 = none */
+    const float *sinks;           /* [Hq] or NULL */
+    float sparse_thr;             /* 0 = exact */
+    float out_scale;              /* multiplies the output (v tensor scale) */
+    float *out;                   /* [Tq, Hq, D] fp32 */
+    int32_t num_threads;
+    int32_t rows_per_tile;        /* query rows per task tile (>= 1) */
+    int32_t heads_per_task;       /* kv heads per task (divides num_kv_heads) */
+    int32_t num_splits;           /* block ranges per (seq, head group, tile) */
+    int64_t *stats;               /* [2] or NULL: V rows decoded, V rows skipped (sparse) */
+} pkv_args;
+
+int pkv_abi_version(void) { return PKV_ABI_VERSION; }
+
+int pkv_has_avx512(void) {
+#ifdef PKV_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int pkv_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------- scalar helpers */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float fp16_to_f32(uint16_t h) {
+    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023, u;
+    if (e == 0) {
+        float f = ldexpf((float)m, -24);
+        return s ? -f : f;
+    }
+    if (e == 31) u = s | 0x7f800000u | (m << 13);
+    else u = s | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float group_scale(const pkv_side *sd, const uint8_t *srow, int g) {
+    switch (sd->scale_kind) {
+    case SC_E4M3: return sd->e4m3[srow[g]];
+    case SC_BF16: return bf16_to_f32((uint16_t)(srow[2 * g] | (srow[2 * g + 1] << 8)));
+    case SC_FP16: return fp16_to_f32((uint16_t)(srow[2 * g] | (srow[2 * g + 1] << 8)));
+    default: return 1.0f;
+    }
+}
+
+static inline uint32_t code_at(const uint8_t *row, int bits, int j) {
+    switch (bits) {
+    case 8: return row[j];
+    case 4: return (row[j >> 1] >> ((j & 1) * 4)) & 15;
+    case 2: return (row[j >> 2] >> ((j & 3) * 2)) & 3;
+    case 3: {
+        const uint8_t *p = row + 3 * (j >> 3);
+        uint32_t w = p[0] | (p[1] << 8) | ((uint32_t)p[2] << 16);
+        return (w >> (3 * (j & 7))) & 7;
+    }
+    default: return 0;
+    }
+}
+
+/* Portable decode of one (token, head) row into fp32 dst[D] (values times group scales). */
+__attribute__((unused)) static void decode_row_scalar(const pkv_side *sd, const uint8_t *drow, const uint8_t *srow, int D,
+                              float *dst) {
+    if (sd->kind == EK_BF16) {
+        for (int j = 0; j < D; j++) dst[j] = bf16_to_f32((uint16_t)(drow[2 * j] | (drow[2 * j + 1] << 8)));
+        return;
+    }
+    const float *t = sd->table;
+    for (int j = 0; j < D; j++) dst[j] = t[code_at(drow, sd->bits, j)];
+    if (sd->group) {
+        for (int g = 0; g < D / sd->group; g++) {
+            float s = group_scale(sd, srow, g);
+            for (int j = g * sd->group; j < (g + 1) * sd->group; j++) dst[j] *= s;
+        }
+    }
+}
+
+#ifdef PKV_AVX512
+/* ---------------------------------------------------------------- AVX-512 decode */
+typedef struct {
+    __m512i idx;    /* vpermb index: lane j <- bytes (j*bits)/8 .. +3 */
+    __m512i shift;  /* lane j >> (j*bits)%8 */
+    __m512 table;   /* 16-entry table (codes < 16) */
+    __mmask16 load_mask;
+} lut_ctx;
+
+static void lut_ctx_init(lut_ctx *c, const pkv_side *sd) {
+    uint8_t idx[64];
+    int32_t sh[16];
+    int bits = sd->bits < 8 ? sd->bits : 4;
+    for (int j = 0; j < 16; j++) {
+        int b = (j * bits) / 8;
+        for (int k = 0; k < 4; k++) idx[4 * j + k] = (uint8_t)((b + k) < 16 ? b + k : 15);
+        sh[j] = (j * bits) % 8;
+    }
+    c->idx = _mm512_loadu_si512(idx);
+    c->shift = _mm512_loadu_si512(sh);
+    c->table = _mm512_loadu_ps(sd->table);
+    c->load_mask = (__mmask16)((1u << (2 * bits)) - 1u);
+}
+
+#define PKV_INLINE static inline __attribute__((always_inline))
+PKV_INLINE int imin4(int a, int b) { return a < b ? a : b; }
+
+/* 16 values (chunk c of a row) for a compile-time (kind, bits): see the file comment. */
+PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
+                           const uint8_t *drow, int c) {
+    if (kind == EK_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(drow + 32 * c));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (kind == EK_E4M3) {  /* (b & 0x7f) << 20 is the E4M3 value times 2^-120 as an fp32 */
+        __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
+        __m512i mag = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20);
+        __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+        __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+        return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
+    }
+    if (kind == EK_I8) {
+        __m512i u = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
+        return _mm512_cvtepi32_ps(u);
+    }
+    if (bits == 8) {
+        __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
+        return _mm512_i32gather_ps(u, sd->table, 4);
+    }
+    /* 2/3/4-bit codes: vpermb puts the bytes holding code j in lane j, a variable shift aligns
+       it, vpermps looks it up (table replicated to 16 entries, so upper bits are harmless) */
+    __m128i x = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * bits)) - 1u), drow + 2 * bits * c);
+    __m512i w = _mm512_permutexvar_epi8(lc->idx, _mm512_zextsi128_si512(x));
+    w = _mm512_srlv_epi32(w, lc->shift);
+    return _mm512_permutexvar_ps(w, lc->table);
+}
+
+/* Per-chunk scales of one row into scl[D/16] (1.0 without per-group scales). */
+PKV_INLINE void row_scales(const pkv_side *sd, const uint8_t *srow, int nc, float *scl) {
+    /* chunk c (16 elements) uses scale (16 c) / group; groups are 16 or 32 (or a multiple of 16) */
+    const int per = sd->group >> 4;  /* chunks per scale */
+    switch (sd->scale_kind) {
+    case SC_E4M3:
+        if (per == 1)
+            for (int c = 0; c < nc; c++) scl[c] = sd->e4m3[srow[c]];
+        else
+            for (int c = 0; c < nc; c++) scl[c] = sd->e4m3[srow[c / per]];
+        break;
+    case SC_BF16:
+        for (int c = 0; c < nc; c++) {
+            int g = c / per;
+            scl[c] = bf16_to_f32((uint16_t)(srow[2 * g] | (srow[2 * g + 1] << 8)));
+        }
+        break;
+    case SC_FP16:
+        for (int c = 0; c < nc; c++) {
+            int g = c / per;
+            scl[c] = fp16_to_f32((uint16_t)(srow[2 * g] | (srow[2 * g + 1] << 8)));
+        }
+        break;
+    default:
+        for (int c = 0; c < nc; c++) scl[c] = 1.0f;
+    }
+}
+
+PKV_INLINE void decode_rows_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
+                              const uint8_t *blk, int t0, int nt, int H, int h, int D, float *dst,
+                              const uint8_t *need) {
+    const int nc = D >> 4;
+    float scl[64];
+    for (int i = 0; i < nt; i++) {
+        if (need && !need[i]) continue;
+        int64_t r = (int64_t)(t0 + i) * H + h;
+        const uint8_t *drow = blk + r * sd->row_data_bytes;
+        if (sd->group) {
+            row_scales(sd, blk + sd->scale_offset + r * sd->row_scale_bytes, nc, scl);
+            for (int c = 0; c < nc; c++)
+                _mm512_store_ps(dst + (int64_t)i * D + 16 * c,
+                                _mm512_mul_ps(decode16(kind, bits, sd, lc, drow, c), _mm512_set1_ps(scl[c])));
+        } else {
+            for (int c = 0; c < nc; c++)
+                _mm512_store_ps(dst + (int64_t)i * D + 16 * c, decode16(kind, bits, sd, lc, drow, c));
+        }
+    }
+}
+
+/* Decode rows t0..t0+nt-1 of kv head h of one block into dst[nt][D] (rows with need[i]==0
+   skipped when need is given). One switch per block; the loops are specialised per kind. */
+static void decode_rows(const pkv_side *sd, const lut_ctx *lc, const uint8_t *blk, int t0, int nt,
+                        int H, int h, int D, float *dst, const uint8_t *need) {
+    switch (sd->kind) {
+    case EK_BF16: decode_rows_t(EK_BF16, 16, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
+    case EK_E4M3: decode_rows_t(EK_E4M3, 8, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
+    case EK_I8: decode_rows_t(EK_I8, 8, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
+    default:
+        switch (sd->bits) {
+        case 8: decode_rows_t(EK_LUT, 8, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
+        case 4: decode_rows_t(EK_LUT, 4, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
+        case 3: decode_rows_t(EK_LUT, 3, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
+        default: decode_rows_t(EK_LUT, 2, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
+        }
+    }
+}
+
+/* 16x16 transpose: in rows r[i] (16 floats each, stride `ld`), out[j*16 + i] = in[i][j]. */
+static inline void transpose16(const float *in, int ld, float *out, int ostride) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(in + i * ld);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    /* r[4i+k] holds, for rows 4i..4i+3, column k of every 4-column chunk (per 128-bit lane) */
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; k < 4; k++) {
+            __m512 a = r[8 * i + k], b = r[8 * i + 4 + k];
+            t[8 * i + k] = _mm512_shuffle_f32x4(a, b, 0x88);
+            t[8 * i + 4 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
+        }
+    for (int k = 0; k < 8; k++) {
+        __m512 a = t[k], b = t[8 + k];
+        r[k] = _mm512_shuffle_f32x4(a, b, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
+    }
+    /* now r[k] holds column k (rows 0..15) */
+    for (int k = 0; k < 16; k++) _mm512_store_ps(out + k * ostride, r[k]);
+}
+
+/* 16 vectors v[0..15] (stride 16 floats) -> one vector of their horizontal sums. */
+PKV_INLINE __m512 hsum16(const float *v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) {
+        __m512 a = _mm512_load_ps(v + 32 * i), b = _mm512_load_ps(v + 32 * i + 16);
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    /* t[i] lane-wise (per 128-bit lane L): [a0+a2, b0+b2, a1+a3, b1+b3] of rows 2i, 2i+1 */
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    /* u[i] per 128-bit lane: partial sums of rows 4i, 4i+1, 4i+2, 4i+3 */
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* Raw scores S[m][i] = q_m . k_i for the nt rows of a block (few query vectors): each K row is
+   decoded into registers once and dotted with every q; partial vectors go to `part`
+   [M][BSP][16] and are reduced 16 tokens at a time. */
+PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
+                             const uint8_t *blk, int t0, int nt, int H, int h, int D, int M,
+                             const float *qv, float *part, float *S, int BSP) {
+    const int nc = D >> 4;
+    float scl[64];
+    for (int i = 0; i < nt; i++) {
+        int64_t r = (int64_t)(t0 + i) * H + h;
+        const uint8_t *drow = blk + r * sd->row_data_bytes;
+        if (sd->group) row_scales(sd, blk + sd->scale_offset + r * sd->row_scale_bytes, nc, scl);
+        int c0 = 0;
+        for (; c0 + 4 <= nc; c0 += 4) {  /* 4 chunks (64 dims) at a time, fully unrolled */
+            __m512 k0 = decode16(kind, bits, sd, lc, drow, c0), k1 = decode16(kind, bits, sd, lc, drow, c0 + 1);
+            __m512 k2 = decode16(kind, bits, sd, lc, drow, c0 + 2), k3 = decode16(kind, bits, sd, lc, drow, c0 + 3);
+            if (sd->group) {
+                k0 = _mm512_mul_ps(k0, _mm512_set1_ps(scl[c0])); k1 = _mm512_mul_ps(k1, _mm512_set1_ps(scl[c0 + 1]));
+                k2 = _mm512_mul_ps(k2, _mm512_set1_ps(scl[c0 + 2])); k3 = _mm512_mul_ps(k3, _mm512_set1_ps(scl[c0 + 3]));
+            }
+            for (int m = 0; m < M; m++) {
+                const float *q = qv + (int64_t)m * D + 16 * c0;
+                __m512 acc = _mm512_fmadd_ps(k1, _mm512_loadu_ps(q + 16), _mm512_mul_ps(k0, _mm512_loadu_ps(q)));
+                __m512 acc2 = _mm512_fmadd_ps(k3, _mm512_loadu_ps(q + 48), _mm512_mul_ps(k2, _mm512_loadu_ps(q + 32)));
+                acc = _mm512_add_ps(acc, acc2);
+                float *dst = part + ((int64_t)m * BSP + i) * 16;
+                if (c0) acc = _mm512_add_ps(acc, _mm512_load_ps(dst));
+                _mm512_store_ps(dst, acc);
+            }
+        }
+        for (; c0 < nc; c0++) {  /* remaining chunks (head_dim not a multiple of 64) */
+            __m512 k0 = decode16(kind, bits, sd, lc, drow, c0);
+            if (sd->group) k0 = _mm512_mul_ps(k0, _mm512_set1_ps(scl[c0]));
+            for (int m = 0; m < M; m++) {
+                __m512 acc = _mm512_mul_ps(k0, _mm512_loadu_ps(qv + (int64_t)m * D + 16 * c0));
+                float *dst = part + ((int64_t)m * BSP + i) * 16;
+                if (c0) acc = _mm512_add_ps(acc, _mm512_load_ps(dst));
+                _mm512_store_ps(dst, acc);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float *pm = part + (int64_t)m * BSP * 16;
+        for (int i = nt; i < BSP; i++) _mm512_store_ps(pm + 16 * i, _mm512_setzero_ps());
+        for (int g = 0; g < BSP / 16; g++) _mm512_store_ps(S + (int64_t)m * BSP + 16 * g, hsum16(pm + 256 * g));
+    }
+}
+
+static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const uint8_t *blk, int t0, int nt, int H,
+                       int h, int D, int M, const float *qv, float *part, float *S, int BSP) {
+    switch (sd->kind) {
+    case EK_BF16: scores_dot_t(EK_BF16, 16, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
+    case EK_E4M3: scores_dot_t(EK_E4M3, 8, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
+    case EK_I8: scores_dot_t(EK_I8, 8, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
+    default:
+        switch (sd->bits) {
+        case 8: scores_dot_t(EK_LUT, 8, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
+        case 4: scores_dot_t(EK_LUT, 4, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
+        case 3: scores_dot_t(EK_LUT, 3, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
+        default: scores_dot_t(EK_LUT, 2, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
+        }
+    }
+}
+
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 softcap512(__m512 s, float cap) {
+    /* cap * tanh(s / cap), tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) */
+    __m512 y = _mm512_mul_ps(s, _mm512_set1_ps(1.0f / cap));
+    __m512 ay = _mm512_abs_ps(y);
+    __m512 e = exp512(_mm512_mul_ps(ay, _mm512_set1_ps(-2.0f)));
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+    t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+    return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+}
+#endif /* PKV_AVX512 */
+
+/* ---------------------------------------------------------------- per-task state */
+typedef struct {
+    float *m;    /* [Mt] running max (-inf: nothing seen) */
+    float *l;    /* [Mt] running denominator */
+    float *acc;  /* [Mt, D] */
+} pkv_state;
+
+typedef struct {
+    float *q;       /* [hpt, M, D] query vectors of the task, contiguous */
+    float *bias;    /* [hpt, M] */
+    int32_t *pos;   /* [M] query position of each vector */
+    float *rows;    /* [BSP, D] decoded rows (K then V) */
+    float *kt;      /* [BSP/16][D][16] transposed K */
+    float *s;       /* [M, BSP] scores then probabilities */
+    uint8_t *need;  /* [BSP] V row needed */
+} pkv_scratch;
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+static inline int imax(int a, int b) { return a > b ? a : b; }
+
+/* Process tokens [jlo, jhi) of logical block lb (physical pb) for one kv head h and the M query
+ * vectors of the tile. */
+static void block_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs,
+#ifdef PKV_AVX512
+                       const lut_ctx *klc, const lut_ctx *vlc,
+#endif
+                       int pb, int lb, int h, int jlo, int jhi, int M, const float *qv,
+                       const float *bias, const float *sinks, const int32_t *pos, pkv_scratch *sc, float *st_m,
+                       float *st_l, float *st_acc, int64_t *nv, int64_t *nskip) {
+    const int D = a->head_dim, H = a->num_kv_heads, BS = a->block_size;
+    const int j0 = lb * BS, nt = jhi - jlo, t0 = jlo - j0;
+    const int ng = (nt + 15) >> 4, BSP = ng * 16;
+    const int W = a->window;
+    const uint8_t *kblk = ks->pool + (int64_t)pb * ks->block_stride;
+    const uint8_t *vblk = vs->pool + (int64_t)pb * vs->block_stride;
+    float *rows = sc->rows, *S = sc->s;
+
+#ifdef PKV_AVX512
+    if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
+        scores_dot(ks, klc, kblk, t0, nt, H, h, D, M, qv, sc->kt, S, BSP);
+    } else {  /* many: decode into a tile, transpose, broadcast-FMA every query against it */
+        decode_rows(ks, klc, kblk, t0, nt, H, h, D, rows, NULL);
+        for (int i = nt; i < BSP; i++) memset(rows + (int64_t)i * D, 0, sizeof(float) * D);
+        for (int g = 0; g < ng; g++)
+            for (int c = 0; c < D / 16; c++)
+                transpose16(rows + (int64_t)g * 16 * D + 16 * c, D, sc->kt + ((int64_t)g * D + 16 * c) * 16, 16);
+        for (int m = 0; m < M; m++) {
+            const float *q = qv + (int64_t)m * D;
+            for (int g = 0; g < ng; g++) {
+                const float *kt = sc->kt + (int64_t)g * D * 16;
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int d = 0; d < D; d += 4) {
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_load_ps(kt + 16 * d), a0);
+                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 1]), _mm512_load_ps(kt + 16 * d + 16), a1);
+                    a2 = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 2]), _mm512_load_ps(kt + 16 * d + 32), a2);
+                    a3 = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 3]), _mm512_load_ps(kt + 16 * d + 48), a3);
+                }
+                _mm512_store_ps(S + (int64_t)m * BSP + 16 * g,
+                                _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+            }
+        }
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int m = 0; m < M; m++) {
+        for (int g = 0; g < ng; g++) {
+            __m512 s = _mm512_load_ps(S + (int64_t)m * BSP + 16 * g);
+            if (bias) s = _mm512_add_ps(s, _mm512_set1_ps(bias[m]));
+            if (a->soft_cap > 0) s = softcap512(s, a->soft_cap);
+            /* visibility: lane i <-> key j = jlo + 16g + i; i < nt, j <= pos, j > pos - W */
+            __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(jlo + 16 * g));
+            __mmask16 ok = _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(jhi));
+            ok &= _mm512_cmple_epi32_mask(j, _mm512_set1_epi32(pos[m]));
+            if (W > 0) ok &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32(pos[m] - W));
+            s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok, s);
+            _mm512_store_ps(S + (int64_t)m * BSP + 16 * g, s);
+        }
+    }
+#else
+    for (int i = 0; i < nt; i++) {
+        int64_t r = (int64_t)(t0 + i) * H + h;
+        decode_row_scalar(ks, kblk + r * ks->row_data_bytes, kblk + ks->scale_offset + r * ks->row_scale_bytes,
+                          D, rows + (int64_t)i * D);
+    }
+    for (int m = 0; m < M; m++) {
+        const float *q = qv + (int64_t)m * D;
+        for (int i = 0; i < BSP; i++) {
+            int j = jlo + i;
+            float s = -INFINITY;
+            if (i < nt && j <= pos[m] && (W <= 0 || j > pos[m] - W)) {
+                const float *k = rows + (int64_t)i * D;
+                float acc = 0.0f;
+                for (int d = 0; d < D; d++) acc += q[d] * k[d];
+                if (bias) acc += bias[m];
+                if (a->soft_cap > 0) acc = a->soft_cap * tanhf(acc / a->soft_cap);
+                s = acc;
+            }
+            S[(int64_t)m * BSP + i] = s;
+        }
+    }
+#endif
+
+    /* online softmax; S becomes p = exp(s - m_new) (0 when masked or sparse-skipped) */
+    const float thr = a->sparse_thr;
+    if (thr > 0) memset(sc->need, 0, BSP);
+    int any_row = 0;
+    float alpha[M > 0 ? M : 1];
+    for (int m = 0; m < M; m++) {
+        float *sr = S + (int64_t)m * BSP;
+        float mx = st_m[m];
+#ifdef PKV_AVX512
+        __m512 vm = _mm512_set1_ps(mx);
+        for (int g = 0; g < ng; g++) vm = _mm512_max_ps(vm, _mm512_load_ps(sr + 16 * g));
+        mx = _mm512_reduce_max_ps(vm);
+#else
+        for (int i = 0; i < BSP; i++) mx = sr[i] > mx ? sr[i] : mx;
+#endif
+        if (mx == -INFINITY) {  /* nothing visible yet for this query */
+            alpha[m] = 1.0f;
+            for (int i = 0; i < BSP; i++) sr[i] = 0.0f;
+            continue;
+        }
+        alpha[m] = st_m[m] == -INFINITY ? 0.0f : expf(st_m[m] - mx);
+        float lsum = 0.0f;
+#ifdef PKV_AVX512
+        __m512 vs = _mm512_setzero_ps();
+        for (int g = 0; g < ng; g++) {
+            __m512 s = _mm512_load_ps(sr + 16 * g);
+            __mmask16 fin = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            __m512 p = _mm512_maskz_mov_ps(fin, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+            vs = _mm512_add_ps(vs, p);
+            _mm512_store_ps(sr + 16 * g, p);
+        }
+        lsum = _mm512_reduce_add_ps(vs);
+#else
+        for (int i = 0; i < BSP; i++) {
+            float p = sr[i] == -INFINITY ? 0.0f : expf(sr[i] - mx);
+            sr[i] = p;
+            lsum += p;
+        }
+#endif
+        st_l[m] = st_l[m] * alpha[m] + lsum;
+        st_m[m] = mx;
+        if (thr > 0) {
+            /* p_final = exp(s - m_final) / Z_final <= exp(s - mx) / Z_so_far (sinks included),
+               so skipping p < thr * Z_so_far only skips positions whose final weight < thr. */
+            float z = st_l[m];
+            if (sinks) z += expf(sinks[m] - mx);
+            float cut = thr * z;
+            for (int i = 0; i < nt; i++) {
+                if (sr[i] < cut) sr[i] = 0.0f;
+                else sc->need[i] = 1;
+            }
+        }
+        any_row = 1;
+    }
+    if (!any_row) return;
+
+    /* V rows that some query needs -> fp32 tile */
+    for (int i = 0; i < nt; i++) {
+        if (thr > 0 && !sc->need[i]) (*nskip)++;
+        else (*nv)++;
+    }
+#ifdef PKV_AVX512
+    decode_rows(vs, vlc, vblk, t0, nt, H, h, D, rows, thr > 0 ? sc->need : NULL);
+#else
+    for (int i = 0; i < nt; i++) {
+        if (thr > 0 && !sc->need[i]) continue;
+        int64_t r = (int64_t)(t0 + i) * H + h;
+        decode_row_scalar(vs, vblk + r * vs->row_data_bytes, vblk + vs->scale_offset + r * vs->row_scale_bytes,
+                          D, rows + (int64_t)i * D);
+    }
+#endif
+
+    for (int m = 0; m < M; m++) {
+        const float *pr = S + (int64_t)m * BSP;
+        float *acc = st_acc + (int64_t)m * D;
+        const float al = alpha[m];
+#ifdef PKV_AVX512
+        for (int dc = 0; dc < D; dc += 64) {
+            int nz = imin(4, (D - dc) >> 4);
+            if (nz == 4) {
+                __m512 c0 = _mm512_load_ps(acc + dc), c1 = _mm512_load_ps(acc + dc + 16);
+                __m512 c2 = _mm512_load_ps(acc + dc + 32), c3 = _mm512_load_ps(acc + dc + 48);
+                if (al != 1.0f) {
+                    __m512 va = _mm512_set1_ps(al);
+                    c0 = _mm512_mul_ps(c0, va); c1 = _mm512_mul_ps(c1, va);
+                    c2 = _mm512_mul_ps(c2, va); c3 = _mm512_mul_ps(c3, va);
+                }
+                for (int i = 0; i < nt; i++) {
+                    if (thr > 0 && pr[i] == 0.0f) continue;
+                    __m512 p = _mm512_set1_ps(pr[i]);
+                    const float *v = rows + (int64_t)i * D + dc;
+                    c0 = _mm512_fmadd_ps(p, _mm512_load_ps(v), c0);
+                    c1 = _mm512_fmadd_ps(p, _mm512_load_ps(v + 16), c1);
+                    c2 = _mm512_fmadd_ps(p, _mm512_load_ps(v + 32), c2);
+                    c3 = _mm512_fmadd_ps(p, _mm512_load_ps(v + 48), c3);
+                }
+                _mm512_store_ps(acc + dc, c0); _mm512_store_ps(acc + dc + 16, c1);
+                _mm512_store_ps(acc + dc + 32, c2); _mm512_store_ps(acc + dc + 48, c3);
+            } else {
+                for (int z = 0; z < nz; z++) {
+                    __m512 c0 = _mm512_mul_ps(_mm512_load_ps(acc + dc + 16 * z), _mm512_set1_ps(al));
+                    for (int i = 0; i < nt; i++) {
+                        if (thr > 0 && pr[i] == 0.0f) continue;
+                        c0 = _mm512_fmadd_ps(_mm512_set1_ps(pr[i]), _mm512_load_ps(rows + (int64_t)i * D + dc + 16 * z), c0);
+                    }
+                    _mm512_store_ps(acc + dc + 16 * z, c0);
+                }
+            }
+        }
+#else
+        if (al != 1.0f)
+            for (int d = 0; d < D; d++) acc[d] *= al;
+        for (int i = 0; i < nt; i++) {
+            float p = pr[i];
+            if (p == 0.0f) continue;
+            const float *v = rows + (int64_t)i * D;
+            for (int d = 0; d < D; d++) acc[d] += p * v[d];
+        }
+#endif
+    }
+}
+
+/* ---------------------------------------------------------------- tasks, merge, entry point */
+typedef struct {
+    int32_t b, hg, r0, r1, blk0, blk1;
+    int64_t part;  /* index of the first partial row of this task: [hpt][M] rows of D + 2 */
+} pkv_task;
+
+static void *xalloc(size_t bytes) {
+    size_t n = (bytes + 63) & ~(size_t)63;
+    void *p = aligned_alloc(64, n ? n : 64);
+    if (p) memset(p, 0, n ? n : 64);
+    return p;
+}
+
+/* Run one task; writes [hpt*M] partial rows (m, l, acc[D]) at part_out. Returns 0 or -1 (OOM). */
+static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, const pkv_task *t,
+                    float *part_out, int64_t *nv, int64_t *nskip) {
+    const int D = a->head_dim, H = a->num_kv_heads, Hq = a->num_q_heads, G = Hq / H;
+    const int BS = a->block_size, hpt = a->heads_per_task;
+    const int R = t->r1 - t->r0, M = R * G;
+    const int qs = a->query_start[t->b], qlen = a->query_start[t->b + 1] - qs;
+    const int L = a->seq_lens[t->b];
+    const int BSP = (BS + 15) & ~15;
+    pkv_scratch sc;
+    sc.q = xalloc(sizeof(float) * (size_t)hpt * M * D);
+    sc.bias = xalloc(sizeof(float) * (size_t)hpt * M);
+    sc.pos = xalloc(sizeof(int32_t) * (size_t)M);
+    sc.rows = xalloc(sizeof(float) * (size_t)BSP * D);
+    sc.kt = xalloc(sizeof(float) * (size_t)BSP * (D > 16 * M ? D : 16 * M));
+    sc.s = xalloc(sizeof(float) * (size_t)M * BSP);
+    sc.need = xalloc((size_t)BSP);
+    float *sinkv = a->sinks ? xalloc(sizeof(float) * (size_t)hpt * M) : NULL;
+    float *st_m = xalloc(sizeof(float) * (size_t)hpt * M);
+    float *st_l = xalloc(sizeof(float) * (size_t)hpt * M);
+    float *st_acc = xalloc(sizeof(float) * (size_t)hpt * M * D);
+    int rc = 0;
+    if (!sc.q || !sc.bias || !sc.pos || !sc.rows || !sc.kt || !sc.s || !sc.need || !st_m || !st_l ||
+        !st_acc || (a->sinks && !sinkv)) {
+        rc = -1;
+        goto done;
+    }
+    for (int hh = 0; hh < hpt; hh++) {
+        int h = t->hg * hpt + hh;
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) {
+                int m = r * G + g, tok = qs + t->r0 + r, qh = h * G + g;
+                memcpy(sc.q + ((size_t)hh * M + m) * D, a->q + ((size_t)tok * Hq + qh) * D, sizeof(float) * D);
+                sc.bias[hh * M + m] = a->bias ? a->bias[(size_t)tok * Hq + qh] : 0.0f;
+                if (sinkv) sinkv[hh * M + m] = a->sinks[qh];
+                st_m[hh * M + m] = -INFINITY;
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) sc.pos[r * G + g] = L - qlen + t->r0 + r;
+    const int pos_lo = L - qlen + t->r0, pos_hi = L - qlen + t->r1 - 1;
+    int jmin = a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0;
+    int jmax = pos_hi; /* inclusive */
+
+#ifdef PKV_AVX512
+    lut_ctx klc, vlc;
+    lut_ctx_init(&klc, ks);
+    lut_ctx_init(&vlc, vs);
+#endif
+    const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
+    const int64_t kbytes = ks->scale_offset + (int64_t)BS * H * ks->row_scale_bytes;
+    const int64_t vbytes = vs->scale_offset + (int64_t)BS * H * vs->row_scale_bytes;
+    for (int lb = t->blk0; lb < t->blk1; lb++) {
+        int pb = bt[lb];
+        int jlo = imax(lb * BS, jmin), jhi = imin((lb + 1) * BS, jmax + 1);
+        if (jlo >= jhi) continue;
+        if (lb + 1 < t->blk1) {  /* the next block's bytes are fetched while this one is computed */
+            const char *nk = (const char *)ks->pool + (int64_t)bt[lb + 1] * ks->block_stride;
+            const char *nv2 = (const char *)vs->pool + (int64_t)bt[lb + 1] * vs->block_stride;
+            for (int64_t o = 0; o < kbytes; o += 64) __builtin_prefetch(nk + o, 0, 3);
+            for (int64_t o = 0; o < vbytes; o += 64) __builtin_prefetch(nv2 + o, 0, 3);
+        }
+        for (int hh = 0; hh < hpt; hh++) {
+            int h = t->hg * hpt + hh;
+            block_head(a, ks, vs,
+#ifdef PKV_AVX512
+                       &klc, &vlc,
+#endif
+                       pb, lb, h, jlo, jhi, M, sc.q + (size_t)hh * M * D,
+                       a->bias ? sc.bias + hh * M : NULL, sinkv ? sinkv + hh * M : NULL, sc.pos, &sc,
+                       st_m + hh * M, st_l + hh * M, st_acc + (size_t)hh * M * D, nv, nskip);
+        }
+    }
+    for (int i = 0; i < hpt * M; i++) {
+        float *row = part_out + (size_t)i * (D + 2);
+        row[0] = st_m[i];
+        row[1] = st_l[i];
+        memcpy(row + 2, st_acc + (size_t)i * D, sizeof(float) * D);
+    }
+done:
+    free(sc.q); free(sc.bias); free(sc.pos); free(sc.rows); free(sc.kt); free(sc.s); free(sc.need);
+    free(sinkv); free(st_m); free(st_l); free(st_acc);
+    return rc;
+}
+
+/* Attention of packed varlen queries over the paged cache; decode is q_len = 1 per sequence.
+ * Returns 0 on success, -1 when out of memory, -2 on bad arguments. */
+int pkv_attention(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
+    const int B = a->num_seqs, H = a->num_kv_heads, Hq = a->num_q_heads, D = a->head_dim;
+    const int BS = a->block_size;
+    if (B < 0 || H <= 0 || Hq % H || D <= 0 || BS <= 0 || a->heads_per_task <= 0 ||
+        H % a->heads_per_task || a->rows_per_tile <= 0)
+        return -2;
+#ifdef PKV_AVX512
+    if (D % 16 || D > 1024) return -2;
+#endif
+    const int G = Hq / H, hpt = a->heads_per_task, ngroups = H / hpt;
+    int threads = a->num_threads > 0 ? a->num_threads : 1;
+
+    /* count base tasks (sequence, head group, row tile), then choose the split count */
+    int64_t nbase = 0;
+    for (int b = 0; b < B; b++) {
+        int qlen = a->query_start[b + 1] - a->query_start[b];
+        nbase += (int64_t)ngroups * ((qlen + a->rows_per_tile - 1) / a->rows_per_tile);
+    }
+    int nsplit = a->num_splits;
+    if (nsplit <= 0) {
+        nsplit = 1;
+        if (threads > 1 && nbase < 2 * threads) nsplit = (int)((2 * threads + nbase - 1) / (nbase ? nbase : 1));
+    }
+    int64_t ntask = nbase * nsplit;
+    pkv_task *tasks = malloc(sizeof(pkv_task) * (size_t)(ntask ? ntask : 1));
+    if (!tasks) return -1;
+    int64_t it = 0, part = 0;
+    for (int b = 0; b < B; b++) {
+        int qlen = a->query_start[b + 1] - a->query_start[b], L = a->seq_lens[b];
+        for (int hg = 0; hg < ngroups; hg++)
+            for (int r0 = 0; r0 < qlen; r0 += a->rows_per_tile) {
+                int r1 = imin(qlen, r0 + a->rows_per_tile);
+                int pos_lo = L - qlen + r0, pos_hi = L - qlen + r1 - 1;
+                int jmin = a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0;
+                int b0 = jmin / BS, b1 = pos_hi >= 0 ? pos_hi / BS + 1 : b0;
+                if (b1 < b0) b1 = b0;
+                int nb = b1 - b0;
+                for (int s = 0; s < nsplit; s++) {
+                    pkv_task *t = &tasks[it++];
+                    t->b = b; t->hg = hg; t->r0 = r0; t->r1 = r1;
+                    t->blk0 = b0 + (int)((int64_t)nb * s / nsplit);
+                    t->blk1 = b0 + (int)((int64_t)nb * (s + 1) / nsplit);
+                    t->part = part;
+                    part += (int64_t)hpt * (r1 - r0) * G;
+                }
+            }
+    }
+    float *parts = malloc(sizeof(float) * (size_t)(part ? part : 1) * (D + 2));
+    if (!parts) { free(tasks); return -1; }
+    int failed = 0;
+    int64_t nv = 0, nskip = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : nv, nskip) reduction(| : failed)
+#endif
+    for (int64_t i = 0; i < ntask; i++)
+        failed |= run_task(a, ks, vs, &tasks[i], parts + tasks[i].part * (D + 2), &nv, &nskip) != 0;
+
+    /* merge the splits of each (sequence, head group, tile) and write the output */
+    int64_t nbase_tasks = ntask / (nsplit ? nsplit : 1);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+    for (int64_t ib = 0; ib < nbase_tasks; ib++) {
+        const pkv_task *t0 = &tasks[ib * nsplit];
+        const int R = t0->r1 - t0->r0, M = R * G, qs = a->query_start[t0->b];
+        for (int hh = 0; hh < hpt; hh++)
+            for (int m = 0; m < M; m++) {
+                int r = m / G, g = m % G, h = t0->hg * hpt + hh, qh = h * G + g;
+                int64_t row = (int64_t)hh * M + m;
+                float mx = a->sinks ? a->sinks[qh] : -INFINITY;
+                for (int s = 0; s < nsplit; s++) {
+                    float ms = parts[(t0[s].part + row) * (D + 2)];
+                    mx = ms > mx ? ms : mx;
+                }
+                float *o = a->out + ((size_t)(qs + t0->r0 + r) * Hq + qh) * D;
+                for (int d = 0; d < D; d++) o[d] = 0.0f;
+                if (mx == -INFINITY) continue;
+                float z = a->sinks ? expf(a->sinks[qh] - mx) : 0.0f;
+                for (int s = 0; s < nsplit; s++) {
+                    const float *p = parts + (t0[s].part + row) * (D + 2);
+                    if (p[0] == -INFINITY) continue;
+                    float w = expf(p[0] - mx);
+                    z += p[1] * w;
+                    for (int d = 0; d < D; d++) o[d] += w * p[2 + d];
+                }
+                float f = z > 0 ? a->out_scale / z : 0.0f;
+                for (int d = 0; d < D; d++) o[d] *= f;
+            }
+    }
+    if (a->stats) { a->stats[0] += nv; a->stats[1] += nskip; }
+    free(parts);
+    free(tasks);
+    return failed ? -1 : 0;
+}
+
+/* Streaming read of n floats (the bench's memory-bandwidth probe); returns their sum. */
+double pkv_stream_sum(const float *p, int64_t n, int32_t threads) {
+    double total = 0.0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) reduction(+ : total)
+#endif
+    for (int64_t b = 0; b < n; b += 4096) {
+        int64_t e = b + 4096 < n ? b + 4096 : n;
+#ifdef PKV_AVX512
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        int64_t i = b;
+        for (; i + 64 <= e; i += 64) {
+            s0 = _mm512_add_ps(s0, _mm512_loadu_ps(p + i));
+            s1 = _mm512_add_ps(s1, _mm512_loadu_ps(p + i + 16));
+            s2 = _mm512_add_ps(s2, _mm512_loadu_ps(p + i + 32));
+            s3 = _mm512_add_ps(s3, _mm512_loadu_ps(p + i + 48));
+        }
+        float acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+        for (; i < e; i++) acc += p[i];
+#else
+        float acc = 0.0f;
+        for (int64_t i = b; i < e; i++) acc += p[i];
+#endif
+        total += acc;
+    }
+    return total;
+}

@@ -1,0 +1,199 @@
+"""The fast CPU attention kernel (pagedkv.ops.cpu) against the reference ops.
+
+Every (K, V) codec pair of the catalogue (looped from the registry by the shared helper), decode
+and prefill, plus GQA 1/3/8, head dims 64/128/256, block sizes 16/32, ragged lengths, sliding
+windows, soft-cap, sinks, k_centre, sparse V, split-K merging, and the portable build variants.
+Tolerances: the kernel computes the same fp32 math as the reference in another order, so outputs
+agree to ~1e-6; 2e-4 (relative to rms(v) = 1) leaves room for summation order only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers.attention_oracle import oracle_attention, run_op
+from helpers.backend_check import CheckCase, check_backend, default_cases
+
+from pagedkv.codecs.catalogue import CODECS
+from pagedkv.ops import AttentionParams, reference
+from pagedkv.ops.cpu import build as kbuild
+
+cpu = pytest.importorskip("pagedkv.ops.cpu")
+if not cpu.available():  # no compiler here: the fallback is tested below, the kernel cannot be
+    pytestmark = pytest.mark.skip(reason=f"CPU kernel unavailable: {cpu.kernel_info()}")
+
+
+def _check(cases, **kw):
+    return check_backend(decode_attention=cpu.decode_attention, prefill_attention=cpu.prefill_attention,
+                         cases=cases, **kw)
+
+
+def test_every_codec_pair_and_settings_grid():
+    """All 81 pairs on a ragged batch + the helper's settings grid (window, cap, sinks, sparse)."""
+    results = _check(default_cases())
+    assert len(results) >= len(CODECS) ** 2
+    assert max(r["decode_max_err"] for r in results) < 2e-4
+
+
+SHAPES = [
+    # (pair, kv heads, group, head_dim, block_size): each shape with another codec pair
+    (("turbo3", "turbo3"), 2, 1, 64, 16),
+    (("turbo4", "fp8"), 1, 3, 128, 32),
+    (("q4_0", "turbo2"), 1, 8, 256, 16),
+    (("bf16", "nvfp4"), 3, 3, 64, 32),
+    (("turbo2", "q8_0"), 2, 8, 128, 16),
+    (("turbo3", "fp8"), 2, 2, 80, 16),  # head_dim not a multiple of 64 (rotation blocks 64 + 16)
+]
+
+
+@pytest.mark.parametrize("pair,h,g,d,bs", SHAPES)
+def test_gqa_head_dim_block_size(pair, h, g, d, bs):
+    cc = CheckCase(*pair, seq_lens=(45, 1, 17, 64), num_kv_heads=h, group=g, head_dim=d, block_size=bs)
+    _check([cc])
+
+
+@pytest.mark.parametrize("pair,extra", [
+    (("turbo3", "turbo4"), dict(sliding_window=1)),
+    (("fp8", "q8_0"), dict(sliding_window=16, q_lens=(30, 1, 12))),
+    (("turbo3", "turbo4"), dict(soft_cap=5.0, sinks=True)),
+    (("fp8", "q8_0"), dict(sinks=True, sliding_window=7, group=8, num_kv_heads=1)),
+    (("turbo3", "turbo4"), dict(centre=True, k_offset=6.0, soft_cap=10.0)),
+    (("turbo8", "turbo3"), dict(q_lens=(45, 1, 33), sliding_window=40, soft_cap=25.0, sinks=True)),
+])
+def test_window_cap_sinks_centre(pair, extra):
+    base = dict(seq_lens=(45, 1, 33))
+    base.update(extra)
+    _check([CheckCase(*pair, **base)])
+
+
+def _decode_case(pair, seq_lens, **kw):
+    cc = CheckCase(*pair, seq_lens=seq_lens, **kw)
+    case = cc.build()
+    return cc, case
+
+
+def test_long_context_and_split_merge():
+    """Many blocks, random tables; 1 thread vs 4 threads (split-K partial softmax merge)."""
+    cc, case = _decode_case(("turbo3", "turbo3"), (700, 3, 260), num_kv_heads=3, group=3)
+    params = cc.params()
+    want = run_op(case, params, mode="decode", fn=reference.decode_attention)
+    qsl = torch.arange(case.batch + 1, dtype=torch.int32)
+    for threads in (1, 2, 4):
+        got = cpu.attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, qsl, params,
+                            num_threads=threads)
+        assert (got - want).abs().max() < 2e-4, threads
+
+
+def test_zero_length_sequence_outputs_zeros():
+    cc, case = _decode_case(("turbo4", "turbo4"), (20, 5), sinks=True)
+    lens = case.seq_lens.clone()
+    lens[1] = 0
+    params = cc.params()
+    got = cpu.decode_attention(case.q_decode, case.layer, case.block_tables, lens, params)
+    want = reference.decode_attention(case.q_decode, case.layer, case.block_tables, lens, params)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert (got - want).abs().max() < 2e-4
+
+
+def test_bf16_pages_match_fp64_sdpa_oracle():
+    """bf16 K/V: the kernel vs fp64 attention on the unquantized K/V (error = bf16 rounding)."""
+    cc, case = _decode_case(("bf16", "bf16"), (50, 9), num_kv_heads=2, group=3)
+    params = cc.params()
+    got = cpu.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    for b, n in enumerate(case.seq_lens.tolist()):
+        want = oracle_attention(case.q_decode[b:b + 1], case.k[b], case.v[b], torch.tensor([n - 1]), params)
+        # bf16 keeps 8 mantissa bits: relative error 2^-9 per element, averaged over D and tokens
+        assert (got[b:b + 1].double() - want).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("pair", [("turbo3", "turbo3"), ("bf16", "turbo2")])
+def test_sparse_v_only_skips_small_weights(pair):
+    """Sparse V: the kernel skips only positions whose final weight is below t, so its output is
+    within sum_{p<t} p |v| of both the exact and the reference (which skips all of them), and it
+    does skip reads (counted)."""
+    t = 0.02
+    cc, case = _decode_case(pair, (300, 64), num_kv_heads=1, group=4, k_offset=0.0)
+    exact_params = cc.params()
+    params = AttentionParams(scale=exact_params.scale * 6.0, sparse_v_threshold=t)  # peaky weights
+    exact_p = AttentionParams(scale=params.scale)
+    qsl = torch.arange(case.batch + 1, dtype=torch.int32)
+    stats = {}
+    got = cpu.attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, qsl, params,
+                        num_threads=1, stats=stats)
+    exact = reference.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, exact_p)
+    ref = reference.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    assert stats["v_rows_skipped"] > 0
+    for b, n in enumerate(case.seq_lens.tolist()):
+        k, v = case.k_deq[b], case.v_deq[b]  # what the cache holds, original basis
+        _, w = oracle_attention(case.q_decode[b:b + 1], k, v, torch.tensor([n - 1]), exact_p,
+                                return_weights=True)  # [Hq, 1, n]
+        small = torch.where(w < t, w, torch.zeros_like(w)).sum(-1).squeeze(-1)  # [Hq]
+        bound = (small * v.abs().max()).float() + 1e-4
+        for other in (exact, ref):
+            err = (got[b] - other[b]).abs().amax(-1)
+            assert bool((err <= bound).all()), (err, bound)
+
+
+def test_dispatch_picks_cpu_backend():
+    from pagedkv.ops.dispatch import Op, select_backend
+
+    cc, case = _decode_case(("turbo3", "turbo3"), (10,))
+    chosen = select_backend(Op.DECODE, case.layer.device, case.layer, cc.params())
+    assert chosen.name == "cpu"
+    from pagedkv.ops import decode_attention
+
+    out = decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, cc.params())
+    want = reference.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, cc.params())
+    assert (out - want).abs().max() < 2e-4
+
+
+def test_output_dtype_follows_q():
+    cc, case = _decode_case(("turbo3", "fp8"), (33,))
+    q = case.q_decode.to(torch.bfloat16)
+    out = cpu.decode_attention(q, case.layer, case.block_tables, case.seq_lens, cc.params())
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
+@pytest.mark.parametrize("variant", ["scalar", "avx2"])
+def test_portable_variants(tmp_path, variant):
+    """The portable C path (scalar, and compiler-vectorised AVX2) gives the same results."""
+    if variant == "avx2" and kbuild.detect_variant() == "scalar":
+        pytest.skip("no AVX2 here")
+    try:
+        cpu.load(kbuild.KernelConfig(cache_dir=str(tmp_path), variant=variant))
+        assert cpu.kernel_info()["variant"] == variant
+        cases = [CheckCase(k, v, seq_lens=(19, 1, 40), num_kv_heads=2, group=3, sliding_window=w,
+                           soft_cap=cap, sinks=s)
+                 for (k, v), w, cap, s in [(("turbo3", "turbo4"), None, None, False),
+                                           (("fp8", "q4_0"), 9, 20.0, True),
+                                           (("turbo8", "nvfp4"), None, None, True),
+                                           (("q8_0", "turbo2"), 5, None, False),
+                                           (("bf16", "bf16"), None, 30.0, False)]]
+        _check(cases)
+    finally:
+        cpu.load()
+
+
+def test_no_compiler_is_a_clear_error(tmp_path):
+    with pytest.raises(kbuild.KernelUnavailable, match="no C compiler"):
+        kbuild.build_and_load(kbuild.KernelConfig(cache_dir=str(tmp_path), compiler="no-such-cc-xyz"))
+
+
+def test_variant_detection_from_flags():
+    avx512 = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512vbmi".split())
+    assert kbuild.detect_variant(avx512) in ("avx512", "scalar")  # scalar on non-x86 machines
+    assert kbuild.detect_variant(frozenset("avx2 fma f16c".split())) in ("avx2", "scalar")
+    assert kbuild.detect_variant(frozenset({"sse2"})) == "scalar"
+
+
+def test_kernel_rejects_unsupported_head_dim_via_supports():
+    from pagedkv.ops.dispatch import Op
+    from pagedkv.ops import make_layer
+
+    layer = make_layer(CODECS["bf16"], CODECS["bf16"], 4, 16, 1, 72)
+    assert not cpu.supports(Op.DECODE, layer, AttentionParams(scale=1.0))
+    layer = make_layer(CODECS["bf16"], CODECS["bf16"], 4, 16, 1, 80)
+    assert cpu.supports(Op.DECODE, layer, AttentionParams(scale=1.0))
