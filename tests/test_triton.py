@@ -178,3 +178,37 @@ def test_bench_dry_run():
     by_format = {r["format"]: r["rel_err_vs_sdpa"] for r in ours}
     assert by_format["bf16"] < 1e-2 < 1.0 > by_format["turbo3"] > by_format["bf16"]
     assert "decode" in format_table(result)
+
+
+@pytest.mark.parametrize("name,norm_on,rope_kind", [
+    ("turbo3", True, "partial"), ("q4_0", True, "full"), ("fp8", False, "partial"),
+    ("turbo4", True, None), ("nvfp4", True, "multimodal"),
+])
+def test_fused_norm_rope_store_k(name, norm_on, rope_kind):
+    """The fused K kernel returns the reference's fp32 keys (to the last bit or so) and stores
+    exactly the bytes the reference store writes for them; k_centre and padding slots included."""
+    from pagedkv.ops import reference
+    from pagedkv.ops.fused import NormSpec, RopeSpec, store_k_fused
+    from pagedkv.ops.triton.fused import store_k_fused as triton_fused
+
+    gen = torch.Generator().manual_seed(3)
+    codec, t, h, d = CODECS[name], 13, 2, 64
+    k = (torch.randn(t, h, d, generator=gen) * 3).to(DEVICE)
+    slots = torch.randperm(48, generator=gen)[:t]
+    slots[4] = -1
+    slots = slots.to(DEVICE)
+    norm = NormSpec(torch.randn(d, generator=gen).to(DEVICE) * 0.1, eps=1e-6, unit_offset=True) if norm_on else None
+    rope = {None: None, "full": RopeSpec(theta=5e5), "partial": RopeSpec(rotary_dim=32, attention_scaling=1.1),
+            "multimodal": RopeSpec(multimodal=True, mrope_section=(8, 12, 12))}[rope_kind]
+    pos = torch.arange(t) + 100
+    if rope_kind == "multimodal":
+        pos = torch.stack([pos, pos // 3, pos % 5])
+    pos = pos.to(DEVICE)
+    centre = torch.randn(h, d, generator=gen)
+    layers = [make_layer(codec, codec, 3, 16, h, d, k_scale=0.25, k_centre=centre, device=DEVICE) for _ in range(3)]
+    want = store_k_fused(layers[0], k, slots, pos, norm=norm, rope=rope, backend="reference")
+    got = triton_fused(layers[1], k, slots, pos, norm=norm, rope=rope)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+    reference.store(layers[2], got, None, slots)
+    assert bool((layers[1].k_pool == layers[2].k_pool).all())
+    assert bool(layers[1].k_pool.any())

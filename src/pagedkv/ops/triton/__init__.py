@@ -6,6 +6,9 @@ constants derived from the catalogue rows (`spec.py`). Importing this module reg
 on the first op on a CUDA tensor). Without Triton the import fails with an ImportError saying
 `pip install triton`; the dispatcher logs it and falls back to the reference ops.
 
+`store_k_fused` is the fused RMSNorm -> RoPE -> store K kernel (semantics of
+`pagedkv.ops.fused.store_k_fused`).
+
 On a machine without a GPU the kernels still run on CPU tensors under Triton's interpreter
 (`TRITON_INTERPRET=1`, which must be set before Triton is first imported; tests set it):
 `interpreter_backend()` returns an unregistered Backend for such tensors, to pass as
@@ -25,6 +28,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ..batch import AttentionParams, PagedLayer
 from ..dispatch import Backend, Op, register_backend
 from .decode import decode_attention
+from .fused import store_k_fused
 from .prefill import prefill_attention
 from .spec import supports_head_dim
 from .store import store
@@ -63,5 +67,5 @@ def interpreter_backend() -> Backend:
                    supports=supports)
 
 
-__all__ = ["store", "decode_attention", "prefill_attention", "BACKEND", "supports",
+__all__ = ["store", "decode_attention", "prefill_attention", "store_k_fused", "BACKEND", "supports",
            "interpreter_backend", "interpreting"]

@@ -156,11 +156,12 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, lens_ptr, out_ptr, gm_ptr, 
         if MODE == 1:
             tl.store(gm_ptr + row, mx)
             tl.store(gz_ptr + row, tl.where(z > 0, z, 1.0))
-            return
-        acc = tl.load(acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=amask, other=0.0)
-        out = tl.sum(acc * w[:, None], axis=0) / tl.where(z > 0, z, 1.0)
-    out = tl.where(n > 0, out, 0.0)
-    tl.store(out_ptr + row * D + offs_d, out, mask=d_ok)
+        else:
+            acc = tl.load(acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=amask, other=0.0)
+            out = tl.sum(acc * w[:, None], axis=0) / tl.where(z > 0, z, 1.0)
+    if MODE != 1:
+        out = tl.where(n > 0, out, 0.0)
+        tl.store(out_ptr + row * D + offs_d, out, mask=d_ok)
 
 
 PRECISIONS = ("ieee", "tf32", "bf16")

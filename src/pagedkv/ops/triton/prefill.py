@@ -72,9 +72,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
     kvh = tl.program_id(1)
     HQ: tl.constexpr = H * G
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
-    total = tl.load(tiles_ptr + B)
-    if tid >= total:
-        return
+    live = tid < tl.load(tiles_ptr + B)  # the grid over-covers the tiles; spare programs do nothing
     # the sequence owning tile `tid`: the largest b with tiles[b] <= tid
     lo = tid * 0
     hi = lo + B
@@ -85,7 +83,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
         hi = tl.where(ok, hi, mid)
     b = lo
     q0 = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q0
+    q_len = tl.where(live, tl.load(qsl_ptr + b + 1) - q0, 0)
     n = tl.load(lens_ptr + b)
     local = tid - tl.load(tiles_ptr + b)
 
@@ -184,6 +182,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     gp = triton.next_power_of_2(g)
     block_m = max(block_m, gp, 16)
     block_q = block_m // gp
+    block_d = max(16, triton.next_power_of_2(d))
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
     tiles = torch.zeros(bsz + 1, dtype=torch.int32, device=dev)
     tiles[1:] = torch.cumsum((q_lens + block_q - 1) // block_q, 0)
@@ -198,7 +197,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
         HAS_SINKS=params.sinks is not None, SPARSE=params.sparse_v_threshold > 0,
         SEARCH_STEPS=max(1, bsz.bit_length()), DOT=dot_kind, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), **consts,
+        BLOCK_D=block_d, **consts, num_warps=8 if block_m * block_d >= 8192 else 4,
     )
     if layer.v_codec.rotated:
         out = wht.unrotate(out)

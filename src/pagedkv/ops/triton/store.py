@@ -11,6 +11,9 @@ encoder's (`pagedkv.codecs.reference`), written with integer rounding helpers so
 - nvfp4, turbo2/3/4: the same E4M3 scale search (10 candidates around amax / max|level|, least
   squared error of the group, first on ties) and nearest level (ties go down).
 
+The WHT runs in the kernel for head_dim <= 128 (a [D, D] fp32 operand: 64 KiB of shared memory
+at 128); larger head dims are rotated by one torch matmul just before the kernel.
+
 Known deviation (documented, tested by tolerance): for rotated codecs the WHT matmul sums in a
 different order than torch's CPU matmul, so an element sitting within ~1e-7 of a decision
 boundary can take the neighbouring code or a group a neighbouring scale. Elsewhere the bytes are
@@ -46,7 +49,9 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
                   BLOCK_BYTES: tl.constexpr, ENCODE: tl.constexpr, ROTATED: tl.constexpr,
                   HAS_CENTRE: tl.constexpr, N_MIDS: tl.constexpr, MAX_LEVEL: tl.constexpr,
                   SEARCH_LO: tl.constexpr, SEARCH_N: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                  w_ptr=None, cos_ptr=None, sin_ptr=None, kf_ptr=None, eps=0.0,
+                  NORM: tl.constexpr = False, ROPE: tl.constexpr = False, RD: tl.constexpr = 2):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -55,8 +60,32 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
     slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1)
     keep = slot >= 0
     mask = keep[:, None] & d_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_t + h * stride_h + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
+    x_row = x_ptr + rows[:, None].to(tl.int64) * stride_t + h * stride_h
+    if NORM or ROPE:  # fused K path: per-head RMSNorm then RoPE, fp32, written out as stored
+        row_ok = (rows < T)[:, None] & d_ok[None, :]
+        x = tl.load(x_row + offs_d[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        if NORM:
+            inv = 1.0 / tl.math.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)
+            x = x * inv[:, None] * tl.load(w_ptr + offs_d, mask=d_ok, other=0.0)[None, :]
+        if ROPE:  # neox half split within the first RD elements: d pairs with d +- RD/2
+            HALF: tl.constexpr = RD // 2
+            lo_half = offs_d < HALF
+            in_rot = offs_d < RD
+            partner = tl.where(lo_half, offs_d + HALF, offs_d - HALF)
+            xp = tl.load(x_row + partner[None, :], mask=row_ok & in_rot[None, :], other=0.0).to(tl.float32)
+            if NORM:
+                xp = xp * inv[:, None] * tl.load(w_ptr + partner, mask=in_rot, other=0.0)[None, :]
+            pair = tl.where(lo_half, offs_d, offs_d - HALF)
+            cs_off = rows[:, None].to(tl.int64) * HALF + pair[None, :]
+            cs_mask = row_ok & in_rot[None, :]
+            cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=1.0)
+            sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)
+            rot_x = tl.where(lo_half[None, :], x * cos - xp * sin, xp * sin + x * cos)
+            x = tl.where(in_rot[None, :], rot_x, x)
+        tl.store(kf_ptr + rows[:, None].to(tl.int64) * (H * D) + h * D + offs_d[None, :], x, mask=row_ok)
+        x = tl.where(mask, x, 0.0)
+    else:
+        x = tl.load(x_row + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_CENTRE:
         x = x - tl.load(centre_ptr + h * D + offs_d, mask=d_ok, other=0.0)[None, :]
     if ROTATED:  # y = x @ R^T, R [D, D] (rotate(x) = R x)
@@ -157,19 +186,22 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
             tl.store(sdst + 1, ((sbits >> 8) & 255).to(tl.uint8), mask=gmask)
 
 
+ROTATE_IN_KERNEL_MAX_D = 128  # larger head dims are rotated by one torch matmul before the kernel
 SEARCH_LO, SEARCH_N = -5, 10  # the reference encoder's SCALE_SEARCH = range(-5, 5)
 
 
 def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch.Tensor,
                x: torch.Tensor, slot_mapping: torch.Tensor, centre: Optional[torch.Tensor],
-               block_t: int = 16) -> None:
+               block_t: int = 16, prologue: Optional[dict] = None) -> None:
     """Encode x float [T, H, D] with `codec` into `pool` at `slot_mapping` (int64 [T], <0 skip).
 
-    centre: optional float32 [H, D] subtracted first (keys). Inputs are already validated.
+    centre: optional float32 [H, D] subtracted first (keys). prologue: the fused K path's extra
+    kernel arguments (`fused.py`). Inputs are already validated.
     """
     t, h, d = x.shape
     if t == 0:
         return
+    prologue = prologue or {}
     from ...codecs.reference import SCALE_SEARCH
 
     assert (SCALE_SEARCH.start, len(SCALE_SEARCH)) == (SEARCH_LO, SEARCH_N), SCALE_SEARCH
@@ -177,7 +209,12 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
     tabs = codec_tables(codec, x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rot = wht.rotation_matrix(d, x.device) if codec.rotated else tabs.values
+    rotate_in_kernel = codec.rotated and d <= ROTATE_IN_KERNEL_MAX_D
+    if codec.rotated and not rotate_in_kernel:  # a D x D fp32 tile would not fit in shared memory
+        assert not prologue, "the fused path rotates in the kernel (head_dim <= 128)"
+        x = wht.rotate(x.float() - (centre if centre is not None else 0.0)).contiguous()
+        centre = None
+    rot = wht.rotation_matrix(d, x.device) if rotate_in_kernel else tabs.values
     block_d = max(16, triton.next_power_of_2(d))
     grid = (triton.cdiv(t, block_t), h)
     _store_kernel[grid](
@@ -187,10 +224,10 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
         H=h, D=d, BS=layer.block_size, BITS=spec.bits, GROUP=max(spec.group, 1),
         SCALE_KIND=spec.scale_kind, ROW_DATA=spec.row_data, ROW_SCALE=spec.row_scale,
         DATA_END=spec.data_end, BLOCK_BYTES=spec.block_bytes, ENCODE=spec.encode,
-        ROTATED=spec.rotated, HAS_CENTRE=centre is not None,
+        ROTATED=rotate_in_kernel, HAS_CENTRE=centre is not None,
         N_MIDS=max(spec.levels - 1, 0) if spec.encode == ENC_TABLE else 0,
         MAX_LEVEL=tabs.max_level, SEARCH_LO=SEARCH_LO, SEARCH_N=SEARCH_N,
-        BLOCK_T=block_t, BLOCK_D=block_d, enable_fp_fusion=False,
+        BLOCK_T=block_t, BLOCK_D=block_d, enable_fp_fusion=False, **prologue,
     )
 
 
