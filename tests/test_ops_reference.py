@@ -191,3 +191,23 @@ def test_random_cases_match_the_oracle(data):
     for mode in ("decode", "prefill"):
         torch.testing.assert_close(run_op(case, params, mode=mode).double(),
                                    oracle_outputs(case, params, mode=mode), **TIGHT)
+
+
+def test_measure_sparse_v_reports_the_oracle_numbers():
+    from pagedkv.ops.reference import measure_sparse_v
+
+    case = make_case(CODECS["turbo4"], CODECS["turbo3"], seq_lens=[80, 33], group=3, q_scale=3.0, seed=10)
+    params = AttentionParams(scale=0.125, sparse_v_threshold=5e-3, sinks=torch.full((6,), 1.0))
+    stats = measure_sparse_v(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    exact_params = AttentionParams(scale=0.125, sinks=params.sinks)
+    skipped = total = 0
+    for b, n in enumerate(case.seq_lens.tolist()):
+        _, p = oracle_attention(case.q_decode[b : b + 1], case.k_deq[b], case.v_deq[b], torch.tensor([n - 1]),
+                                exact_params, return_weights=True)
+        skipped += int((p < 5e-3).sum())
+        total += p.numel()
+    assert abs(stats.skipped - skipped / total) < 0.01 and 0 < stats.skipped < 1
+    exact = oracle_outputs(case, exact_params, mode="decode")
+    sparse = oracle_outputs(case, params, mode="decode")
+    assert stats.rel_error == pytest.approx(float((sparse - exact).norm() / exact.norm()), rel=1e-3, abs=1e-6)
+    assert stats.dropped_mass_max >= stats.dropped_mass_mean > 0

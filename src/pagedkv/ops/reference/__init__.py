@@ -5,7 +5,8 @@ as the "reference" backend, the fallback for every device.
 """
 
 from ..dispatch import Backend, register_backend
-from .attention import attend, decode_attention, gather_rows, prefill_attention
+from .attention import attend, attention_weights, decode_attention, gather_rows, prefill_attention
+from .sparse import SparseVStats, measure_sparse_v
 from .store import store, store_side
 
 BACKEND = Backend(
@@ -18,4 +19,7 @@ BACKEND = Backend(
 )
 register_backend(BACKEND)
 
-__all__ = ["store", "store_side", "decode_attention", "prefill_attention", "attend", "gather_rows", "BACKEND"]
+__all__ = [
+    "store", "store_side", "decode_attention", "prefill_attention", "attend", "attention_weights",
+    "gather_rows", "measure_sparse_v", "SparseVStats", "BACKEND",
+]

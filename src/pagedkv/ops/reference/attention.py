@@ -49,17 +49,16 @@ def gather_rows(layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torc
     return codec_ref.decode(codec, rows, row_scales, d, tensor_scale(codec, scale), rotated_basis=True)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-           layer: PagedLayer, params: AttentionParams) -> torch.Tensor:
-    """fp32 attention of one sequence.
+def attention_weights(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, layer: PagedLayer,
+                      params: AttentionParams) -> torch.Tensor:
+    """Exact softmax weights of one sequence: float32 [H, G, Tq, n] (sinks in the denominator).
 
-    q: float [Tq, Hq, D] (original basis); k, v: float32 [n, H, D] in the stored bases;
-    q_pos: int64 [Tq] positions of the queries. Returns float32 [Tq, Hq, D] (original basis).
+    q: float [Tq, Hq, D] (original basis, Hq = H * G); k: float32 [n, H, D] in the stored basis;
+    q_pos: int64 [Tq] positions of the queries.
     """
     tq, hq, d = q.shape
     n, h = k.shape[0], layer.num_kv_heads
-    g = hq // h
-    qf = q.float().reshape(tq, h, g, d)
+    qf = q.float().reshape(tq, h, hq // h, d)
     qk = wht.rotate(qf) if layer.k_codec.rotated else qf
     s = torch.einsum("thgd,nhd->hgtn", qk, k)
     if layer.k_centre is not None:
@@ -75,14 +74,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     s = s.masked_fill(~visible, float("-inf"))
     m = s.amax(-1, keepdim=True)  # [h, g, tq, 1]
     if params.sinks is not None:
-        sink = params.sinks.to(q.device, torch.float32).reshape(h, g, 1, 1)
+        sink = params.sinks.to(q.device, torch.float32).reshape(h, hq // h, 1, 1)
         m = torch.maximum(m, sink)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     z = e.sum(-1, keepdim=True)
     if params.sinks is not None:
         z = z + torch.exp(sink - m)
-    p = e / z
+    return e / z
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+           layer: PagedLayer, params: AttentionParams) -> torch.Tensor:
+    """fp32 attention of one sequence.
+
+    q: float [Tq, Hq, D] (original basis); k, v: float32 [n, H, D] in the stored bases;
+    q_pos: int64 [Tq] positions of the queries. Returns float32 [Tq, Hq, D] (original basis).
+    """
+    tq, hq, d = q.shape
+    p = attention_weights(q, k, q_pos, layer, params)
     if params.sparse_v_threshold > 0:
         p = torch.where(p < params.sparse_v_threshold, torch.zeros_like(p), p)
     out = torch.einsum("hgtn,nhd->thgd", p, v)
