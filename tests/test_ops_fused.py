@@ -158,3 +158,26 @@ def test_fused_rejects_bad_settings():
     with pytest.raises(InvalidInput, match="k holds NaN"):
         store_k_fused(layer, torch.full((3, 2, 64), float("nan")), torch.arange(3), torch.arange(3), rope=RopeSpec())
     assert int(layer.k_pool.abs().sum()) == 0
+
+
+def test_fused_path_uses_a_backend_fused_kernel_when_it_has_one():
+    from pagedkv.ops import Backend, reference
+
+    calls = []
+
+    def fused_kernel(layer, k, slot_mapping, positions, *, norm=None, rope=None):
+        calls.append(k.shape)
+        kf = norm_rope(k, positions, norm, rope)
+        reference.store(layer, kf, None, slot_mapping)
+        return kf
+
+    with_kernel = Backend(name="test-fused", device_types=("cpu",), store=reference.store,
+                          decode_attention=reference.decode_attention,
+                          prefill_attention=reference.prefill_attention, store_k_fused=fused_kernel)
+    a = make_layer(CODECS["turbo3"], CODECS["turbo4"], 2, 16, 2, 64)
+    b = make_layer(CODECS["turbo3"], CODECS["turbo4"], 2, 16, 2, 64)
+    k, pos = torch.randn(5, 2, 64), torch.arange(5)
+    store_k_fused(a, k, torch.arange(5), pos, rope=RopeSpec(), backend=with_kernel)
+    store_k_fused(b, k, torch.arange(5), pos, rope=RopeSpec(), backend="reference")
+    assert calls == [torch.Size([5, 2, 64])]
+    assert torch.equal(a.k_pool, b.k_pool)

@@ -53,6 +53,9 @@ class Backend:
     (`pagedkv.ops.reference`), receiving inputs already validated by `pagedkv.ops.api`.
     supports(op, layer, params): False to decline a case (params is None for STORE); the
     dispatcher then falls back to the next backend, finally the reference.
+    store_k_fused: optional fused RMSNorm -> RoPE -> store K kernel with the signature of
+    `pagedkv.ops.fused.store_k_fused` (less backend/checks); None = the fused path composes
+    fp32 torch norm/RoPE with this backend's store.
     """
 
     name: str
@@ -62,6 +65,7 @@ class Backend:
     prefill_attention: Callable
     supports: Callable[[Op, PagedLayer, Optional[AttentionParams]], bool] = lambda op, layer, params: True
     priority: int = 0
+    store_k_fused: Optional[Callable] = None
 
     def runs_on(self, device_type: str) -> bool:
         return not self.device_types or device_type in self.device_types

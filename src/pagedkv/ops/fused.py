@@ -24,6 +24,7 @@ import torch
 
 from ..errors import ConfigError, InvalidInput
 from . import api, validate
+from .dispatch import Op, select_backend
 from .batch import PagedLayer
 from .dispatch import BackendChoice
 
@@ -162,8 +163,13 @@ def store_k_fused(layer: PagedLayer, k: torch.Tensor, slot_mapping: torch.Tensor
     """
     validate.check_store(layer, k, None, slot_mapping, checks)
     _check_fused(layer, k, positions, norm, rope, slot_mapping)
+    if rope is not None:
+        rope.dim(layer.head_dim)  # ConfigError before any write
+    impl = select_backend(Op.STORE, layer.device, layer, None, backend)
+    if impl.store_k_fused is not None:  # the backend's own fused kernel
+        return impl.store_k_fused(layer, k, slot_mapping, positions, norm=norm, rope=rope)
     kf = norm_rope(k, positions, norm, rope)
-    api.store(layer, kf, None, slot_mapping, backend=backend, checks=False)
+    impl.store(layer, kf, None, slot_mapping)
     return kf
 
 
