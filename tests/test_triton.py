@@ -72,13 +72,24 @@ def test_store_writes_the_reference_bytes(name):
 PAIRS = all_pairs()
 
 
-def test_decode_and_prefill_every_pair():
+def _tiny(k: str, v: str) -> CheckCase:
+    return CheckCase(k, v, seq_lens=(19, 1, 33), q_lens=(4, 1, 3), num_kv_heads=1, group=2)
+
+
+def test_decode_every_pair():
     """All 81 (K, V) pairs on one tiny ragged batch (GQA 2, a length-1 sequence)."""
     assert len(PAIRS) == len(CODECS) ** 2
-    cases = [CheckCase(k, v, seq_lens=(19, 1, 33), q_lens=(4, 1, 3), num_kv_heads=1, group=2)
-             for k, v in PAIRS]
-    rows = check_backend(**ATTN, cases=cases, device=DEVICE, **TOL)
+    rows = check_backend(decode_attention=tr.decode_attention, cases=[_tiny(k, v) for k, v in PAIRS],
+                         device=DEVICE, **TOL)
     assert len(rows) == len(PAIRS)
+
+
+def test_prefill_pairs():
+    """Prefill reads codes with the same device function as decode: every codec on both sides
+    (the 9 same-codec pairs) plus the asymmetric rotation cases (rotated K only / V only)."""
+    pairs = [(c, c) for c in CODECS] + [("bf16", "turbo3"), ("turbo3", "bf16"), ("q8_0", "turbo8")]
+    check_backend(prefill_attention=tr.prefill_attention, cases=[_tiny(k, v) for k, v in pairs],
+                  device=DEVICE, **TOL)
 
 
 def test_settings_and_shapes():
