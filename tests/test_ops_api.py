@@ -74,6 +74,7 @@ def test_store_k_only_and_v_only():
     (dict(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), "slot_mapping"),
     (dict(slot_mapping=torch.tensor([0, 1, 64])), "slot_mapping"),
     (dict(slot_mapping=torch.tensor([0, 1])), "k"),
+    (dict(slot_mapping=torch.tensor([5, -1, 5])), "same slot twice"),
 ])
 def test_store_rejects_bad_input_before_writing(bad, arg):
     layer = _layer()

@@ -95,6 +95,9 @@ def check_store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.
                     f"slot_mapping holds slot {hi} but the pools have {capacity} slots "
                     f"({layer.num_blocks} blocks x {layer.block_size}); negative slots mean skip"
                 )
+            used = slot_mapping[slot_mapping >= 0]
+            if used.unique().numel() != used.numel():
+                raise InvalidInput("slot_mapping writes the same slot twice; each new token needs its own slot")
 
 
 def check_params(params, num_q_heads: int, device: torch.device) -> None:
@@ -166,7 +169,8 @@ def check_decode(q, layer, block_tables, seq_lens, params, values: bool) -> None
 def check_prefill(q, layer, block_tables, seq_lens, query_start_loc, params, values: bool) -> None:
     check_layer(layer)
     _check_q(q, layer)
-    batch = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 else -1
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), dim=1, device=layer.device)
+    batch = seq_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), dim=1, device=layer.device)
     if query_start_loc.shape[0] != batch + 1:
         raise InvalidInput(
