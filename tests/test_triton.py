@@ -218,7 +218,9 @@ def test_fused_norm_rope_store_k(name, norm_on, rope_kind):
     centre = torch.randn(h, d, generator=gen)
     layers = [make_layer(codec, codec, 3, 16, h, d, k_scale=0.25, k_centre=centre, device=DEVICE) for _ in range(3)]
     want = store_k_fused(layers[0], k, slots, pos, norm=norm, rope=rope, backend="reference")
-    got = triton_fused(layers[1], k, slots, pos, norm=norm, rope=rope)
+    got = store_k_fused(layers[1], k, slots, pos, norm=norm, rope=rope, backend=BACKEND)  # the hook
+    assert bool((triton_fused(layers[2], k, slots, pos, norm=norm, rope=rope) == got).all())
+    layers[2].k_pool.zero_()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
     reference.store(layers[2], got, None, slots)
     assert bool((layers[1].k_pool == layers[2].k_pool).all())

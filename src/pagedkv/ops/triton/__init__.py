@@ -54,6 +54,7 @@ BACKEND = Backend(
     prefill_attention=prefill_attention,
     supports=supports,
     priority=100,
+    store_k_fused=store_k_fused,
 )
 register_backend(BACKEND)
 
@@ -64,7 +65,7 @@ def interpreter_backend() -> Backend:
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
     return Backend(name="triton-interpreter", device_types=("cpu",), store=store,
                    decode_attention=decode_attention, prefill_attention=prefill_attention,
-                   supports=supports)
+                   supports=supports, store_k_fused=store_k_fused)
 
 
 __all__ = ["store", "decode_attention", "prefill_attention", "store_k_fused", "BACKEND", "supports",

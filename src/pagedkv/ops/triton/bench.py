@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ...codecs.catalogue import get_codec
 from ...errors import ConfigError
+from ...formats import parse_format
 from ..batch import AttentionParams, make_layer
 
 # Peak DRAM bandwidth (bytes/s) by device-name substring, most specific first (vendor specs).
@@ -39,7 +39,7 @@ PEAK_BANDWIDTH = (
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to run. formats: codec names (each used for K and V). precisions: matmul operand
+    """What to run. formats: KV format names (`turbo3`, `fp8k_turbo3v`, ...). precisions: matmul operand
     precision of our kernels ("ieee" exact fp32, "tf32", "bf16"; fp32 accumulation always)."""
 
     batch: int = 32
@@ -48,7 +48,7 @@ class BenchConfig:
     num_kv_heads: int = 8
     head_dim: int = 128
     block_size: int = 16
-    formats: tuple = ("bf16", "fp8", "turbo8", "q8_0", "turbo4", "turbo3", "turbo2")
+    formats: tuple = ("bf16", "fp8", "turbo8", "q8_0", "turbo4", "turbo3", "turbo2", "fp8k_turbo3v")
     precisions: tuple = ("ieee", "bf16")
     prefill_batch: int = 4
     prefill_chunk: int = 2048
@@ -77,7 +77,7 @@ class BenchConfig:
         if self.prefill_batch > self.batch or self.prefill_chunk > self.context:
             raise ConfigError("prefill_batch <= batch and prefill_chunk <= context are required")
         for f in self.formats:
-            get_codec(f)
+            parse_format(f)
 
 
 def peak_bandwidth(device: torch.device) -> Optional[float]:
@@ -204,9 +204,9 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
     qsl = torch.arange(0, (pb + 1) * chunk, chunk, dtype=torch.int32, device=device)
     params = AttentionParams(scale=scale)
     for name in cfg.formats:
-        codec = get_codec(name)
+        fmt = parse_format(name)
         log(f"format {name}: storing {b} x {s} tokens")
-        layer = make_layer(codec, codec, n_blocks, bs, h, d, device=device)
+        layer = make_layer(fmt.k, fmt.v, n_blocks, bs, h, d, device=device)
         for i in range(b):
             slots = tables[i, pos // bs].long() * bs + pos % bs
             store(layer, k_c[i].transpose(0, 1), v_c[i].transpose(0, 1), slots)
@@ -216,7 +216,7 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
         k_chunk = torch.cat([k_c[i, :, s - chunk:].transpose(0, 1) for i in range(pb)]).contiguous()
         v_chunk = torch.cat([v_c[i, :, s - chunk:].transpose(0, 1) for i in range(pb)]).contiguous()
         store_ms = timer(lambda: store(layer, k_chunk, v_chunk, chunk_slots))
-        read = b * s * h * (codec.row_bytes(d) * 2)
+        read = b * s * h * (fmt.k.row_bytes(d) + fmt.v.row_bytes(d))
         for prec in cfg.precisions:
             ms = timer(lambda: decode_attention(q_dec, layer, tables, seq_lens, params,
                                                 block_n=cfg.decode_block_n, precision=prec))
