@@ -123,3 +123,5 @@ def test_cli_rejects_bad_arguments_before_loading(capsys):
     assert main(["eval", "--plot", "x.txt", "--formats", "bf16"]) == 2
     assert main(["eval", "--memory", "lots"]) == 2
     assert main(["generate", "hi", "--kv-format", "nope"]) == 2
+    assert main(["eval", "--formats", "bf16", "--device", "nonsense"]) == 2
+    assert "nonsense" in capsys.readouterr().err

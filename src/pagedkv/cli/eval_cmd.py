@@ -28,6 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--window-tokens", type=int, default=1024, help="tokens per window (default 1024)")
     p.add_argument("--memory", default="8GiB", help="budget for the max-context column (default 8GiB)")
     p.add_argument("--decode-steps", type=int, default=6, help="greedy steps timed per format (0 = skip)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the passes")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write KL/PPL vs bits plot")
@@ -56,7 +57,7 @@ def run(args) -> int:
     source = resolve_model_source(cfg.model)
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: print(m, file=sys.stderr))
     log(f"loading {source.label} ...")
-    lm = load_model(source, attn_implementation="pagedkv")
+    lm = load_model(source, attn_implementation="pagedkv", device=args.device)
     tokens = tokenize(lm.tokenizer, read_text(cfg.text))
     windows = make_windows(tokens, cfg.windows, cfg.window_tokens, bos_id(lm.tokenizer))
     log(f"{tokens.numel()} tokens of text; {len(windows)} windows x {cfg.window_tokens} tokens; "

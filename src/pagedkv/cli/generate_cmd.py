@@ -16,6 +16,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "the automatic high-precision first/last layers")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--threads", type=int, default=None)
     return p
 
@@ -36,7 +37,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     source = resolve_model_source(args.model)
     print(f"loading {source.label} ...", file=sys.stderr)
-    lm = load_model(source, attn_implementation="pagedkv")
+    lm = load_model(source, attn_implementation="pagedkv", device=args.device)
     tok = lm.tokenizer
     if tok.chat_template and not args.no_chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
@@ -47,6 +48,7 @@ def run(args) -> int:
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     t0 = time.perf_counter()
     with torch.inference_mode():
+        ids = ids.to(lm.model.device)
         out = lm.model.generate(ids, cache=cache, max_new_tokens=args.max_new_tokens, do_sample=False,
                                 streamer=streamer, pad_token_id=tok.pad_token_id or tok.eos_token_id)
     dt = time.perf_counter() - t0

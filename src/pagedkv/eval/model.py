@@ -98,8 +98,10 @@ def load_config(source: ModelSource):
     return transformers.AutoConfig.from_pretrained(source.directory, local_files_only=True, **kwargs)
 
 
-def load_model(source: ModelSource, *, attn_implementation: str = "sdpa", dtype=None) -> LoadedModel:
-    """Load weights (GGUF tensors are dequantized to float32) in eval mode on the CPU.
+def load_model(source: ModelSource, *, attn_implementation: str = "sdpa", dtype=None,
+               device: str = "cpu") -> LoadedModel:
+    """Load weights (GGUF tensors are dequantized to float32) in eval mode on `device`
+    ("cpu", "cuda", "cuda:1", or "auto" = cuda when available).
 
     attn_implementation: "sdpa"/"eager" for the baselines, "pagedkv" for the paged cache (see
     `pagedkv.integrations.transformers.register`). It can be switched later with
@@ -116,7 +118,15 @@ def load_model(source: ModelSource, *, attn_implementation: str = "sdpa", dtype=
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     kwargs["dtype"] = dtype if dtype is not None else torch.float32
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {device!r} is not a torch device; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device!r}: CUDA is not available here; use cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(source.directory, **kwargs)
-    model.eval()
+    model.eval().to(dev)
     tokenizer = load_tokenizer(source)
     return LoadedModel(model, tokenizer, source.label)

@@ -175,8 +175,8 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
 @torch.inference_mode()
 def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig):
     cache = cache_for(model, choice, cfg.block_size, checks=False)  # model K/V: skip NaN scans
-    out = model(ids, cache=cache, use_cache=True)
-    return out.logits.float(), cache
+    out = model(ids.to(model.device), cache=cache, use_cache=True)
+    return out.logits.float().cpu(), cache
 
 
 @torch.inference_mode()
@@ -185,11 +185,13 @@ def _decode_times(model, cache, logits, steps: int) -> list[float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        nxt = logits[:, -1].argmax(-1, keepdim=True).to(model.device)
         times = []
         for _ in range(steps):
             t = time.perf_counter()
             out = model(nxt, cache=cache, use_cache=True)
+            if nxt.device.type == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         return times
