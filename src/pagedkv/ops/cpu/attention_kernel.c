@@ -77,6 +77,14 @@ typedef struct {
     int64_t *stats;               /* [2] or NULL: V rows decoded, V rows skipped (sparse) */
 } pkv_args;
 
+/* Rows of one chunk: row i of kv head h has its codes at data[i] + h * row_data_bytes; with
+   per-group scales, chunk c (16 elements) of that row is scaled by scl[i * sstride + h * nc + c]. */
+typedef struct {
+    const uint8_t **data;    /* [nt] block base + (j % BS) * H * row_data_bytes */
+    const uint8_t **sraw;    /* [nt] block base + scale_offset + (j % BS) * H * row_scale_bytes */
+    float *scl;              /* [nt][H * nc] decoded scales, one per 16-element chunk */
+} pkv_rows;
+
 int pkv_abi_version(void) { return PKV_ABI_VERSION; }
 
 int pkv_has_avx512(void) {
@@ -213,71 +221,81 @@ PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, c
     return _mm512_permutexvar_ps(w, lc->table);
 }
 
-/* Per-chunk scales of one row into scl[D/16] (1.0 without per-group scales). */
-PKV_INLINE void row_scales(const pkv_side *sd, const uint8_t *srow, int nc, float *scl) {
-    /* chunk c (16 elements) uses scale (16 c) / group; groups are 16 or 32 (or a multiple of 16) */
-    const int per = sd->group >> 4;  /* chunks per scale */
-    switch (sd->scale_kind) {
-    case SC_E4M3:
-        if (per == 1)
-            for (int c = 0; c < nc; c++) scl[c] = sd->e4m3[srow[c]];
-        else
-            for (int c = 0; c < nc; c++) scl[c] = sd->e4m3[srow[c / per]];
-        break;
-    case SC_BF16:
-        for (int c = 0; c < nc; c++) {
-            int g = c / per;
-            scl[c] = bf16_to_f32((uint16_t)(srow[2 * g] | (srow[2 * g + 1] << 8)));
+/* E4M3 bytes (one per 32-bit lane) -> fp32; exact with DAZ off (the kernel clears it). */
+PKV_INLINE __m512 e4m3_lanes(__m512i u) {
+    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20);
+    __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+    __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
+}
+
+/* Decode the scales of every kv head of `nt` tokens into rows->scl (vectorised per token). */
+static void decode_scales(const pkv_side *sd, pkv_rows *rows, int nt, int H, int D) {
+    if (!sd->group) return;
+    const int nc = D >> 4, ng = D / sd->group, n = H * ng, per = nc / ng;
+    float tmp[1024];
+    for (int i = 0; i < nt; i++) {
+        const uint8_t *s = rows->sraw[i];
+        float *out = per == 1 ? rows->scl + (int64_t)i * H * nc : tmp;
+        for (int e = 0; e < n; e += 16) {
+            __mmask16 k = (__mmask16)(n - e >= 16 ? 0xffff : ((1u << (n - e)) - 1u));
+            __m512 v;
+            if (sd->scale_kind == SC_E4M3) {
+                v = e4m3_lanes(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, s + e)));
+            } else if (sd->scale_kind == SC_BF16) {
+                __m256i hbits = _mm256_maskz_loadu_epi16(k, s + 2 * e);
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16));
+            } else {
+                v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + 2 * e));
+            }
+            _mm512_mask_storeu_ps(out + e, k, v);
         }
-        break;
-    case SC_FP16:
-        for (int c = 0; c < nc; c++) {
-            int g = c / per;
-            scl[c] = fp16_to_f32((uint16_t)(srow[2 * g] | (srow[2 * g + 1] << 8)));
+        if (per != 1) {
+            float *dst = rows->scl + (int64_t)i * H * nc;
+            for (int c = 0; c < H * nc; c++) dst[c] = tmp[c / per];
         }
-        break;
-    default:
-        for (int c = 0; c < nc; c++) scl[c] = 1.0f;
     }
 }
 
 PKV_INLINE void decode_rows_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
-                              const uint8_t *blk, int t0, int nt, int H, int h, int D, float *dst,
+                              const pkv_rows *rw, int h, int nt, int H, int D, float *dst,
                               const uint8_t *need) {
     const int nc = D >> 4;
-    float scl[64];
+    const int64_t hoff = (int64_t)h * sd->row_data_bytes;
     for (int i = 0; i < nt; i++) {
         if (need && !need[i]) continue;
-        int64_t r = (int64_t)(t0 + i) * H + h;
-        const uint8_t *drow = blk + r * sd->row_data_bytes;
+        const uint8_t *drow = rw->data[i] + hoff;
+        float *out = dst + (int64_t)i * D;
         if (sd->group) {
-            row_scales(sd, blk + sd->scale_offset + r * sd->row_scale_bytes, nc, scl);
+            const float *scl = rw->scl + ((int64_t)i * H + h) * nc;
             for (int c = 0; c < nc; c++)
-                _mm512_store_ps(dst + (int64_t)i * D + 16 * c,
-                                _mm512_mul_ps(decode16(kind, bits, sd, lc, drow, c), _mm512_set1_ps(scl[c])));
+                _mm512_store_ps(out + 16 * c, _mm512_mul_ps(decode16(kind, bits, sd, lc, drow, c), _mm512_set1_ps(scl[c])));
         } else {
-            for (int c = 0; c < nc; c++)
-                _mm512_store_ps(dst + (int64_t)i * D + 16 * c, decode16(kind, bits, sd, lc, drow, c));
+            for (int c = 0; c < nc; c++) _mm512_store_ps(out + 16 * c, decode16(kind, bits, sd, lc, drow, c));
         }
     }
 }
 
-/* Decode rows t0..t0+nt-1 of kv head h of one block into dst[nt][D] (rows with need[i]==0
-   skipped when need is given). One switch per block; the loops are specialised per kind. */
-static void decode_rows(const pkv_side *sd, const lut_ctx *lc, const uint8_t *blk, int t0, int nt,
-                        int H, int h, int D, float *dst, const uint8_t *need) {
-    switch (sd->kind) {
-    case EK_BF16: decode_rows_t(EK_BF16, 16, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
-    case EK_E4M3: decode_rows_t(EK_E4M3, 8, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
-    case EK_I8: decode_rows_t(EK_I8, 8, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
-    default:
-        switch (sd->bits) {
-        case 8: decode_rows_t(EK_LUT, 8, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
-        case 4: decode_rows_t(EK_LUT, 4, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
-        case 3: decode_rows_t(EK_LUT, 3, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
-        default: decode_rows_t(EK_LUT, 2, sd, lc, blk, t0, nt, H, h, D, dst, need); break;
-        }
+#define PKV_DISPATCH(sd, CALL)                                                   \
+    switch ((sd)->kind) {                                                        \
+    case EK_BF16: CALL(EK_BF16, 16); break;                                      \
+    case EK_E4M3: CALL(EK_E4M3, 8); break;                                       \
+    case EK_I8: CALL(EK_I8, 8); break;                                           \
+    default:                                                                     \
+        switch ((sd)->bits) {                                                    \
+        case 8: CALL(EK_LUT, 8); break;                                          \
+        case 4: CALL(EK_LUT, 4); break;                                          \
+        case 3: CALL(EK_LUT, 3); break;                                          \
+        default: CALL(EK_LUT, 2); break;                                         \
+        }                                                                        \
     }
+
+/* Decode the rows of kv head h (rows with need[i] == 0 skipped when given) into dst[nt][D]. */
+static void decode_rows(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H,
+                        int D, float *dst, const uint8_t *need) {
+#define PKV_CALL_DECODE(K, B) decode_rows_t(K, B, sd, lc, rw, h, nt, H, D, dst, need)
+    PKV_DISPATCH(sd, PKV_CALL_DECODE)
+#undef PKV_CALL_DECODE
 }
 
 /* 16x16 transpose: in rows r[i] (16 floats each, stride `ld`), out[j*16 + i] = in[i][j]. */
@@ -328,18 +346,20 @@ PKV_INLINE __m512 hsum16(const float *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
-/* Raw scores S[m][i] = q_m . k_i for the nt rows of a block (few query vectors): each K row is
+/* Raw scores S[m][i] = q_m . k_i for the nt rows of a chunk (few query vectors): each K row is
    decoded into registers once and dotted with every q; partial vectors go to `part`
    [M][BSP][16] and are reduced 16 tokens at a time. */
 PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
-                             const uint8_t *blk, int t0, int nt, int H, int h, int D, int M,
+                             const pkv_rows *rw, int h, int nt, int H, int D, int M,
                              const float *qv, float *part, float *S, int BSP) {
     const int nc = D >> 4;
-    float scl[64];
+    const int64_t hoff = (int64_t)h * sd->row_data_bytes;
+    static const float ones[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                   1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                   1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     for (int i = 0; i < nt; i++) {
-        int64_t r = (int64_t)(t0 + i) * H + h;
-        const uint8_t *drow = blk + r * sd->row_data_bytes;
-        if (sd->group) row_scales(sd, blk + sd->scale_offset + r * sd->row_scale_bytes, nc, scl);
+        const uint8_t *drow = rw->data[i] + hoff;
+        const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc : ones;
         int c0 = 0;
         for (; c0 + 4 <= nc; c0 += 4) {  /* 4 chunks (64 dims) at a time, fully unrolled */
             __m512 k0 = decode16(kind, bits, sd, lc, drow, c0), k1 = decode16(kind, bits, sd, lc, drow, c0 + 1);
@@ -376,20 +396,11 @@ PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd,
     }
 }
 
-static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const uint8_t *blk, int t0, int nt, int H,
-                       int h, int D, int M, const float *qv, float *part, float *S, int BSP) {
-    switch (sd->kind) {
-    case EK_BF16: scores_dot_t(EK_BF16, 16, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
-    case EK_E4M3: scores_dot_t(EK_E4M3, 8, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
-    case EK_I8: scores_dot_t(EK_I8, 8, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
-    default:
-        switch (sd->bits) {
-        case 8: scores_dot_t(EK_LUT, 8, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
-        case 4: scores_dot_t(EK_LUT, 4, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
-        case 3: scores_dot_t(EK_LUT, 3, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
-        default: scores_dot_t(EK_LUT, 2, sd, lc, blk, t0, nt, H, h, D, M, qv, part, S, BSP); break;
-        }
-    }
+static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H,
+                       int D, int M, const float *qv, float *part, float *S, int BSP) {
+#define PKV_CALL_DOT(K, B) scores_dot_t(K, B, sd, lc, rw, h, nt, H, D, M, qv, part, S, BSP)
+    PKV_DISPATCH(sd, PKV_CALL_DOT)
+#undef PKV_CALL_DOT
 }
 
 static inline __m512 exp512(__m512 x) {
@@ -441,28 +452,26 @@ typedef struct {
 static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int imax(int a, int b) { return a > b ? a : b; }
 
-/* Process tokens [jlo, jhi) of logical block lb (physical pb) for one kv head h and the M query
- * vectors of the tile. */
-static void block_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs,
+/* Process the chunk's tokens (positions [jlo, jhi), rows in kr / vr) for one kv head h and the
+ * M query vectors of the tile. */
+static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs,
 #ifdef PKV_AVX512
                        const lut_ctx *klc, const lut_ctx *vlc,
 #endif
-                       int pb, int lb, int h, int jlo, int jhi, int M, const float *qv,
-                       const float *bias, const float *sinks, const int32_t *pos, pkv_scratch *sc, float *st_m,
-                       float *st_l, float *st_acc, int64_t *nv, int64_t *nskip) {
-    const int D = a->head_dim, H = a->num_kv_heads, BS = a->block_size;
-    const int j0 = lb * BS, nt = jhi - jlo, t0 = jlo - j0;
+                       const pkv_rows *kr, const pkv_rows *vr, int h, int jlo, int jhi, int M,
+                       const float *qv, const float *bias, const float *sinks, const int32_t *pos,
+                       pkv_scratch *sc, float *st_m, float *st_l, float *st_acc, int64_t *nv, int64_t *nskip) {
+    const int D = a->head_dim, H = a->num_kv_heads;
+    const int nt = jhi - jlo;
     const int ng = (nt + 15) >> 4, BSP = ng * 16;
     const int W = a->window;
-    const uint8_t *kblk = ks->pool + (int64_t)pb * ks->block_stride;
-    const uint8_t *vblk = vs->pool + (int64_t)pb * vs->block_stride;
     float *rows = sc->rows, *S = sc->s;
 
 #ifdef PKV_AVX512
     if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
-        scores_dot(ks, klc, kblk, t0, nt, H, h, D, M, qv, sc->kt, S, BSP);
+        scores_dot(ks, klc, kr, h, nt, H, D, M, qv, sc->kt, S, BSP);
     } else {  /* many: decode into a tile, transpose, broadcast-FMA every query against it */
-        decode_rows(ks, klc, kblk, t0, nt, H, h, D, rows, NULL);
+        decode_rows(ks, klc, kr, h, nt, H, D, rows, NULL);
         for (int i = nt; i < BSP; i++) memset(rows + (int64_t)i * D, 0, sizeof(float) * D);
         for (int g = 0; g < ng; g++)
             for (int c = 0; c < D / 16; c++)
@@ -499,11 +508,9 @@ static void block_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         }
     }
 #else
-    for (int i = 0; i < nt; i++) {
-        int64_t r = (int64_t)(t0 + i) * H + h;
-        decode_row_scalar(ks, kblk + r * ks->row_data_bytes, kblk + ks->scale_offset + r * ks->row_scale_bytes,
-                          D, rows + (int64_t)i * D);
-    }
+    for (int i = 0; i < nt; i++)
+        decode_row_scalar(ks, kr->data[i] + (int64_t)h * ks->row_data_bytes,
+                          kr->sraw[i] + (int64_t)h * ks->row_scale_bytes, D, rows + (int64_t)i * D);
     for (int m = 0; m < M; m++) {
         const float *q = qv + (int64_t)m * D;
         for (int i = 0; i < BSP; i++) {
@@ -584,13 +591,12 @@ static void block_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         else (*nv)++;
     }
 #ifdef PKV_AVX512
-    decode_rows(vs, vlc, vblk, t0, nt, H, h, D, rows, thr > 0 ? sc->need : NULL);
+    decode_rows(vs, vlc, vr, h, nt, H, D, rows, thr > 0 ? sc->need : NULL);
 #else
     for (int i = 0; i < nt; i++) {
         if (thr > 0 && !sc->need[i]) continue;
-        int64_t r = (int64_t)(t0 + i) * H + h;
-        decode_row_scalar(vs, vblk + r * vs->row_data_bytes, vblk + vs->scale_offset + r * vs->row_scale_bytes,
-                          D, rows + (int64_t)i * D);
+        decode_row_scalar(vs, vr->data[i] + (int64_t)h * vs->row_data_bytes,
+                          vr->sraw[i] + (int64_t)h * vs->row_scale_bytes, D, rows + (int64_t)i * D);
     }
 #endif
 
@@ -665,8 +671,14 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     const int R = t->r1 - t->r0, M = R * G;
     const int qs = a->query_start[t->b], qlen = a->query_start[t->b + 1] - qs;
     const int L = a->seq_lens[t->b];
-    const int BSP = (BS + 15) & ~15;
+    const int NB = BS >= 64 ? 1 : 64 / BS;     /* blocks per chunk: ~64 tokens share one pass */
+    const int CH = NB * BS, BSP = (CH + 15) & ~15, nc = D / 16 > 0 ? D / 16 : 1;
     pkv_scratch sc;
+    pkv_rows kr, vr;
+    kr.data = malloc(sizeof(void *) * CH); kr.sraw = malloc(sizeof(void *) * CH);
+    vr.data = malloc(sizeof(void *) * CH); vr.sraw = malloc(sizeof(void *) * CH);
+    kr.scl = xalloc(sizeof(float) * (size_t)CH * H * nc);
+    vr.scl = xalloc(sizeof(float) * (size_t)CH * H * nc);
     sc.q = xalloc(sizeof(float) * (size_t)hpt * M * D);
     sc.bias = xalloc(sizeof(float) * (size_t)hpt * M);
     sc.pos = xalloc(sizeof(int32_t) * (size_t)M);
@@ -680,7 +692,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     float *st_acc = xalloc(sizeof(float) * (size_t)hpt * M * D);
     int rc = 0;
     if (!sc.q || !sc.bias || !sc.pos || !sc.rows || !sc.kt || !sc.s || !sc.need || !st_m || !st_l ||
-        !st_acc || (a->sinks && !sinkv)) {
+        !st_acc || (a->sinks && !sinkv) || !kr.data || !kr.sraw || !vr.data || !vr.sraw || !kr.scl || !vr.scl) {
         rc = -1;
         goto done;
     }
@@ -709,27 +721,48 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
     const int64_t kbytes = ks->scale_offset + (int64_t)BS * H * ks->row_scale_bytes;
     const int64_t vbytes = vs->scale_offset + (int64_t)BS * H * vs->row_scale_bytes;
-    for (int lb = t->blk0; lb < t->blk1; lb++) {
-        int pb = bt[lb];
-        int jlo = imax(lb * BS, jmin), jhi = imin((lb + 1) * BS, jmax + 1);
+#ifdef PKV_AVX512
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x8040u);  /* DAZ and FTZ off: the E4M3 bit trick needs denormal inputs */
+#endif
+    for (int lb = t->blk0; lb < t->blk1; lb += NB) {
+        const int lb1 = imin(lb + NB, t->blk1);
+        int jlo = imax(lb * BS, jmin), jhi = imin(lb1 * BS, jmax + 1);
         if (jlo >= jhi) continue;
-        if (lb + 1 < t->blk1) {  /* the next block's bytes are fetched while this one is computed */
-            const char *nk = (const char *)ks->pool + (int64_t)bt[lb + 1] * ks->block_stride;
-            const char *nv2 = (const char *)vs->pool + (int64_t)bt[lb + 1] * vs->block_stride;
+        for (int nb = lb1; nb < imin(lb1 + NB, t->blk1); nb++) {  /* fetch the next chunk's blocks */
+            const char *nk = (const char *)ks->pool + (int64_t)bt[nb] * ks->block_stride;
+            const char *nv2 = (const char *)vs->pool + (int64_t)bt[nb] * vs->block_stride;
             for (int64_t o = 0; o < kbytes; o += 64) __builtin_prefetch(nk + o, 0, 3);
             for (int64_t o = 0; o < vbytes; o += 64) __builtin_prefetch(nv2 + o, 0, 3);
         }
+        const int nt = jhi - jlo;
+        for (int i = 0; i < nt; i++) {
+            const int j = jlo + i, pb = bt[j / BS], off = j % BS;
+            const uint8_t *kb = ks->pool + (int64_t)pb * ks->block_stride;
+            const uint8_t *vb = vs->pool + (int64_t)pb * vs->block_stride;
+            kr.data[i] = kb + (int64_t)off * H * ks->row_data_bytes;
+            kr.sraw[i] = kb + ks->scale_offset + (int64_t)off * H * ks->row_scale_bytes;
+            vr.data[i] = vb + (int64_t)off * H * vs->row_data_bytes;
+            vr.sraw[i] = vb + vs->scale_offset + (int64_t)off * H * vs->row_scale_bytes;
+        }
+#ifdef PKV_AVX512
+        decode_scales(ks, &kr, nt, H, D);
+        decode_scales(vs, &vr, nt, H, D);
+#endif
         for (int hh = 0; hh < hpt; hh++) {
             int h = t->hg * hpt + hh;
-            block_head(a, ks, vs,
+            chunk_head(a, ks, vs,
 #ifdef PKV_AVX512
                        &klc, &vlc,
 #endif
-                       pb, lb, h, jlo, jhi, M, sc.q + (size_t)hh * M * D,
+                       &kr, &vr, h, jlo, jhi, M, sc.q + (size_t)hh * M * D,
                        a->bias ? sc.bias + hh * M : NULL, sinkv ? sinkv + hh * M : NULL, sc.pos, &sc,
                        st_m + hh * M, st_l + hh * M, st_acc + (size_t)hh * M * D, nv, nskip);
         }
     }
+#ifdef PKV_AVX512
+    _mm_setcsr(csr);
+#endif
     for (int i = 0; i < hpt * M; i++) {
         float *row = part_out + (size_t)i * (D + 2);
         row[0] = st_m[i];
@@ -739,6 +772,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
 done:
     free(sc.q); free(sc.bias); free(sc.pos); free(sc.rows); free(sc.kt); free(sc.s); free(sc.need);
     free(sinkv); free(st_m); free(st_l); free(st_acc);
+    free(kr.data); free(kr.sraw); free(vr.data); free(vr.sraw); free(kr.scl); free(vr.scl);
     return rc;
 }
 
