@@ -2,8 +2,8 @@
 
 On a GPU the kernels run natively on CUDA tensors through the registered "triton" backend; on a
 CPU-only machine the same tests run them under Triton's interpreter on CPU tensors
-(TRITON_INTERPRET=1 is set here, before pagedkv.ops.triton - and so Triton's JIT - is first
-imported; this module is that edge). Shapes are tiny so the interpreter stays fast.
+(TRITON_INTERPRET=1, set by tests/conftest.py before anything imports Triton, and again here
+for runs of this file alone). Shapes are tiny so the interpreter stays fast.
 
 Stores are compared byte for byte with the reference store; attention outputs with the
 reference outputs over the same pools (fp32 rounding only), via the shared backend checker.
@@ -18,7 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+DEVICE_IS_CPU = not torch.cuda.is_available()
+if DEVICE_IS_CPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
@@ -28,6 +29,10 @@ from pagedkv.codecs import CODECS  # noqa: E402
 from pagedkv.errors import InvalidInput  # noqa: E402
 from pagedkv.ops import AttentionParams, Op, api, make_layer, select_backend  # noqa: E402
 from pagedkv.ops import triton as tr  # noqa: E402
+
+if DEVICE_IS_CPU and not tr.interpreting():
+    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets "
+                       "it first); run with TRITON_INTERPRET=1 in the environment")
 
 pytestmark = pytest.mark.triton
 

@@ -40,10 +40,11 @@ def supports(op: Op, layer: PagedLayer, params: AttentionParams | None) -> bool:
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    from triton import knobs
+    """True when these kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 was
+    set when this package was imported; Triton decides at decoration time)."""
+    from .decode import _decode_kernel
 
-    return bool(knobs.runtime.interpret)
+    return type(_decode_kernel).__name__ == "InterpretedFunction"
 
 
 BACKEND = Backend(
@@ -62,7 +63,8 @@ register_backend(BACKEND)
 def interpreter_backend() -> Backend:
     """The Triton ops as an unregistered backend that accepts CPU tensors (interpreter only)."""
     if not interpreting():
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
+                           "pagedkv.ops.triton is first imported")
     return Backend(name="triton-interpreter", device_types=("cpu",), store=store,
                    decode_attention=decode_attention, prefill_attention=prefill_attention,
                    supports=supports, store_k_fused=store_k_fused)

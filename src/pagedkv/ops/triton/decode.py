@@ -171,11 +171,8 @@ def check_precision(precision: str) -> str:
     """Validate a precision name; returns the DOT constexpr for the kernels."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "bf16":
-        from triton import knobs
-
-        if knobs.runtime.interpret:
-            return "bf16-emulated"
+    if precision == "bf16" and type(_decode_kernel).__name__ == "InterpretedFunction":
+        return "bf16-emulated"
     return precision
 
 
