@@ -13,9 +13,12 @@ from pagedkv.errors import ConfigError, InvalidInput
 from pagedkv.ops import NormSpec, RopeSpec, make_layer, norm_rope, store, store_k_fused, store_v
 from pagedkv.ops.fused import apply_rope
 
-llama = pytest.importorskip("transformers.models.llama.modeling_llama")
-phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
-qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+
+
+def _hf(model: str):
+    """transformers' modeling module, imported lazily: importing it imports Triton, which must
+    not happen at collection time before tests/test_triton.py sets TRITON_INTERPRET."""
+    return pytest.importorskip(f"transformers.models.{model}.modeling_{model}")
 
 
 def _hf_cos_sin(positions, rotary_dim, theta):
@@ -36,7 +39,7 @@ def test_rope_matches_transformers_llama():
     x = torch.randn(9, 4, 128)
     pos = torch.tensor([0, 1, 2, 7, 100, 4095, 32000, 5, 6])
     cos, sin = _hf_cos_sin(pos, 128, 500000.0)
-    want, _ = llama.apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=1)
+    want, _ = _hf("llama").apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=1)
     got = apply_rope(x, pos, RopeSpec(theta=500000.0))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -46,7 +49,7 @@ def test_partial_rope_matches_transformers_phi3():
     x = torch.randn(6, 2, 96)
     pos = torch.arange(10, 16)
     cos, sin = _hf_cos_sin(pos, 32, 10000.0)
-    want, _ = phi3.apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=1)
+    want, _ = _hf("phi3").apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=1)
     got = apply_rope(x, pos, RopeSpec(theta=10000.0, rotary_dim=32))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[..., 32:], x[..., 32:])
@@ -59,7 +62,7 @@ class _Section:  # stands in for the rotary module's `self` in recomposition_fre
 
 @pytest.mark.parametrize("section", [None, (24, 20, 20)])
 def test_interleaved_mrope_matches_transformers_qwen3_vl(section):
-    qwen3_vl = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
+    qwen3_vl = _hf("qwen3_vl")
     torch.manual_seed(2)
     t, d, theta = 7, 128, 5000000.0
     pos3 = torch.randint(0, 300, (3, t))
@@ -70,7 +73,7 @@ def test_interleaved_mrope_matches_transformers_qwen3_vl(section):
     cos = recompose(_Section(list(sec)), freqs.cos())[0]
     sin = recompose(_Section(list(sec)), freqs.sin())[0]
     x = torch.randn(t, 2, d)
-    want, _ = llama.apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=1)
+    want, _ = _hf("llama").apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=1)
     got = apply_rope(x, pos3, RopeSpec(theta=theta, multimodal=True, mrope_section=section))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # identical streams reduce to plain RoPE
@@ -81,7 +84,7 @@ def test_interleaved_mrope_matches_transformers_qwen3_vl(section):
 
 def test_norm_matches_transformers_qwen3_rmsnorm():
     torch.manual_seed(3)
-    norm = qwen3.Qwen3RMSNorm(64, eps=1e-6)
+    norm = _hf("qwen3").Qwen3RMSNorm(64, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(64) + 0.5)
     x = torch.randn(5, 3, 64) * 4
@@ -101,11 +104,11 @@ def test_fused_store_equals_unfused_transformers_composition(codec):
     fused = make_layer(CODECS[codec], CODECS["bf16"], 2, bs, h, d)
     stored = store_k_fused(fused, k, slots, pos, norm=NormSpec(weight, 1e-6), rope=RopeSpec(theta=1e6))
 
-    hf_norm = qwen3.Qwen3RMSNorm(d, eps=1e-6)
+    hf_norm = _hf("qwen3").Qwen3RMSNorm(d, eps=1e-6)
     with torch.no_grad():
         hf_norm.weight.copy_(weight)
     cos, sin = _hf_cos_sin(pos, d, 1e6)
-    k_hf, _ = llama.apply_rotary_pos_emb(hf_norm(k.float()).detach(), k.float(), cos, sin, unsqueeze_dim=1)
+    k_hf, _ = _hf("llama").apply_rotary_pos_emb(hf_norm(k.float()).detach(), k.float(), cos, sin, unsqueeze_dim=1)
     unfused = make_layer(CODECS[codec], CODECS["bf16"], 2, bs, h, d)
     store(unfused, k_hf, None, slots)
     torch.testing.assert_close(stored, k_hf, atol=1e-5, rtol=1e-5)
