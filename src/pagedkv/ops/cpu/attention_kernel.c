@@ -403,6 +403,65 @@ static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
 #undef PKV_CALL_DOT
 }
 
+/* acc[m] = alpha[m] * acc[m] + sum_i P[m][i] v_i for MM (compile-time) query vectors: each V row
+   is decoded into registers once per 64 dims and accumulated into MM x 4 register accumulators. */
+PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_side *sd, const lut_ctx *lc,
+                       const pkv_rows *rw, int h, int nt, int H, int D, const float *P, int BSP,
+                       float *st_acc, const float *alpha, const uint8_t *need) {
+    const int nc = D >> 4;
+    const int64_t hoff = (int64_t)h * sd->row_data_bytes;
+    int c0 = 0;
+    for (; c0 + 4 <= nc; c0 += 4) {
+        __m512 acc[MM][4];
+        for (int m = 0; m < MM; m++) {
+            const __m512 al = _mm512_set1_ps(alpha[m]);
+            for (int z = 0; z < 4; z++) acc[m][z] = _mm512_mul_ps(_mm512_load_ps(st_acc + (int64_t)m * D + 16 * (c0 + z)), al);
+        }
+        for (int i = 0; i < nt; i++) {
+            if (need && !need[i]) continue;
+            const uint8_t *drow = rw->data[i] + hoff;
+            __m512 v[4];
+            for (int z = 0; z < 4; z++) v[z] = decode16(kind, bits, sd, lc, drow, c0 + z);
+            if (sd->group) {
+                const float *scl = rw->scl + ((int64_t)i * H + h) * nc + c0;
+                for (int z = 0; z < 4; z++) v[z] = _mm512_mul_ps(v[z], _mm512_set1_ps(scl[z]));
+            }
+            for (int m = 0; m < MM; m++) {
+                const __m512 p = _mm512_set1_ps(P[(int64_t)m * BSP + i]);
+                for (int z = 0; z < 4; z++) acc[m][z] = _mm512_fmadd_ps(p, v[z], acc[m][z]);
+            }
+        }
+        for (int m = 0; m < MM; m++)
+            for (int z = 0; z < 4; z++) _mm512_store_ps(st_acc + (int64_t)m * D + 16 * (c0 + z), acc[m][z]);
+    }
+    for (; c0 < nc; c0++) {  /* remaining chunks (head_dim not a multiple of 64) */
+        __m512 acc[MM];
+        for (int m = 0; m < MM; m++)
+            acc[m] = _mm512_mul_ps(_mm512_load_ps(st_acc + (int64_t)m * D + 16 * c0), _mm512_set1_ps(alpha[m]));
+        for (int i = 0; i < nt; i++) {
+            if (need && !need[i]) continue;
+            __m512 v = decode16(kind, bits, sd, lc, rw->data[i] + hoff, c0);
+            if (sd->group) v = _mm512_mul_ps(v, _mm512_set1_ps(rw->scl[((int64_t)i * H + h) * nc + c0]));
+            for (int m = 0; m < MM; m++) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(P[(int64_t)m * BSP + i]), v, acc[m]);
+        }
+        for (int m = 0; m < MM; m++) _mm512_store_ps(st_acc + (int64_t)m * D + 16 * c0, acc[m]);
+    }
+}
+
+#define VACC_MAX_M 4
+static void vacc_fused(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H, int D,
+                       int M, const float *P, int BSP, float *st_acc, const float *alpha, const uint8_t *need) {
+#define PKV_CALL_V(K, B)                                                                          \
+    switch (M) {                                                                                  \
+    case 1: vacc_t(K, B, 1, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 2: vacc_t(K, B, 2, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 3: vacc_t(K, B, 3, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    default: vacc_t(K, B, 4, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;        \
+    }
+    PKV_DISPATCH(sd, PKV_CALL_V)
+#undef PKV_CALL_V
+}
+
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
@@ -591,6 +650,10 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         else (*nv)++;
     }
 #ifdef PKV_AVX512
+    if (M <= VACC_MAX_M) {  /* few query vectors: V decoded into registers, accumulators too */
+        vacc_fused(vs, vlc, vr, h, nt, H, D, M, S, BSP, st_acc, alpha, thr > 0 ? sc->need : NULL);
+        return;
+    }
     decode_rows(vs, vlc, vr, h, nt, H, D, rows, thr > 0 ? sc->need : NULL);
 #else
     for (int i = 0; i < nt; i++) {
