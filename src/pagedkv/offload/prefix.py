@@ -55,27 +55,40 @@ class PrefixStore:
              namespace: bytes, tokens: Sequence[int], salt: Salt) -> int:
         """Bring the stored leading full blocks of `tokens` into the pool as cached prefix blocks.
 
-        Considers the blocks `SequenceManager.add` would (at least one token is left to run).
-        Returns how many blocks were loaded from the store. Never raises for tier faults."""
+        Considers the blocks `SequenceManager.add` would (at least one token is left to run),
+        and loads nothing when the admission of `tokens` could not fit anyway (so a CacheFull
+        from it still leaves the pool as it was). Returns how many blocks were loaded from the
+        store. Never raises for tier faults."""
         bs = layout.block_size
         n = len(tokens)
         nfull = (n - 1) // bs if n else 0
         if nfull == 0:
             return 0
-        self.stats.lookups += 1
+        # in-memory hits first (the cache's own prefix index)
         h = root_hash(namespace, salt)
+        hits: list[int] = []
+        used_hits = 0
+        i = 0
+        while i < nfull:
+            nh = chain_hash(h, tokens[i * bs:(i + 1) * bs])
+            b = pool.lookup(nh)
+            if b is None:
+                break
+            hits.append(b)
+            used_hits += pool.ref_count(b) > 0
+            h = nh
+            i += 1
+        if i == nfull or -(-n // bs) - used_hits > pool.num_available:
+            return 0  # nothing to load, or the admission will raise CacheFull
+        self.stats.lookups += 1
         held: list[int] = []
         loaded = 0
         try:
-            for i in range(nfull):
+            for b in hits:  # hold them so that loading cannot evict them
+                pool.share(b)
+                held.append(b)
+            for i in range(i, nfull):
                 h = chain_hash(h, tokens[i * bs:(i + 1) * bs])
-                b = pool.lookup(h)
-                if b is not None:  # already in memory: hold it so loading cannot evict it
-                    pool.share(b)
-                    held.append(b)
-                    continue
-                if pool.num_available == 0:
-                    break
                 raw = self.tier.get(store_key(layout, h))
                 sections = try_decode_record(raw, layout, h)
                 if sections is None:

@@ -135,25 +135,38 @@ class TieredCache(PagedCache):
     # ---- sequences --------------------------------------------------------------------------
     def add_sequence(self, tokens: Sequence[int], salt: Salt = None,
                      seq_id: Optional[Hashable] = None) -> NewSequence:
+        """PagedCache.add_sequence, after loading the prompt's stored prefix blocks (if a prefix
+        store is configured) into the pool's prefix cache, where the admission finds them.
+        Loaded blocks stay cached (evictable) even if the admission then fails."""
         loaded = 0
-        if self.prefix is not None and not isinstance(tokens, int):
-            toks = list(tokens)
-            if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks):
-                try:
-                    root_hash(b"", salt)
-                    ok = seq_id is None or seq_id not in self.seqs
-                except TypeError:
-                    ok = False
-                if ok:
+        if self.prefix is not None and not isinstance(tokens, (int, str, bytes)):
+            try:
+                toks = list(tokens)
+            except TypeError:
+                toks = None  # the admission below raises its own error
+            if toks is not None:
+                tokens = toks
+                if self._loadable(toks, salt, seq_id):
                     loaded = self.prefix.load(self.pool, self.layers, self.layout,
                                               self.seqs.namespace, toks, salt)
-            tokens = toks
         new = super().add_sequence(tokens, salt, seq_id)
         self._changed()
         self._salt[new.seq_id] = salt
         self._chains[new.seq_id] = []
         self.tier_hit_tokens += min(loaded * self.block_size, new.hit_tokens)
         return new
+
+    def _loadable(self, toks: list, salt: Salt, seq_id: Optional[Hashable]) -> bool:
+        """Whether the admission of `toks` would be accepted (so a store lookup is worth it)."""
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks):
+            return False
+        if seq_id is not None and seq_id in self.seqs:
+            return False
+        try:
+            root_hash(b"", salt)
+        except TypeError:
+            return False
+        return True
 
     def allocate(self, seq_id: Hashable, tokens: Union[int, Sequence[int]]) -> torch.Tensor:
         out = super().allocate(seq_id, tokens)
@@ -200,20 +213,41 @@ class TieredCache(PagedCache):
         return nid
 
     def pop(self, seq_id: Hashable, n: int) -> None:
+        """PagedCache.pop; a swapped block that becomes the partly filled last block is read
+        back first (CacheFull / SwapLost before any change if that is impossible)."""
         L = self.seqs.length(seq_id)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= L:
             return super().pop(seq_id, n)  # raises the cache's error
         new_len = L - n
         bs = self.block_size
         keep = -(-new_len // bs)
-        sw = self._swapped.get(seq_id)
-        if sw and new_len % bs and (keep - 1) in sw:
-            self._swap_in(seq_id, keep - 1)  # it becomes the partly filled last block
+        sw = self._swapped.get(seq_id) or {}
+        sections = None
+        if new_len % bs and (keep - 1) in sw:  # it becomes the partly filled last block
+            table = self.seqs.table(seq_id)
+            freed = sum(1 for j in range(keep, len(table))
+                        if j not in sw and self.pool.ref_count(table[j]) == 1)
+            if self.pool.num_available + freed < 1:
+                raise CacheFull(
+                    f"pop of {n} tokens from sequence {seq_id!r} must read swapped block "
+                    f"{keep - 1} back and no pool block is available"
+                )
+            sections = self.swap.read_whole(self.layout, sw[keep - 1])  # type: ignore[union-attr]
         super().pop(seq_id, n)
         self._changed()
-        if sw:
-            for i in [i for i in sw if i >= keep]:
-                self._drop_entry(seq_id, i)
+        for i in [i for i in sw if i >= keep]:
+            self._drop_entry(seq_id, i)
+        if sections is not None:
+            b = self.pool.allocate_one()
+            write_block(self.layers, b, sections)
+            fill = getattr(self.pool, "fill", None)
+            if fill is not None:
+                fill[b] = new_len - (keep - 1) * bs
+            table = self.seqs.table(seq_id)
+            assert table[keep - 1] == self._ph
+            table[keep - 1] = b
+            self.pool.release(self._ph)  # the entry's reference to the placeholder
+            self._drop_entry(seq_id, keep - 1)
         chains = self._chains.get(seq_id)
         if chains is not None:
             del chains[new_len // bs:]
@@ -306,23 +340,6 @@ class TieredCache(PagedCache):
         self._swapped[seq_id][i] = key
         self._changed()
         return True
-
-    def _swap_in(self, seq_id: Hashable, i: int) -> None:
-        """Bring logical block i back into a fresh pool block (CacheFull / SwapLost, nothing
-        changed)."""
-        key = self._swapped[seq_id][i]
-        sections = self.swap.read_whole(self.layout, key)  # type: ignore[union-attr]
-        b = self.pool.allocate_one()
-        write_block(self.layers, b, sections)
-        fill = getattr(self.pool, "fill", None)
-        if fill is not None:
-            fill[b] = self.block_size
-        table = self.seqs.table(seq_id)
-        assert table[i] == self._ph
-        table[i] = b
-        self.pool.release(self._ph)  # the entry's reference to the placeholder
-        self._drop_entry(seq_id, i)
-        self._changed()
 
     def _drop_entry(self, seq_id: Hashable, i: int) -> None:
         """Forget swapped entry i whose placeholder reference was already released."""

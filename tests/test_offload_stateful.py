@@ -1,0 +1,79 @@
+"""Property test: the cache's random add/append/step/fork/pop/free/reset/evict machine, run on a
+TieredCache with a resident cap of one block (swap in memory) and a prefix store.
+
+Every rule and invariant of `test_cache_stateful.CacheMachine` applies unchanged (reference
+counts, no block in two places, and every sequence's K/V reading back bit for bit, swapped blocks
+included, through `gather`); on top: each sequence keeps at most one committed full block
+resident beyond its last block, swap records are exactly those referenced, and step tables show
+-1 where a block is swapped out. `reset_prefix_cache` empties the in-memory prefix index, so later
+prompts load their prefixes from the store.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, rule
+
+import test_cache_stateful as base
+from pagedkv.errors import CacheFull
+from pagedkv.offload import MemoryTier, OffloadConfig, TieredCache
+
+
+class TieredMachine(base.CacheMachine):
+    def __init__(self):
+        super().__init__()
+        self.store = MemoryTier()
+        self.cache = TieredCache(
+            base._config(), OffloadConfig(resident_blocks_per_seq=1, swap="memory", prefetch=False),
+            prefix_tier=self.store)
+
+    @rule(data=st.data())
+    def decode_step(self, data):
+        live = sorted(self.tokens, key=str)
+        if not live:
+            return
+        batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
+        toks = [[data.draw(st.integers(0, 3))] for _ in batch]
+        before = self._snapshot()
+        try:
+            step = self.cache.step(batch, toks)
+        except CacheFull:
+            assert self._snapshot() == before
+            return
+        swapped = {s: set(self.cache.swapped_blocks(s)) for s in batch}  # as of the step
+        rows = [base.rows_after(self._last_row(s), t)[0] for s, t in zip(batch, toks)]
+        self._store(step.slot_mapping, rows)
+        self.cache.commit(batch)
+        for s, t, r in zip(batch, toks, rows):
+            self.tokens[s] += t
+            self.rows[s].append(r)
+        assert step.seq_lens.tolist() == [len(self.tokens[s]) for s in batch]
+        bt = step.block_tables
+        for i, s in enumerate(batch):
+            got = bt[i].tolist()
+            assert [j for j, b in enumerate(got) if b == -1] == sorted(swapped[s])
+
+    @invariant()
+    def swap_bookkeeping(self):
+        c = self.cache
+        refs: dict = {}
+        for s in c.sequence_ids():
+            swapped = c.swapped_blocks(s)
+            committed_full = c.seqs.committed(s) // base.BS
+            n = len(c.seqs.table(s))
+            for j in swapped:  # only full committed blocks; the last one only if full
+                assert j < committed_full and (j < n - 1 or c.seq_len(s) % base.BS == 0)
+                key = c._swapped[s][j]
+                refs[key] = refs.get(key, 0) + 1
+            if c.seqs.committed(s) == c.seq_len(s):  # the cap holds after a commit
+                assert c.resident_blocks(s) <= max(1, n - committed_full + (c.seq_len(s) % base.BS > 0))
+        assert refs == c.swap.refs
+        assert sorted(self.cache.swap.tier.keys()) == sorted(refs)
+
+
+TieredMachine.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestTieredStateful = TieredMachine.TestCase
