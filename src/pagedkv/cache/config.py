@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from hashlib import blake2b
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
 from ..errors import ConfigError
 from ..formats import KVFormat, parse_format
+
+if TYPE_CHECKING:
+    from ..ops.latent_layer import LatentSpec
+    from .latent import LatentLayout
 
 FormatSpec = Union[str, KVFormat]
 
@@ -43,6 +47,7 @@ class LayerSpec:
     high_precision: bool
     k_block_bytes: int
     v_block_bytes: int
+    latent: Optional["LatentSpec"] = None  # set for latent (MLA) layers: one pool, v_block_bytes 0
 
 
 def _pos_int(name: str, v, allow_none: bool = False) -> None:
@@ -74,6 +79,8 @@ class CacheConfig:
     key_centring: give every layer a `k_centre` (zeros until `PagedCache.configure_layer`).
     check_slots: `store` verifies every slot belongs to a block some sequence holds (a host
     sync for device tensors; turn off in production serving once the caller is trusted).
+    latent: a `pagedkv.cache.latent.LatentLayout` makes every layer a latent (MLA) layer: one pool
+    of [latent | rope] per token (num_kv_heads/head_dim/layer_dims are then ignored).
     """
 
     num_layers: int
@@ -92,6 +99,7 @@ class CacheConfig:
     model_id: str = ""
     key_centring: bool = False
     check_slots: bool = True
+    latent: Optional["LatentLayout"] = None
     layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
     num_high_precision_layers: int = field(init=False, repr=False, compare=False)
 
@@ -169,12 +177,23 @@ class CacheConfig:
         if not isinstance(self.model_id, str):
             raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
 
+        if self.latent is not None:
+            from .latent import LatentLayout
+            if not isinstance(self.latent, LatentLayout):
+                raise ConfigError(f"latent must be None or a LatentLayout, got {self.latent!r}")
         specs = []
         for i in range(L):
             h, d = dims[i]
             f = base[i]
             if i in hp_set:
                 f = KVFormat(_more_precise(hp_fmt.k, f.k), _more_precise(hp_fmt.v, f.v))
+            if self.latent is not None:
+                ls = self.latent.spec(f)
+                specs.append(LayerSpec(
+                    index=i, num_kv_heads=1, head_dim=ls.elements, format=f,
+                    sliding_window=windows[i], high_precision=i in hp_set,
+                    k_block_bytes=ls.block_bytes(self.block_size), v_block_bytes=0, latent=ls))
+                continue
             f.check_head_dim(d)
             specs.append(LayerSpec(
                 index=i, num_kv_heads=h, head_dim=d, format=f, sliding_window=windows[i],
@@ -224,5 +243,7 @@ class CacheConfig:
         dims and format (and key centring). Mixed into every prefix key."""
         parts = [f"pagedkv-cache-v1|{self.model_id}|bs={self.block_size}|kc={self.key_centring}"]
         for s in self.layers:
-            parts.append(f"{s.num_kv_heads}x{s.head_dim}:{s.format.name}")
+            parts.append(f"{s.num_kv_heads}x{s.head_dim}:{s.format.name}"
+                         + (f":latent{s.latent.latent_dim}+{s.latent.rope_dim}:{s.latent.name}"
+                            if s.latent is not None else ""))
         return blake2b("|".join(parts).encode(), digest_size=16).digest()

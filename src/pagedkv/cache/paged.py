@@ -86,6 +86,9 @@ class PagedCache:
     def __init__(self, config: CacheConfig):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"PagedCache needs a CacheConfig, got {type(config).__name__}")
+        if config.latent is not None:  # latent (MLA) layers have one pool, not K/V pools
+            raise ConfigError("PagedCache stores K/V layers; latent (MLA) layouts are served by "
+                              "pagedkv.integrations.deepseek.PagedLatentCache and pagedkv.ops.latent")
         self.config = config
         self.block_size = config.block_size
         self.num_blocks = config.total_blocks

@@ -28,8 +28,22 @@ def layer_layout(config) -> tuple[list[int], list[int], list[Optional[int]]]:
 
 def plan(config, memory_bytes: int, formats: Sequence[str], *, seq_len: Optional[int] = None,
          block_size: int = 16) -> list[dict]:
-    """One dict per format: bits/element, bytes/token, tokens and sequences of `seq_len` that fit."""
-    kv, hd, windows = layer_layout(config)
+    """One dict per format: bits/element, bytes/token, tokens and sequences of `seq_len` that fit.
+
+    Latent (MLA) models (DeepSeek-V2/V3: kv_lora_rank + qk_rope_head_dim) store one
+    [latent | rope] vector per token and layer, not per head (`pagedkv.cache.latent`)."""
+    from ..integrations.deepseek import mla_dims
+
+    latent = mla_dims(config)
+    if latent is not None:
+        from ..cache.latent import LatentLayout
+
+        n_layers = int((config.get_text_config(decoder=True) if hasattr(config, "get_text_config")
+                        else config).num_hidden_layers)
+        kv, hd, windows = [1] * n_layers, [sum(latent)] * n_layers, [None] * n_layers
+        latent = LatentLayout(*latent)
+    else:
+        kv, hd, windows = layer_layout(config)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if seq_len is None:
         seq_len = int(getattr(text, "max_position_embeddings", 4096) or 4096)
@@ -39,7 +53,7 @@ def plan(config, memory_bytes: int, formats: Sequence[str], *, seq_len: Optional
         return CacheConfig(num_layers=len(kv), num_kv_heads=kv[0], head_dim=hd[0],
                            layer_dims=list(zip(kv, hd)), kv_format=choice.kv_format,
                            high_precision_layers=choice.high_precision_layers,
-                           block_size=block_size, num_blocks=1, sliding_window=windows)
+                           block_size=block_size, num_blocks=1, sliding_window=windows, latent=latent)
 
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ConfigError(f"--block-size must be a positive integer, got {block_size!r}")
@@ -51,7 +65,8 @@ def plan(config, memory_bytes: int, formats: Sequence[str], *, seq_len: Optional
         cfg = sizes(choice)
         blocks = memory_bytes // cfg.bytes_per_block
         tokens = blocks * block_size
-        elems = sum(2 * s.num_kv_heads * s.head_dim for s in cfg.layers)
+        elems = sum(s.latent.elements if s.latent is not None else 2 * s.num_kv_heads * s.head_dim
+                    for s in cfg.layers)
         rows.append({
             "format": choice.label, "layers": len(kv),
             "bits_per_element": 8 * cfg.bytes_per_block / block_size / elems,

@@ -1,0 +1,75 @@
+"""Latent (MLA) layer layout for `CacheConfig(latent=LatentLayout(...))`.
+
+A DeepSeek-style layer caches one `[latent | rope]` vector per token (kv_lora_rank +
+qk_rope_head_dim, e.g. 512 + 64) shared by every head, in one pool (see
+`pagedkv.ops.latent_layer`). With `CacheConfig(latent=...)` every layer is latent: its LayerSpec
+has `num_kv_heads = 1`, `head_dim = latent_dim + rope_dim`, `k_block_bytes` = the pool's block
+bytes, `v_block_bytes = 0` and `latent` = the resolved `LatentSpec`.
+
+Codecs: the latent serves as both K and V, so it takes the MORE precise codec of the layer's
+format pair (`turbo3` -> turbo3; `bf16k_turbo3v` -> bf16), high-precision layers included.
+The rope part: `rope_format=None` ("auto") picks by measurement (`benchmarks/mla_rope_precision.py`,
+numbers in docs/mla.md, attention output error vs fp32):
+- fp8 and turbo8 latents keep the rope part in q8_0: fp8 + q8_0 rope cuts the error by 12 % (34 %
+  with strong rope outliers) for +4 bytes/token (+0.7 %); turbo8 + q8_0 rope is both smaller
+  (644 vs 648 B/token at 512+64) and more accurate. (q8_0 needs rope_dim % 32 == 0, else same.)
+- every other codec keeps one codec for the row: a q8_0/bf16 rope part lowers the error by
+  ~3-12 % for +10-20 % bytes, ~5x less error per byte than giving the latent the next codec up
+  (turbo3 -> turbo4), and a uniform row is served by the fused kernels as MQA (a mixed layout
+  runs the chunked torch path, ~2.5x slower decode on CPU).
+`rope_format="same"` forces one codec; a codec name forces that codec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ..codecs.catalogue import Codec, get_codec
+from ..errors import ConfigError
+from ..formats import KVFormat
+from ..ops.latent_layer import LatentSpec
+
+
+# latent codec -> rope codec chosen by measurement (module doc); others keep the latent's codec
+ROPE_AUTO = {"fp8": "q8_0", "turbo8": "q8_0"}
+
+
+@dataclass(frozen=True)
+class LatentLayout:
+    """latent_dim (kv_lora_rank), rope_dim (qk_rope_head_dim); rope_format: None = auto (see
+    the module doc), "same" = the latent's codec, else a codec name / Codec for the rope part."""
+
+    latent_dim: int = 512
+    rope_dim: int = 64
+    rope_format: Optional[Union[str, Codec]] = None
+
+    def __post_init__(self) -> None:
+        for name in ("latent_dim", "rope_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"LatentLayout.{name} must be a positive integer, got {v!r}")
+        rf = self.rope_format
+        if rf is not None and rf != "same" and not isinstance(rf, Codec):
+            if not isinstance(rf, str):
+                raise ConfigError(f"LatentLayout.rope_format must be None, a codec name or a Codec, "
+                                  f"got {rf!r}")
+            object.__setattr__(self, "rope_format", get_codec(rf))
+
+    def spec(self, fmt: KVFormat) -> LatentSpec:
+        """The LatentSpec a layer of format `fmt` uses (raises ConfigError for unsupported dims)."""
+        a, b = fmt.k, fmt.v
+        latent = a if (a.code_bits, a.bits_per_element) >= (b.code_bits, b.bits_per_element) else b
+        rope = self.rope_format
+        if rope is None:
+            rope = latent
+            auto = ROPE_AUTO.get(latent.name)
+            if auto is not None:
+                try:
+                    get_codec(auto).check_head_dim(self.rope_dim)
+                    rope = get_codec(auto)
+                except ConfigError:
+                    pass
+        elif rope == "same":
+            rope = latent
+        return LatentSpec(self.latent_dim, self.rope_dim, latent, rope)

@@ -1,0 +1,278 @@
+"""DeepSeek-V2/V3 multi-head latent attention (MLA) on the paged, compressed cache (transformers 5.x).
+
+Usage:
+
+    from pagedkv.integrations.deepseek import PagedLatentCache, enable
+    enable(model)                                   # MLA attention modules run absorbed attention
+    cache = PagedLatentCache(model, "turbo4")       # one [latent | rope] pool per layer
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+What is cached: per token and layer, the latent `compressed_kv` after `kv_a_layernorm`
+(kv_lora_rank dims) and the rotary key `k_pe` after RoPE (qk_rope_head_dim dims), shared by
+every head (`pagedkv.cache.latent`, `pagedkv.ops.latent_layer`): bytes per token are per latent,
+not per head.
+
+How attention runs. transformers' own forward expands the whole cached latent into per-head K/V
+with `kv_b_proj` at every step. `enable(model)` replaces the forward of each MLA attention module
+(instances only; the class is untouched) by one that, when the cache is a `PagedLatentCache`,
+stores the new tokens' latent and rope key, then runs absorbed attention on the pages:
+`q_lat_h = W_UK_h^T q_nope_h` (W_UK_h: the key rows of `kv_b_proj` for head h, [nope, L]),
+logits `scale * (q_lat . c + q_rope . k_rope)` (`pagedkv.ops.latent`), output
+`o_h = W_UV_h (sum_j p_j c_j)` (W_UV_h: the value rows), then `o_proj`. Absorption and the
+attention are fp32. With any other cache (or none) the original forward runs unchanged.
+
+Limitations: rows of a batch must have the same length (a padded mask raises InvalidInput);
+`torch.compile` is not supported; the cache refuses `update()` (only the patched forward may
+write it, so an unpatched model cannot silently attend to the new tokens only).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import replace
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..cache.config import CacheConfig
+from ..cache.latent import LatentLayout
+from ..errors import ConfigError, InvalidInput
+from ..formats import KVFormat
+from ..ops import AttentionParams
+from ..ops.latent import (LatentLayer, latent_decode_attention, latent_prefill_attention,
+                          latent_store, make_latent_layer)
+from .transformers import (FP8_HEADROOM, FP8_MAX, PagedCacheLayer, PagedKVCache, _Blocks,
+                           _model_device, _transformers)
+
+_ORIGINAL = "_pagedkv_original_forward"
+
+
+def mla_dims(config) -> Optional[tuple[int, int]]:
+    """(kv_lora_rank, qk_rope_head_dim) of an MLA model's HF config, or None for other models."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    lat = getattr(text, "kv_lora_rank", None)
+    rope = getattr(text, "qk_rope_head_dim", None)
+    if isinstance(lat, int) and isinstance(rope, int) and lat > 0 and rope > 0:
+        return lat, rope
+    return None
+
+
+def _text(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+class PagedLatentCache(PagedKVCache):
+    """A transformers `Cache` holding each layer's `[latent | rope]` per token compressed in pages.
+
+    model_or_config: an MLA model (DeepSeek-V2/V3 family) or its HF config.
+    kv_format: a format name / KVFormat or one per layer (the latent takes the more precise codec
+    of the pair, see `pagedkv.cache.latent`). rope_format: None = auto (measured), "same", or a
+    codec name. high_precision_layers / hp_format / block_size / max_tokens / device / backend /
+    checks: as `PagedKVCache` (backend: a `pagedkv.ops.latent` backend name).
+    """
+
+    def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "bf16", *,
+                 rope_format: Optional[str] = None, high_precision_layers: Union[int, str] = "auto",
+                 hp_format: Union[str, KVFormat] = "bf16", block_size: int = 16,
+                 max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
+                 checks: bool = True):
+        config = getattr(model_or_config, "config", model_or_config)
+        dims = mla_dims(config)
+        if dims is None:
+            raise ConfigError(
+                f"{type(config).__name__} has no latent attention (kv_lora_rank, qk_rope_head_dim); "
+                "use pagedkv.integrations.transformers.PagedKVCache for K/V models"
+            )
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens <= 0):
+            raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        num_layers = int(_text(config).num_hidden_layers)
+        initial_blocks = -(-max_tokens // block_size) if max_tokens else 16
+        self.config = CacheConfig(
+            num_layers=num_layers, num_kv_heads=1, head_dim=dims[0] + dims[1], kv_format=kv_format,
+            high_precision_layers=high_precision_layers, hp_format=hp_format, block_size=block_size,
+            num_blocks=initial_blocks, latent=LatentLayout(dims[0], dims[1], rope_format),
+            device=device or _model_device(model_or_config),
+        )
+        self.key_centring = False
+        self.backend = backend
+        self.checks = bool(checks)
+        self.blocks = _Blocks(block_size, initial_blocks, growable=max_tokens is None)
+        self._table_tensor = None
+        self._table_version = -1
+        layers = [LatentCacheLayer(self, spec) for spec in self.config.layers]
+        _, cache_utils = _transformers()
+        cache_utils.Cache.__init__(self, layers=layers)
+
+
+class LatentCacheLayer(PagedCacheLayer):
+    """One model layer's paged latent (`paged`: the ops' LatentLayer, rebuilt when pools grow)."""
+
+    def __repr__(self):
+        return f"LatentCacheLayer({self.spec.index}, {self.spec.latent.name}, len={self.length})"
+
+    def _make(self, num_blocks: int) -> LatentLayer:
+        return make_latent_layer(self.spec.latent, num_blocks, self.cache.config.block_size,
+                                 device=self.device)
+
+    def _grow(self, new_total: int) -> None:
+        if self.paged is None:
+            return
+        p = self.paged
+        pool = torch.zeros(new_total, p.pool.shape[1], dtype=torch.uint8, device=p.device)
+        pool[: p.num_blocks] = p.pool
+        self.paged = replace(p, pool=pool)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        if self.paged is not None:
+            self.paged.pool[dst] = self.paged.pool[src]
+
+    def pool_bytes(self) -> int:
+        return 0 if self.paged is None else self.paged.pool.numel() + 8
+
+    def lazy_initialization(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """Make the pool; fp8 tensor scales from the first chunk (headroom x amax / 448)."""
+        p = self._make(self.cache.blocks.num_blocks)
+        spec = p.spec
+        changes = {}
+        if spec.latent_codec.name == "fp8":
+            x = torch.cat([latent.flatten(), rope.flatten()]) if spec.uniform else latent
+            changes["latent_scale"] = _scale(x, p.device)
+        if not spec.uniform and spec.rope_codec.name == "fp8":
+            changes["rope_scale"] = _scale(rope, p.device)
+        self.paged = replace(p, **changes) if changes else p
+        self.is_initialized = True
+
+    def update(self, *args, **kwargs):
+        raise InvalidInput(
+            "PagedLatentCache is written by the absorbed MLA attention only: call "
+            "pagedkv.integrations.deepseek.enable(model) before running the model with it"
+        )
+
+    def store_latent(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """Store the new tokens: latent float [B, T, L] (after kv_a_layernorm) and rope
+        float [B, T, R] (after RoPE); every row advances by T."""
+        b, t, _ = latent.shape
+        self.cache._ensure_rows(b)
+        if not self.is_initialized:
+            self.lazy_initialization(latent.detach().float(), rope.detach().float())
+        if t:
+            slots = self.cache._slots(self.length, t, self.paged.device)
+            latent_store(self.paged, latent.reshape(b * t, -1), rope.reshape(b * t, -1), slots,
+                         backend=self.cache.backend, checks=self.cache.checks)
+            self.length += t
+
+
+def _scale(x: torch.Tensor, device) -> torch.Tensor:
+    amax = float(x.abs().amax()) if x.numel() else 0.0
+    return torch.tensor([FP8_HEADROOM * amax / FP8_MAX if amax > 0 else 1.0], dtype=torch.float32,
+                        device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the absorbed attention forward
+
+
+def _check_mask(attention_mask, length: int) -> None:
+    """Refuse padded batches: the last query row must see every cached position."""
+    if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return
+    last = attention_mask[:, :, -1, :length]
+    ok = bool(last.all()) if last.dtype == torch.bool else bool((last == 0).all())
+    if not ok:
+        raise InvalidInput(
+            "the pagedkv latent cache does not support padded batches yet (the attention mask hides "
+            "cached positions); run rows of equal length or one row at a time"
+        )
+
+
+def _absorbed_forward(self, hidden_states: torch.Tensor, position_embeddings=None,
+                      attention_mask: Optional[torch.Tensor] = None, cache=None, **kwargs):
+    """DeepseekV3Attention.forward with the latent cached in pages and absorbed attention.
+
+    hidden_states [B, T, hidden]; returns ([B, T, hidden], None)."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    else:
+        kwargs.pop("past_key_values", None)
+    if not isinstance(cache, PagedLatentCache):
+        return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, cache=cache, **kwargs)
+    hf = sys.modules[type(self).__module__]
+    b, t = hidden_states.shape[:-1]
+    nope, rd, L = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    if self.q_lora_rank is None:
+        q_states = self.q_proj(hidden_states)
+    else:
+        q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q_states = q_states.view(b, t, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, T, D]
+    q_pass, q_rot = torch.split(q_states, [nope, rd], dim=-1)
+    compressed = self.kv_a_proj_with_mqa(hidden_states)
+    kv_nope, k_rot = torch.split(compressed, [L, rd], dim=-1)
+    kv_nope = self.kv_a_layernorm(kv_nope)
+    k_rot = k_rot.view(b, 1, t, rd)
+    cos, sin = position_embeddings
+    rope_fn = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else hf.apply_rotary_pos_emb
+    q_rot, k_rot = rope_fn(q_rot, k_rot, cos, sin)
+
+    layer: LatentCacheLayer = cache.layers[self.layer_idx]
+    layer.store_latent(kv_nope, k_rot[:, 0])
+    _check_mask(attention_mask, layer.length)
+
+    h = q_states.shape[1]
+    w = self.kv_b_proj.weight.view(h, nope + self.v_head_dim, L).float()
+    q_lat = torch.einsum("bhtn,hnl->bthl", q_pass.float(), w[:, :nope])  # [B, T, H, L]
+    q_rope = q_rot.float().transpose(1, 2)  # [B, T, H, R]
+    params = AttentionParams(
+        scale=float(self.scaling), sliding_window=layer.sliding_window,
+        soft_cap=getattr(self.config, "attn_logit_softcapping", None),
+        sinks=None if getattr(self, "sinks", None) is None else self.sinks.float(),
+    )
+    dev = hidden_states.device
+    tables = cache.block_table_tensor(dev)
+    seq_lens = torch.full((b,), layer.length, dtype=torch.int32, device=dev)
+    if t == 1:
+        o = latent_decode_attention(q_lat[:, 0].contiguous(), q_rope[:, 0].contiguous(), layer.paged,
+                                    tables, seq_lens, params, backend=cache.backend, checks=cache.checks)
+        o = o[:, None]
+    else:
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
+        o = latent_prefill_attention(q_lat.reshape(b * t, h, L).contiguous(),
+                                     q_rope.reshape(b * t, h, rd).contiguous(), layer.paged, tables,
+                                     seq_lens, qsl, params, backend=cache.backend, checks=cache.checks)
+        o = o.reshape(b, t, h, L)
+    out = torch.einsum("bthl,hvl->bthv", o, w[:, nope:])  # [B, T, H, v_head_dim]
+    out = out.reshape(b, t, h * self.v_head_dim).to(hidden_states.dtype)
+    return self.o_proj(out), None
+
+
+def _is_mla(module) -> bool:
+    return all(hasattr(module, a) for a in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+                                            "qk_nope_head_dim", "kv_lora_rank", "layer_idx"))
+
+
+def enable(model) -> int:
+    """Patch every MLA attention module of `model` (idempotent); returns how many were patched.
+    Raises ConfigError when the model has none."""
+    n = 0
+    for module in model.modules():
+        if _is_mla(module):
+            if not hasattr(module, _ORIGINAL):
+                setattr(module, _ORIGINAL, module.forward)
+                module.forward = types.MethodType(_absorbed_forward, module)
+            n += 1
+    if n == 0:
+        raise ConfigError(f"{type(model).__name__} has no MLA attention modules (kv_a_proj_with_mqa, "
+                          "kv_b_proj); use pagedkv.integrations.transformers for K/V models")
+    return n
+
+
+def disable(model) -> None:
+    """Undo `enable`."""
+    for module in model.modules():
+        if hasattr(module, _ORIGINAL):
+            module.__dict__.pop("forward", None)
+            delattr(module, _ORIGINAL)
