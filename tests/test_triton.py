@@ -29,6 +29,9 @@ from pagedkv.codecs import CODECS  # noqa: E402
 from pagedkv.errors import InvalidInput  # noqa: E402
 from pagedkv.ops import AttentionParams, Op, api, make_layer, select_backend  # noqa: E402
 from pagedkv.ops import triton as tr  # noqa: E402
+from pagedkv.ops.triton.common import bf16_bits, e4m3_bits, e4m3_value, fp16_bits  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 if DEVICE_IS_CPU and not tr.interpreting():
     raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets "
@@ -230,3 +233,39 @@ def test_fused_norm_rope_store_k(name, norm_on, rope_kind):
     reference.store(layers[2], got, None, slots)
     assert bool((layers[1].k_pool == layers[2].k_pool).all())
     assert bool(layers[1].k_pool.any())
+
+
+@triton.jit
+def _float_helpers_kernel(x_ptr, b_ptr, e_ptr, v_ptr, h_ptr, f_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(e_ptr + i, e4m3_bits(x))
+    tl.store(v_ptr + i, e4m3_value(tl.load(b_ptr + i) & 255))
+    tl.store(h_ptr + i, bf16_bits(x))
+    tl.store(f_ptr + i, fp16_bits(x))
+
+
+def test_small_float_helpers_match_torch():
+    """The kernels' E4M3 / bf16 / fp16 rounding and E4M3 decoding against torch's conversions:
+    every E4M3 byte, their midpoints (ties to even), subnormals, saturation, -0, random values."""
+    from pagedkv.codecs.floats import e4m3_table, to_e4m3_bytes
+
+    table = e4m3_table()
+    finite = table[torch.isfinite(e4m3_table()) & ~torch.tensor([(b & 0x7F) == 0x7F for b in range(256)])]
+    levels = finite.unique()
+    mids = (levels[1:] + levels[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([levels, mids, torch.tensor([-0.0, 500.0, -1e6, 2.0**-10, 3 * 2.0**-11, 1e-30]),
+                   torch.randn(1000, generator=gen) * 10.0 ** torch.randint(-4, 3, (1000,), generator=gen)])
+    n = 1 << (x.numel() - 1).bit_length()
+    x = torch.cat([x, torch.zeros(n - x.numel())]).to(DEVICE)
+    codes = (torch.arange(n) % 256).to(torch.int32).to(DEVICE)
+    outs = [torch.empty(n, dtype=dt, device=DEVICE) for dt in (torch.int32, torch.float32, torch.int32, torch.int32)]
+    _float_helpers_kernel[(1,)](x, codes, *outs, N=n)
+    e, v, hb, fb = (o.cpu() for o in outs)
+    xc = x.cpu()
+    assert torch.equal(e.to(torch.uint8), to_e4m3_bytes(xc))
+    ok = (codes.cpu() & 0x7F) != 0x7F  # the NaN codes are never written
+    assert torch.equal(v[ok], table[codes.cpu()[ok].long()])
+    assert torch.equal(hb, xc.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF)
+    assert torch.equal(fb, xc.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF)

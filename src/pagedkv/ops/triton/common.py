@@ -14,8 +14,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .spec import SCALE_BF16, SCALE_E4M3, SCALE_FP16, SCALE_TENSOR
+from .spec import SCALE_BF16, SCALE_E4M3, SCALE_FP16, SCALE_TENSOR, VAL_E4M3, VAL_INT4, VAL_INT8
 
+_VAL_E4M3 = tl.constexpr(VAL_E4M3)
+_VAL_INT8 = tl.constexpr(VAL_INT8)
+_VAL_INT4 = tl.constexpr(VAL_INT4)
 _SCALE_TENSOR = tl.constexpr(SCALE_TENSOR)
 _SCALE_E4M3 = tl.constexpr(SCALE_E4M3)
 _SCALE_BF16 = tl.constexpr(SCALE_BF16)
@@ -24,12 +27,13 @@ _SCALE_FP16 = tl.constexpr(SCALE_FP16)
 
 @triton.jit
 def load_rows(pool_ptr, table_ptr, e4m3_ptr, tensor_scale, row_off, scale_off, offs_d, mask,
-              BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr):
+              BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr):
     """Decode a tile of rows to float32 [N, BLOCK_D] in the stored (rotated) basis.
 
     row_off: int64 [N, 1] byte offset of each row's codes in the pool; scale_off: int64 [N, 1]
     offset of its scales; offs_d: int32 [1, BLOCK_D] element index; mask: bool [N, BLOCK_D]
-    (masked elements read nothing and decode to 0).
+    (masked elements read nothing and decode to 0). VALUES: table gather or arithmetic decode
+    (spec.VAL_*); E4M3 scales are decoded arithmetically too (e4m3_ptr is kept for callers).
     """
     bit = offs_d * BITS
     byte = bit >> 3
@@ -43,12 +47,19 @@ def load_rows(pool_ptr, table_ptr, e4m3_ptr, tensor_scale, row_off, scale_off, o
         val = (word << 16).to(tl.float32, bitcast=True)
     else:
         code = (word >> (bit & 7)) & ((1 << BITS) - 1)
-        val = tl.load(table_ptr + code, mask=mask, other=0.0)
+        if VALUES == _VAL_E4M3:
+            val = e4m3_value(code)
+        elif VALUES == _VAL_INT8:
+            val = ((code ^ 0x80) - 0x80).to(tl.float32)
+        elif VALUES == _VAL_INT4:
+            val = (code - 8).to(tl.float32)
+        else:
+            val = tl.load(table_ptr + code, mask=mask, other=0.0)
         if SCALE_KIND == _SCALE_TENSOR:
             val = val * tensor_scale
         elif SCALE_KIND == _SCALE_E4M3:
             sb = tl.load(pool_ptr + scale_off + offs_d // GROUP, mask=mask, other=0).to(tl.int32)
-            val = val * tl.load(e4m3_ptr + sb, mask=mask, other=0.0)
+            val = val * e4m3_value(sb)
         elif SCALE_KIND == _SCALE_BF16 or SCALE_KIND == _SCALE_FP16:
             sp = pool_ptr + scale_off + (offs_d // GROUP) * 2
             s0 = tl.load(sp, mask=mask, other=0).to(tl.int32)
@@ -74,6 +85,15 @@ def dot(a, b, DOT: tl.constexpr):
         return tl.dot(bf16_round(a), bf16_round(b), input_precision="ieee", out_dtype=tl.float32)
     else:
         return tl.dot(a, b, input_precision=DOT, out_dtype=tl.float32)
+
+
+@triton.jit
+def e4m3_value(b):
+    """int32 E4M3 byte -> float32 without a table: move sign / exponent / mantissa into an fp16
+    (exponent bias 15 vs 7, so scale by 2**8); exact for every finite E4M3 value, subnormals
+    included."""
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.jit

@@ -39,10 +39,10 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
                    bt_stride, scale, soft_cap, window, threshold,
                    NUM_SPLITS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr,
-                   K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr,
+                   K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr, K_VALUES: tl.constexpr,
                    K_ROW_DATA: tl.constexpr, K_ROW_SCALE: tl.constexpr, K_DATA_END: tl.constexpr,
                    K_BLOCK_BYTES: tl.constexpr,
-                   V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SCALE_KIND: tl.constexpr,
+                   V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SCALE_KIND: tl.constexpr, V_VALUES: tl.constexpr,
                    V_ROW_DATA: tl.constexpr, V_ROW_SCALE: tl.constexpr, V_DATA_END: tl.constexpr,
                    V_BLOCK_BYTES: tl.constexpr,
                    HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
@@ -87,7 +87,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
         k = load_rows(k_pool, k_tab, e4m3_ptr, k_ts,
                       (page * K_BLOCK_BYTES + srow * K_ROW_DATA)[:, None],
                       (page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE)[:, None],
-                      offs_d[None, :], kmask, K_BITS, K_GROUP, K_SCALE_KIND)
+                      offs_d[None, :], kmask, K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES)
         s = dot(q, tl.trans(k), DOT)  # [BLOCK_G, BLOCK_N] fp32
         if HAS_QC:
             s = s + qc[:, None]
@@ -102,7 +102,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
             p = tl.where((p >= threshold) & g_ok[:, None], p, 0.0)
             need = tl.max(p, axis=0) > 0  # [BLOCK_N]: some head of the group keeps the token
             v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts, v_off, v_soff, offs_d[None, :],
-                          need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND)
+                          need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
             acc += dot(p, v, DOT)
         else:
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -111,7 +111,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PASS == 0:
                 v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts, v_off, v_soff, offs_d[None, :],
-                              kmask, V_BITS, V_GROUP, V_SCALE_KIND)
+                              kmask, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
                 acc = acc * alpha[:, None] + dot(p, v, DOT)
             m_i = m_new
 

@@ -27,7 +27,7 @@ from .spec import e4m3_values
 @triton.jit
 def _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, d_ok,
             scale, soft_cap, window, H: tl.constexpr, BS: tl.constexpr, kvh,
-            K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr,
+            K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr, K_VALUES: tl.constexpr,
             K_ROW_DATA: tl.constexpr, K_ROW_SCALE: tl.constexpr, K_DATA_END: tl.constexpr,
             K_BLOCK_BYTES: tl.constexpr, HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr,
             WINDOW: tl.constexpr, DOT: tl.constexpr):
@@ -39,7 +39,7 @@ def _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row_ptr, kpos, qpos, row_ok
     k = load_rows(k_pool, k_tab, e4m3_ptr, k_ts,
                   (page * K_BLOCK_BYTES + srow * K_ROW_DATA)[:, None],
                   (page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE)[:, None],
-                  offs_d[None, :], k_ok[:, None] & d_ok[None, :], K_BITS, K_GROUP, K_SCALE_KIND)
+                  offs_d[None, :], k_ok[:, None] & d_ok[None, :], K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES)
     s = dot(q, tl.trans(k), DOT)
     if HAS_QC:
         s = s + qc[:, None]
@@ -59,10 +59,10 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
                     bt_stride, scale, soft_cap, window, threshold, B,
                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                     BS: tl.constexpr,
-                    K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr,
+                    K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr, K_VALUES: tl.constexpr,
                     K_ROW_DATA: tl.constexpr, K_ROW_SCALE: tl.constexpr, K_DATA_END: tl.constexpr,
                     K_BLOCK_BYTES: tl.constexpr,
-                    V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SCALE_KIND: tl.constexpr,
+                    V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SCALE_KIND: tl.constexpr, V_VALUES: tl.constexpr,
                     V_ROW_DATA: tl.constexpr, V_ROW_SCALE: tl.constexpr, V_DATA_END: tl.constexpr,
                     V_BLOCK_BYTES: tl.constexpr,
                     HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
@@ -121,7 +121,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
         kpos = t + offs_n
         s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row, kpos, qpos, row_ok,
                                       offs_d, d_ok, scale, soft_cap, window, H, BS, kvh,
-                                      K_BITS, K_GROUP, K_SCALE_KIND, K_ROW_DATA, K_ROW_SCALE,
+                                      K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
                                       K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -132,7 +132,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
             v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts,
                           (page * V_BLOCK_BYTES + srow * V_ROW_DATA)[:, None],
                           (page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE)[:, None],
-                          offs_d[None, :], k_ok[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND)
+                          offs_d[None, :], k_ok[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
             acc = acc * alpha[:, None] + dot(p, v, DOT)
         m_i = m_new
     if SPARSE:  # second pass: exact weights, keep p >= threshold, read only the kept V rows
@@ -142,7 +142,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
             kpos = t + offs_n
             s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row, kpos, qpos, row_ok,
                                           offs_d, d_ok, scale, soft_cap, window, H, BS, kvh,
-                                          K_BITS, K_GROUP, K_SCALE_KIND, K_ROW_DATA, K_ROW_SCALE,
+                                          K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
                                           K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
             p = tl.exp(s - m_fin[:, None]) / z[:, None]
             p = tl.where(p >= threshold, p, 0.0)
@@ -150,7 +150,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
             v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts,
                           (page * V_BLOCK_BYTES + srow * V_ROW_DATA)[:, None],
                           (page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE)[:, None],
-                          offs_d[None, :], need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND)
+                          offs_d[None, :], need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
             acc += dot(p, v, DOT)
         out = acc
     else:

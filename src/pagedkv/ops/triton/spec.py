@@ -37,6 +37,10 @@ _ENCODE = {
     ValueKind.INT: ENC_INT,  # q8_0 / q4_0 (llama.cpp rules)
 }
 
+# How the attention kernels turn a code into its value before the scale (constexpr VALUES):
+# a gather from the value table, or arithmetic for E4M3 / int8 / int4 (no dependent load).
+VAL_TABLE, VAL_E4M3, VAL_INT8, VAL_INT4 = 0, 1, 2, 3
+
 MAX_HEAD_DIM = 256
 
 
@@ -60,6 +64,7 @@ class CodecSpec:
     data_end: int
     block_bytes: int
     levels: int
+    values: int
 
     def constexprs(self, prefix: str) -> dict:
         """The kernel keyword arguments for this side, e.g. prefix 'K_' -> K_BITS=..."""
@@ -67,6 +72,7 @@ class CodecSpec:
             f"{prefix}BITS": self.bits,
             f"{prefix}GROUP": max(self.group, 1),
             f"{prefix}SCALE_KIND": self.scale_kind,
+            f"{prefix}VALUES": self.values,
             f"{prefix}ROW_DATA": self.row_data,
             f"{prefix}ROW_SCALE": self.row_scale,
             f"{prefix}DATA_END": self.data_end,
@@ -87,7 +93,16 @@ def codec_spec(codec: Codec, block_size: int, num_kv_heads: int, head_dim: int) 
         data_end=block_size * num_kv_heads * codec.row_data_bytes(head_dim),
         block_bytes=codec.block_bytes(block_size, num_kv_heads, head_dim),
         levels=0 if codec.code_bits > 8 else 1 << codec.code_bits,
+        values=_values_kind(codec),
     )
+
+
+def _values_kind(codec: Codec) -> int:
+    if codec.values is ValueKind.FP8_E4M3:
+        return VAL_E4M3
+    if codec.values is ValueKind.INT:
+        return VAL_INT8 if codec.code_bits == 8 else VAL_INT4
+    return VAL_TABLE  # Lloyd-Max levels, E2M1 (and unused for bf16)
 
 
 def supports_head_dim(head_dim: int) -> bool:

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ...codecs import wht
 from ..batch import PagedLayer
-from .common import bf16_bits, bf16_round, e4m3_bits, fp16_bits, round_half_even
+from .common import bf16_bits, bf16_round, e4m3_bits, e4m3_value, fp16_bits, round_half_even
 from .spec import ENC_BF16, ENC_E4M3, ENC_INT, ENC_TABLE, SCALE_TENSOR, codec_spec, codec_tables, e4m3_values
 
 _ENC_BF16 = tl.constexpr(ENC_BF16)
@@ -145,7 +145,7 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
         best_idx = tl.zeros((BLOCK_T, NG, GROUP), tl.int32)
         for k in tl.static_range(SEARCH_N):
             cb = tl.minimum(tl.maximum(base_code + (SEARCH_LO + k), 1), 0x7E)
-            cand = tl.load(e4m3_ptr + cb)  # [BLOCK_T, NG]
+            cand = e4m3_value(cb)  # [BLOCK_T, NG]
             y = tl.math.div_rn(xg, cand[:, :, None] + tl.zeros_like(xg))
             idx = tl.zeros((BLOCK_T, NG, GROUP), tl.int32)
             for j in tl.static_range(N_MIDS):
