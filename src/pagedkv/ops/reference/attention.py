@@ -11,8 +11,9 @@ Semantics (the fast paths must match):
 - visibility: key j is seen by a query at position p iff j <= p and (no window or j > p - W);
 - sinks (one logit per q head, used as given: not scaled, not capped) join the denominator:
   m = max(max_j s_j, sink), Z = sum_j exp(s_j - m) + exp(sink - m), p_j = exp(s_j - m) / Z;
-- sparse V: with threshold t > 0, positions with p_j < t contribute nothing (their V is not
-  read); the kept weights are NOT renormalised, so out = sum_{p_j >= t} p_j v_j;
+- sparse V: with threshold t > 0, positions with p_j < t contribute nothing; the kept weights
+  are NOT renormalised, so out = sum_{p_j >= t} p_j v_j (a fast path skips the V reads of a
+  subset of these positions, see docs/internals.md "Sparse V");
 - a decode sequence of length 0 (batch padding) outputs zeros;
 - the output has q's dtype; all arithmetic is fp32.
 """
