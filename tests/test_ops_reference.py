@@ -20,7 +20,7 @@ from pagedkv.formats import all_formats
 from pagedkv.ops import AttentionParams
 
 TIGHT = dict(atol=2e-5, rtol=2e-5)  # fp32 arithmetic over <= a few hundred keys
-MODEL_SLACK = 2.0  # measured error / first-order prediction stays within ~0.8-1.2 here
+MODEL_SLACK = 2.5  # measured error / first-order prediction: 0.67-1.70 over 12 seeds x 5 K-heavy pairs
 
 
 def _check_case(case, params, modes=("decode", "prefill")):
