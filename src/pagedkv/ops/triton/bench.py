@@ -52,7 +52,7 @@ class BenchConfig:
     precisions: tuple = ("ieee", "bf16")
     prefill_batch: int = 4
     prefill_chunk: int = 2048
-    decode_block_n: int = 32
+    decode_block_n: Optional[int] = None  # None: the launcher's choice per precision
     prefill_block_m: int = 64
     prefill_block_n: int = 32
     seed: int = 0

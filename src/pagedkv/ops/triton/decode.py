@@ -22,6 +22,8 @@ and the reduce sums (MODE 2). The kept weights are not renormalised (reference s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,25 @@ from ...errors import ConfigError
 from ..batch import AttentionParams, PagedLayer
 from .common import dot, load_rows, soft_cap_logits
 from .spec import codec_spec, codec_tables, e4m3_values
+
+
+@triton.jit
+def _qk(q, k, DOT: tl.constexpr):
+    """Logits q [G, D] . k [N, D] -> [G, N] fp32. "fma": exact fp32 products on the G real rows
+    only (tl.dot would pad G to 16 rows: 4x the FMAs at GQA 4); otherwise tensor-core tl.dot."""
+    if DOT == "fma":
+        return tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    else:
+        return dot(q, tl.trans(k), DOT)
+
+
+@triton.jit
+def _pv(p, v, DOT: tl.constexpr):
+    """p [G, N] @ v [N, D] -> [G, D] fp32 (see _qk)."""
+    if DOT == "fma":
+        return tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    else:
+        return dot(p, v, DOT)
 
 
 @triton.jit
@@ -88,7 +109,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
                       (page * K_BLOCK_BYTES + srow * K_ROW_DATA)[:, None],
                       (page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE)[:, None],
                       offs_d[None, :], kmask, K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES)
-        s = dot(q, tl.trans(k), DOT)  # [BLOCK_G, BLOCK_N] fp32
+        s = _qk(q, k, DOT)  # [BLOCK_G, BLOCK_N] fp32
         if HAS_QC:
             s = s + qc[:, None]
         s = s * scale
@@ -103,7 +124,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
             need = tl.max(p, axis=0) > 0  # [BLOCK_N]: some head of the group keeps the token
             v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts, v_off, v_soff, offs_d[None, :],
                           need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
-            acc += dot(p, v, DOT)
+            acc += _pv(p, v, DOT)
         else:
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -112,7 +133,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
             if PASS == 0:
                 v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts, v_off, v_soff, offs_d[None, :],
                               kmask, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
-                acc = acc * alpha[:, None] + dot(p, v, DOT)
+                acc = acc * alpha[:, None] + _pv(p, v, DOT)
             m_i = m_new
 
     part_row = row * NUM_SPLITS + split
@@ -176,12 +197,17 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
     """Context partitions per (sequence, kv head): enough programs to fill the device (~4 per SM),
     never more than there are BLOCK_N tiles, at most 64."""
     tiles = max(1, -(-max_context // block_n))
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         want = -(-4 * sms // max(batch * num_kv_heads, 1))
     else:  # the interpreter: a couple of splits keep the split-K path exercised
         want = 2
@@ -210,11 +236,12 @@ def side_args(layer: PagedLayer, device: torch.device):
 
 
 def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, params: AttentionParams, *, block_n: int = 32,
+                     seq_lens: torch.Tensor, params: AttentionParams, *, block_n: int | None = None,
                      num_splits: int | None = None, precision: str = "ieee") -> torch.Tensor:
     """Triton twin of `pagedkv.ops.reference.decode_attention`: q [B, Hq, D] -> [B, Hq, D] (q's dtype).
 
-    block_n: tokens per tile; num_splits: context partitions per sequence (None: from the
+    block_n: tokens per tile (None: sized so the fp32 [G, block_n, D] product tile stays in
+    registers with exact "ieee" products, 32 with tensor cores); num_splits: context partitions per sequence (None: from the
     device's SM count); precision: operands of the two matmuls, "ieee" (exact fp32, the
     default), "tf32" or "bf16" (tensor cores); accumulation is fp32 in every case.
     Inputs are already validated by `pagedkv.ops.api`.
@@ -232,6 +259,11 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     max_ctx = block_tables.shape[1] * layer.block_size
     if params.sliding_window is not None:
         max_ctx = min(max_ctx, params.sliding_window)
+    fma = dot_kind == "ieee"  # exact fp32 products without padding the GQA group to 16 rows
+    block_g = triton.next_power_of_2(g) if fma else max(16, triton.next_power_of_2(g))
+    block_d = max(16, triton.next_power_of_2(d))
+    if block_n is None:
+        block_n = max(16, min(64, 8192 // (block_g * block_d))) if fma else 32
     splits = num_splits or num_splits_for(bsz, h, max_ctx, block_n, dev)
     m = torch.empty(bsz, hq, splits, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
@@ -239,11 +271,10 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     gm = torch.empty(bsz, hq, dtype=torch.float32, device=dev)
     gz = torch.empty_like(gm)
     sinks = params.sinks.to(dev, torch.float32).contiguous() if params.sinks is not None else gm
-    block_d = max(16, triton.next_power_of_2(d))
     common = dict(
         NUM_SPLITS=splits, H=h, G=g, D=d, BS=layer.block_size, HAS_QC=qc is not None,
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
-        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, BLOCK_D=block_d, DOT=dot_kind, **consts,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, DOT="fma" if fma else dot_kind, **consts,
     )
     args = (qk, qc if qc is not None else gm, layer.k_pool, layer.v_pool, k_tab, v_tab, e4m3_values(dev),
             layer.k_scale, layer.v_scale, block_tables, seq_lens, m, l, acc, gm, gz,
