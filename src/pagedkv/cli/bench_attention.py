@@ -8,7 +8,9 @@ heads, 3 kv heads, head_dim 64, block size 16, the embedded model's shape):
   bf16 matmul -> fp32 softmax -> matmul with the group folded.
 
 Timing: `timed_layers` distinct layers (each its own memory) are run back to back per repeat and
-the per-layer median over repeats is scaled to `layers`; `timed_layers` is chosen so the timed
+the per-layer median over repeats is scaled to `layers`; within a (context, batch) point every
+contender (the three torch ways and each format) is timed once per repeat, interleaved, so that
+they all see the same machine conditions (other processes on a shared machine); `timed_layers` is chosen so the timed
 bytes exceed 4x the L3 cache (the reads come from DRAM, as in a real 30-layer step) within a
 memory budget. Contents: a few real encoded blocks (random N(0,1) K/V through the reference
 store) tiled over the pools, randomly permuted block tables.
@@ -50,7 +52,7 @@ class BenchShape:
     block_size: int = 16
     repeats: int = 5
     threads: int = 1
-    memory_budget: int = 3 << 30  # bytes of cache the bench may allocate at once
+    memory_budget: int = 1 << 30  # bytes one contender may allocate (timed layers shrink to fit)
 
     def check(self) -> None:
         for name in ("layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "repeats", "threads"):
@@ -105,9 +107,30 @@ def layer_bytes(fmt: KVFormat, shape: BenchShape, tokens: int) -> int:
     return tokens * h * (fmt.k.row_bytes(d) + fmt.v.row_bytes(d))
 
 
-# ---------------------------------------------------------------------------- torch baseline
-def baseline_decode(shape: BenchShape, context: int, batch: int) -> dict:
-    """Per-step ms of the three torch ways over a contiguous bf16 cache; 'best' is the minimum."""
+# ---------------------------------------------------------------------------- decode contenders
+@dataclass
+class Contender:
+    """One way to run a decode step: fn(i) runs layer i of `timed_layers`; bytes read per step."""
+
+    name: str
+    fn: Callable[[int], object]
+    timed_layers: int
+    bytes_per_step: int
+    times: list = field(default_factory=list)  # per-layer seconds, one per repeat
+
+    def time_once(self) -> None:
+        t = time.perf_counter()
+        for i in range(self.timed_layers):
+            self.fn(i)
+        self.times.append((time.perf_counter() - t) / self.timed_layers)
+
+    def step_ms(self, layers: int) -> float:
+        return statistics.median(self.times) * 1e3 * layers
+
+
+def baseline_contenders(shape: BenchShape, context: int, batch: int) -> list[Contender]:
+    """The three torch ways over a contiguous bf16 cache [B, H, n, D] (bf16 q, group folded or
+    enable_gqa); the fastest is the baseline."""
     h, hq, d = shape.num_kv_heads, shape.num_q_heads, shape.head_dim
     g = hq // h
     per_layer = 2 * batch * h * context * d * 2
@@ -129,15 +152,12 @@ def baseline_decode(shape: BenchShape, context: int, batch: int) -> dict:
         s = torch.matmul(qf, ks[i].transpose(-1, -2)).float() * scale
         return torch.matmul(torch.softmax(s, -1).to(torch.bfloat16), vs[i])
 
-    ways = {}
-    for name, fn in (("sdpa_gqa", sdpa_gqa), ("sdpa_folded", sdpa_folded), ("matmul_folded", matmul_folded)):
-        ways[name] = _median_ms(fn, n, shape.repeats) * shape.layers
-    best = min(ways, key=ways.get)
-    return {"ways": ways, "best": best, "ms": ways[best], "timed_layers": n, "bytes": per_layer * shape.layers}
+    return [Contender(name, fn, n, per_layer * shape.layers)
+            for name, fn in (("sdpa_gqa", sdpa_gqa), ("sdpa_folded", sdpa_folded), ("matmul_folded", matmul_folded))]
 
 
-# ---------------------------------------------------------------------------- ours
-def ours_decode(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable) -> dict:
+def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable) -> Contender:
+    """The fast kernel over paged pools of `fmt` (random block tables, bf16 q)."""
     bs = shape.block_size
     blocks_per_seq = -(-context // bs)
     num_blocks = blocks_per_seq * batch
@@ -154,11 +174,39 @@ def ours_decode(fmt: KVFormat, shape: BenchShape, context: int, batch: int, atte
     def step(i):
         return attention(q, layers[i], tables, lens, qsl, params, num_threads=shape.threads)
 
-    ms = _median_ms(step, n, shape.repeats) * shape.layers
-    return {"ms": ms, "timed_layers": n, "bytes": per_layer * shape.layers}
+    return Contender(fmt.name, step, n, per_layer * shape.layers)
 
 
-def peak_memory_decode(fmt: KVFormat, shape: BenchShape, context: int, attention: Callable) -> dict:
+def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, batch: int,
+                      attention: Callable) -> list[dict]:
+    """Rows for one (context, batch): every contender timed once per repeat, interleaved, so the
+    baseline and each format see the same machine conditions; medians over repeats."""
+    base = baseline_contenders(shape, context, batch)
+    ours = [ours_contender(f, shape, context, batch, attention) for f in fmts]
+    everyone = base + ours
+    for c in everyone:  # warm-up: first touch, allocator, thread pool
+        c.fn(0)
+    for _ in range(shape.repeats):
+        for c in everyone:
+            c.time_once()
+    ways = {c.name: c.step_ms(shape.layers) for c in base}
+    best = min(base, key=lambda c: ways[c.name])
+    rows = []
+    for c in ours:
+        ms = c.step_ms(shape.layers)
+        rows.append({"format": c.name, "context": context, "batch": batch, "ms": ms,
+                     "baseline_ms": ways[best.name], "ratio": ms / ways[best.name],
+                     "gbps": c.bytes_per_step / (ms / 1e3) / 1e9,
+                     "baseline_gbps": best.bytes_per_step / (ways[best.name] / 1e3) / 1e9,
+                     "baseline": best.name, "baseline_ways": ways,
+                     "bytes_per_step": c.bytes_per_step, "timed_layers": c.timed_layers,
+                     "baseline_timed_layers": best.timed_layers, "layers": shape.layers,
+                     "threads": shape.threads, "repeats": shape.repeats})
+    return rows
+
+
+def peak_memory_decode(fmt: KVFormat, shape: BenchShape, context: int, attention: Callable,
+                       with_reference: bool = False) -> dict:
     """Peak resident memory added by one decode step of one layer at `context` (batch 1).
 
     Linux: resets the peak-RSS mark (/proc/self/clear_refs) and reads VmHWM after the call. The
@@ -190,13 +238,24 @@ def peak_memory_decode(fmt: KVFormat, shape: BenchShape, context: int, attention
             fh.write("5")
     except OSError:
         return {"format": fmt.name, "context": context, "cache_mb": cache_bytes / 2**20, "peak_extra_mb": None}
-    before = status_kb("VmRSS")
-    attention(q, layer, tables, lens, qsl, params, num_threads=shape.threads)
-    peak = status_kb("VmHWM")
-    full_fp32_mb = 2 * context * shape.num_kv_heads * shape.head_dim * 4 / 2**20
-    return {"format": fmt.name, "context": context, "cache_mb": cache_bytes / 2**20,
-            "peak_extra_mb": (peak - before) / 1024 if peak and before else None,
-            "fp32_context_copy_mb": full_fp32_mb}
+
+    def peak_of(fn) -> Optional[float]:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # peak RSS mark := current RSS
+        before = status_kb("VmRSS")
+        fn()
+        peak = status_kb("VmHWM")
+        return (peak - before) / 1024 if peak and before else None
+
+    row = {"format": fmt.name, "context": context, "cache_mb": cache_bytes / 2**20,
+           "peak_extra_mb": peak_of(lambda: attention(q, layer, tables, lens, qsl, params,
+                                                      num_threads=shape.threads)),
+           "fp32_context_copy_mb": 2 * context * shape.num_kv_heads * shape.head_dim * 4 / 2**20}
+    if with_reference:  # the gather-and-decode oracle, to show what the measurement catches
+        from ..ops.reference import decode_attention as ref_decode
+
+        row["reference_peak_extra_mb"] = peak_of(lambda: ref_decode(q, layer, tables, lens, params))
+    return row
 
 
 def prefill_row(fmt: KVFormat, shape: BenchShape, context: int, q_len: int, attention: Callable) -> dict:
@@ -263,19 +322,9 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
     say = progress or (lambda s: None)
     for batch in batches:
         for context in contexts:
-            base = baseline_decode(shape, context, batch)
-            for fmt in fmts:
-                ours = ours_decode(fmt, shape, context, batch, cpu.attention)
-                row = {"format": fmt.name, "context": context, "batch": batch, "ms": ours["ms"],
-                       "baseline_ms": base["ms"], "ratio": ours["ms"] / base["ms"],
-                       "gbps": ours["bytes"] / (ours["ms"] / 1e3) / 1e9,
-                       "baseline_gbps": base["bytes"] / (base["ms"] / 1e3) / 1e9,
-                       "baseline": base["best"], "baseline_ways": base["ways"],
-                       "bytes_per_step": ours["bytes"], "timed_layers": ours["timed_layers"],
-                       "baseline_timed_layers": base["timed_layers"], "layers": shape.layers,
-                       "threads": shape.threads}
+            for row in decode_grid_point(fmts, shape, context, batch, cpu.attention):
                 res.rows.append(row)
-                say(f"{fmt.name:>14} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
+                say(f"{row['format']:>14} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
                     f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}")
     if prefill:
         for fmt in fmts:
@@ -283,6 +332,6 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
             p = res.prefill[-1]
             say(f"prefill {fmt.name:>14}: {p['ms']:.0f} ms vs {p['baseline_ms']:.0f} ms ratio {p['ratio']:.2f}")
     if memory:
-        for fmt in fmts:
-            res.memory.append(peak_memory_decode(fmt, shape, max(contexts), cpu.attention))
+        for i, fmt in enumerate(fmts):
+            res.memory.append(peak_memory_decode(fmt, shape, max(contexts), cpu.attention, with_reference=i == 0))
     return res

@@ -82,6 +82,8 @@ def run(args) -> int:
         if m:
             row["peak_extra_mb"] = m["peak_extra_mb"]
             row["cache_mb_per_layer"] = m["cache_mb"]
+            if "reference_peak_extra_mb" in m:
+                row["reference_peak_extra_mb"] = m["reference_peak_extra_mb"]
         rows.append(row)
     for p in res.prefill:
         rows.append({"kind": "prefill", "batch": 1, "gbps": None, "bandwidth_gbps": res.bandwidth_gbps, **p})
@@ -104,7 +106,8 @@ def run(args) -> int:
                     [[p["format"], p["ms"], p["baseline_ms"], p["ratio"], p["baseline"]] for p in res.prefill])
     if res.memory:
         print_table("peak memory of one decode step of one layer (batch 1)",
-                    ["format", "context", "cache_mb", "peak_extra_mb", "fp32_context_copy_mb"],
-                    [[m["format"], m["context"], m["cache_mb"], m["peak_extra_mb"], m.get("fp32_context_copy_mb")]
-                     for m in res.memory])
+                    ["format", "context", "cache_mb", "peak_extra_mb", "fp32_context_copy_mb",
+                     "reference_peak_extra_mb"],
+                    [[m["format"], m["context"], m["cache_mb"], m["peak_extra_mb"], m.get("fp32_context_copy_mb"),
+                      m.get("reference_peak_extra_mb", "")] for m in res.memory])
     return 0
