@@ -129,3 +129,30 @@ def test_plan_counts_latent_bytes_per_token():
     hp = rows["turbo4+hp"]["high_precision_layers"]
     assert hp == 2
     assert rows["turbo4+hp"]["bytes_per_token"] == 2 * hp * 1152 + (61 - 2 * hp) * (288 + 36)
+
+
+@torch.no_grad()
+def test_beam_search_matches_transformers_cache(model):
+    ids = _ids(seed=4, batch=1, n=10)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, num_beams=3,
+              pad_token_id=0)
+    disable(model)
+    ref = model.generate(ids, **kw)
+    enable(model)
+    out = model.generate(ids, cache=PagedLatentCache(model, "bf16", block_size=4), **kw)
+    assert torch.equal(out, ref)
+
+
+def test_kv_cache_refuses_mla_and_eval_runs_latent(model):
+    from pagedkv.eval.runner import EvalConfig, evaluate
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    with pytest.raises(ConfigError, match="PagedLatentCache"):
+        PagedKVCache(model.config, "bf16")
+    window = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(5))
+    rows = evaluate(model, [window], EvalConfig(formats=("bf16", "turbo8"), windows=1, window_tokens=16,
+                                                decode_steps=0))
+    by = {r["format"]: r for r in rows}
+    assert by["bf16"]["bytes_per_token"] == LAYERS * (LAT + ROPE) * 2
+    assert by["bf16"]["bits_per_element"] == 16 and by["bf16"]["kl"] == 0
+    assert by["turbo8"]["kl"] > 0

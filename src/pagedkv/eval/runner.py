@@ -111,6 +111,15 @@ class FormatResult:
 
 
 def cache_for(model, choice: FormatChoice, block_size: int = 16, checks: bool = True):
+    from ..integrations.deepseek import mla_dims
+
+    if mla_dims(model.config) is not None:  # latent (MLA) models: one [latent | rope] per token
+        from ..integrations.deepseek import PagedLatentCache
+        from ..integrations.deepseek import enable as enable_mla
+
+        enable_mla(model)
+        return PagedLatentCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
+                                block_size=block_size, checks=checks)
     from ..integrations.transformers import PagedKVCache
 
     return PagedKVCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
@@ -120,7 +129,8 @@ def cache_for(model, choice: FormatChoice, block_size: int = 16, checks: bool = 
 def layout_numbers(cache, memory_bytes: int) -> tuple[float, float, int]:
     """(bits/element over all layers, bytes/token, longest context fitting memory_bytes)."""
     cfg = cache.config
-    elems_per_token = sum(2 * s.num_kv_heads * s.head_dim for s in cfg.layers)
+    elems_per_token = sum(s.latent.elements if s.latent is not None else 2 * s.num_kv_heads * s.head_dim
+                          for s in cfg.layers)
     bytes_per_token = cfg.bytes_per_block / cfg.block_size
     fits = (memory_bytes // cfg.bytes_per_block) * cfg.block_size
     return 8 * bytes_per_token / elems_per_token, bytes_per_token, int(fits)

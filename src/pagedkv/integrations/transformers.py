@@ -114,6 +114,11 @@ def _layer_layout(config) -> tuple[list[str], list[Optional[int]], list[int], li
     """Per model layer: type, sliding window, num_kv_heads, head_dim (from a HF config)."""
     _, cache_utils = _transformers()
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):  # MLA caches one latent per token, not K/V per head
+        raise ConfigError(
+            f"{type(text).__name__} uses latent attention (MLA); use "
+            "pagedkv.integrations.deepseek.PagedLatentCache (and deepseek.enable(model))"
+        )
     types, kwargs = cache_utils.get_layer_types_and_kwargs(text)
     n_heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or n_heads
