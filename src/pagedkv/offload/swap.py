@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 from ..ops.batch import PagedLayer
 from .record import (BlockLayout, RecordError, decode_record, decode_section, encode_record,
-                     read_block, section_span)
+                     header_bytes, read_block, section_offsets)
 from .tiers import SwapLost, Tier
 
 Sections = list[tuple[bytes, bytes]]
@@ -52,6 +52,8 @@ class SwapSpace:
         self._ids = itertools.count()
         self.refs: dict[str, int] = {}
         self.by_chain: dict[bytes, str] = {}  # prefix chain hash -> record of that block
+        self._heads: dict[str, tuple[int, bytes]] = {}  # key -> (header length, header digest)
+        self._offsets: tuple[Optional[BlockLayout], list[int]] = (None, [])
         self._chain_of: dict[str, bytes] = {}
         self.stats = SwapStats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-swap") \
@@ -73,6 +75,8 @@ class SwapSpace:
         rec = encode_record(layout, key.encode(), read_block(layers, block))
         self.tier.put(key, rec)
         self.refs[key] = 1
+        head = header_bytes(layout, key.encode())
+        self._heads[key] = (len(head), head[-16:])
         if chain is not None:
             self.by_chain[chain] = key
             self._chain_of[key] = chain
@@ -89,6 +93,7 @@ class SwapSpace:
             self.refs[key] = r
         else:
             del self.refs[key]
+            self._heads.pop(key, None)
             chain = self._chain_of.pop(key, None)
             if chain is not None:
                 del self.by_chain[chain]
@@ -99,6 +104,7 @@ class SwapSpace:
         for key in list(self.refs):
             self.tier.delete(key)
         self.refs.clear()
+        self._heads.clear()
         self.by_chain.clear()
         self._chain_of.clear()
 
@@ -122,12 +128,19 @@ class SwapSpace:
         t0 = time.perf_counter()
         out: list[Optional[tuple[bytes, bytes]]] = []
         nbytes = 0
+        lay_of, offsets = self._offsets
+        if lay_of is not layout:
+            offsets = section_offsets(layout)
+            self._offsets = (layout, offsets)
+        length = layout.layers[layer].section_bytes
         for key in keys:
-            kb = key.encode()
-            off, length = section_span(layout, kb, layer)
-            raw = self.tier.get_range(key, off, length)
+            head = self._heads.get(key)
+            if head is None:  # released meanwhile (a stale prefetch)
+                out.append(None)
+                continue
+            raw = self.tier.get_range(key, head[0] + offsets[layer], length)
             try:
-                out.append(decode_section(raw, layout, kb, layer))
+                out.append(decode_section(raw, layout, b"", layer, head[1]))
                 nbytes += length
             except RecordError:
                 out.append(None)

@@ -434,7 +434,7 @@ class TieredCache(PagedCache):
             tmp = torch.empty(n_res + n_sw, pool.shape[1], dtype=torch.uint8, device=pool.device)
             if n_res:
                 tmp[:n_res] = pool[plan.resident]
-            raw = bytearray(b"".join(item[side] for item in got))
+            raw = bytearray().join(item[side] for item in got)
             tmp[n_res:] = torch.frombuffer(raw, dtype=torch.uint8).view(n_sw, -1).to(pool.device)
             pools.append(tmp)
         return dataclasses.replace(pl, k_pool=pools[0], v_pool=pools[1]), plan.block_tables, \
