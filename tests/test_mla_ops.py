@@ -186,3 +186,23 @@ def test_layout_arithmetic_and_rope_choice():
         LatentLayout(0, 64)
     with pytest.raises(ConfigError):
         LatentSpec(500, 64, get_codec("turbo3"), get_codec("turbo3"))  # 564 is not a multiple of 16
+
+
+def test_automatic_uses_chunked_when_only_the_reference_serves_the_row(monkeypatch):
+    """e.g. CUDA with 512 + 64 rows: Triton takes head_dim <= 256; the chunked path beats the
+    reference (which decodes whole sequences at once)."""
+    import pagedkv.ops.latent as lat
+    from pagedkv.ops.dispatch import get_backend
+
+    layer, tables, lens, *_, g = _case("q4_0", "q4_0")
+    q_lat, q_rope = torch.randn(2, 3, L, generator=g), torch.randn(2, 3, R, generator=g)
+    p = AttentionParams(scale=0.2)
+    ref = latent_decode_attention(q_lat, q_rope, layer, tables, lens, p, backend="reference")
+    monkeypatch.setattr(lat, "select_backend", lambda *a: get_backend("reference"))
+
+    def boom(*a, **k):
+        raise AssertionError("the generic ops were called")
+
+    monkeypatch.setattr(lat.api, "decode_attention", boom)
+    out = latent_decode_attention(q_lat, q_rope, layer, tables, lens, p)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

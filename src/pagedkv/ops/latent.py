@@ -8,8 +8,9 @@ Backends (`backend=`):
 - None (automatic): a uniform layout (`LatentSpec.uniform`) is one `PagedLayer` with one KV head
   whose values are its keys, so the generic ops serve it as MQA: q = [q_lat | q_rope] over the
   row [c | r], output[:L] (the extra rope columns of the output cost R/(L+R) of the V work). On
-  CPU this is the fused C kernel, on CUDA the Triton kernels, else the reference. A mixed layout
-  (rope in another codec) runs `"chunked"`.
+  CPU this is the fused C kernel, on CUDA the Triton kernels when they take head_dim L+R (today
+  <= 256, so not 512 + 64); when only the reference would serve it, and for a mixed layout (rope
+  in another codec), `"chunked"` runs.
 - "chunked": torch, walks each sequence's blocks in chunks of `CHUNK_TOKENS` with an online
   softmax (fp32), decoding only the chunk (never the whole context in high precision); queries
   are tiled so logits stay under `LOGIT_BUDGET`; chunks wholly outside every query's sliding
@@ -31,7 +32,7 @@ from ..codecs.layout import block_views
 from ..errors import InvalidInput
 from . import api, validate
 from .batch import AttentionParams, PagedLayer
-from .dispatch import Backend
+from .dispatch import Backend, Op, select_backend
 from .latent_layer import LatentLayer, LatentSpec, make_latent_layer
 from .reference import latent as ref
 from .reference.store import tensor_scale
@@ -80,6 +81,18 @@ def _check_backend(layer: LatentLayer, backend) -> None:
         )
 
 
+def _fused(op: Op, sec: PagedLayer, params: AttentionParams, backend: LatentBackend):
+    """The ops backend that serves a one-codec row as MQA, or None for the chunked path: a named
+    backend is used as named; automatic picks the device's best backend unless that is only the
+    reference (e.g. Triton declines head_dim > 256), which the chunked path beats on memory."""
+    if backend == "chunked":
+        return None
+    if backend is not None:
+        return backend
+    impl = select_backend(op, sec.device, sec, params, None)
+    return None if impl.name == "reference" else impl
+
+
 def _query_view(secs, q_lat, q_rope, uniform: bool):
     """What the section checks see: [q_lat | q_rope] (uniform) or q_lat / q_rope per section."""
     if uniform:
@@ -124,8 +137,9 @@ def latent_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: La
         validate.check_decode(q, s, block_tables, seq_lens, params, checks)
     if backend == "reference":
         return ref.decode_attention(q_lat, q_rope, layer, block_tables, seq_lens, params)
-    if layer.spec.uniform and backend != "chunked":
-        out = api.decode_attention(qs[0], secs[0], block_tables, seq_lens, params, backend=backend,
+    fused = _fused(Op.DECODE, secs[0], params, backend) if layer.spec.uniform else None
+    if fused is not None:
+        out = api.decode_attention(qs[0], secs[0], block_tables, seq_lens, params, backend=fused,
                                    checks=False)
         return out[..., : layer.latent_dim].contiguous()
     qsl = torch.arange(q_lat.shape[0] + 1, dtype=torch.int32, device=q_lat.device)
@@ -148,9 +162,10 @@ def latent_prefill_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: L
     if backend == "reference":
         return ref.prefill_attention(q_lat, q_rope, layer, block_tables, seq_lens, query_start_loc,
                                      params)
-    if layer.spec.uniform and backend != "chunked":
+    fused = _fused(Op.PREFILL, secs[0], params, backend) if layer.spec.uniform else None
+    if fused is not None:
         out = api.prefill_attention(qs[0], secs[0], block_tables, seq_lens, query_start_loc, params,
-                                    backend=backend, checks=False)
+                                    backend=fused, checks=False)
         return out[..., : layer.latent_dim].contiguous()
     return _chunked(q_lat, q_rope, layer, block_tables, seq_lens, query_start_loc, params)
 
@@ -200,8 +215,8 @@ def _chunked(q_lat, q_rope, layer: LatentLayer, block_tables, seq_lens, query_st
             if params.sliding_window is not None:
                 first = max(0, int(pos[0]) - params.sliding_window + 1)
             last = int(pos[-1]) + 1
-            qp = [p[a:e].transpose(0, 1) for p in parts]  # [Hq, t, d]
             t = e - a
+            qp = [p[a:e].transpose(0, 1).reshape(hq * t, -1) for p in parts]  # [Hq * t, d]
             m = torch.full((hq, t), float("-inf"), device=dev)
             z = torch.zeros(hq, t, device=dev)
             acc = torch.zeros(hq, t, d0, device=dev)
@@ -210,7 +225,10 @@ def _chunked(q_lat, q_rope, layer: LatentLayer, block_tables, seq_lens, query_st
                 k1 = min(last, k0 + chunk)
                 ids = table[k0 // bs: -(-k1 // bs)]
                 rows = [_decode_chunk(s, ids, k0, k1 - k0) for s in secs]
-                s_ = sum(torch.einsum("htd,nd->htn", q, r) for q, r in zip(qp, rows)) * params.scale
+                s_ = qp[0] @ rows[0].T
+                for q, r in zip(qp[1:], rows[1:]):
+                    s_ = s_.addmm_(q, r.T)
+                s_ = (s_ * params.scale).view(hq, t, -1)
                 if params.soft_cap is not None:
                     s_ = params.soft_cap * torch.tanh(s_ / params.soft_cap)
                 kp = torch.arange(k0, k1, device=dev)
@@ -223,7 +241,7 @@ def _chunked(q_lat, q_rope, layer: LatentLayer, block_tables, seq_lens, query_st
                 alpha = torch.exp(m - safe)
                 p = torch.exp(s_ - safe[..., None])
                 z = z * alpha + p.sum(-1)
-                acc = acc * alpha[..., None] + torch.einsum("htn,nd->htd", p, rows[0])
+                acc = acc * alpha[..., None] + (p.view(hq * t, -1) @ rows[0]).view(hq, t, -1)
                 m = m_new
             if sinks is not None:
                 m_f = torch.maximum(m, sinks)
