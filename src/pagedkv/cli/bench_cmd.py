@@ -1,4 +1,4 @@
-"""`pagedkv bench TARGET`: side-by-side speed benchmarks (targets: attention).
+"""`pagedkv bench TARGET`: side-by-side speed benchmarks (targets: attention, offload).
 
 `pagedkv bench attention [--json] [--formats ...] [--contexts 1k,4k,16k,32k] [--batch 1,8]
 [--threads 1]` times one decode step of the fast CPU kernel over the compressed paged cache of
@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from .output import print_json, print_table
 
 DEFAULT_FORMATS = "bf16,fp8,turbo4,turbo3,turbo2,fp8k_turbo3v"
-TARGETS = ("attention",)
+TARGETS = ("attention", "offload")  # offload: see pagedkv.offload.bench
 
 
 def parse_count(text: str) -> int:
@@ -58,10 +58,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    from ..offload.bench import add_arguments as add_offload_arguments
+
+    add_offload_arguments(p)
     return p
 
 
 def run(args) -> int:
+    if args.target == "offload":
+        from ..offload import bench as ob
+
+        res = ob.run_from_args(args)
+        print_json(res) if args.json else print_table(*ob.table(res))
+        return 0
     from . import bench_attention as ba
 
     shape = ba.BenchShape(layers=args.layers, num_q_heads=args.q_heads, num_kv_heads=args.kv_heads,
