@@ -149,6 +149,14 @@ def test_generate_greedy_and_beam_match_dynamic_cache():
         out_beam = model.generate(ids, cache=cache, num_beams=3, **kw)
     assert out.tolist() == ref.tolist()
     assert out_beam.tolist() == ref_beam.tolist()
+    batch = torch.cat([ids, _ids(6, seed=7)])  # two rows of equal length, one sequence each
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        ref_batch = model.generate(batch, attention_mask=torch.ones_like(batch), **kw)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        out_batch = model.generate(batch, attention_mask=torch.ones_like(batch),
+                                   cache=PagedKVCache(model, "bf16", high_precision_layers=0), **kw)
+    assert out_batch.tolist() == ref_batch.tolist()
     # beam rows share blocks: each row's table is consistent with the pool's reference counts
     refs = [0] * cache.blocks.num_blocks
     for table in cache.blocks.tables:
