@@ -181,3 +181,14 @@ def test_invalid_inputs_get_clear_errors():
         CODECS["q4_0"].block_bytes(16, 2, 80)
     with pytest.raises(InvalidInput, match="data rows"):
         decode(CODECS["turbo3"], torch.zeros(2, 5, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8), 64)
+
+
+def test_shipped_codebooks_are_what_the_solver_fits():
+    from pagedkv.codecs.tables import LEVEL_QUANTUM, fit_lloyd_max_table, lloyd_max_table
+
+    for name in ("turbo2", "turbo3", "turbo4"):
+        c = CODECS[name]
+        shipped = lloyd_max_table(c.code_bits, c.group_size)
+        fitted = fit_lloyd_max_table(c.code_bits, c.group_size)
+        # equal up to one rounding quantum (float summation order may differ across machines)
+        assert torch.allclose(shipped, fitted, atol=LEVEL_QUANTUM * 1.01, rtol=0), name

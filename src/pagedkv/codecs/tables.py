@@ -5,11 +5,17 @@ the whole catalogue. The turbo codebooks start from the exact N(0,1) Lloyd-Max l
 fitted (Lloyd's fixed point, alternating with the encoder's own scale search) to the values the
 codebook really sees: seeded N(0,1) vectors divided by their chosen per-16 E4M3 scale. Levels are
 rounded to multiples of 2**-12 so that the table is the same on every machine.
+
+The fit takes seconds, so its result ships with the package (`codebooks.json`, written by
+`python -m pagedkv.codecs.tables`); a test refits and compares. Were the file missing, the
+codebook is fitted at first use.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 
@@ -30,9 +36,32 @@ def _int_table(bits: int) -> torch.Tensor:
     return torch.arange(2**bits, dtype=torch.float32) - 2 ** (bits - 1)  # int4: u - 8
 
 
+CODEBOOK_FILE = Path(__file__).with_name("codebooks.json")
+
+
+def _key(bits: int, group_size: int) -> str:
+    return f"lloyd-max-{bits}bit-group{group_size}"
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped() -> dict:
+    try:
+        return json.loads(CODEBOOK_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 @functools.lru_cache(maxsize=None)
 def lloyd_max_table(bits: int, group_size: int) -> torch.Tensor:
     """float32 [2**bits] ascending levels fitted to group-scaled N(0,1) (see module doc)."""
+    quanta = _shipped().get(_key(bits, group_size))
+    if quanta is not None and len(quanta) == 2**bits:
+        return torch.tensor(quanta, dtype=torch.float64).mul(LEVEL_QUANTUM).float()
+    return fit_lloyd_max_table(bits, group_size)
+
+
+def fit_lloyd_max_table(bits: int, group_size: int) -> torch.Tensor:
+    """Run the fit of the module doc (deterministic: seeded, rounded to LEVEL_QUANTUM)."""
     from .reference import search_group_scales  # the encoder's own scale rule
 
     gen = torch.Generator().manual_seed(FIT_SEED)
@@ -61,3 +90,25 @@ def value_table(codec: Codec) -> torch.Tensor | None:
     if kind is ValueKind.LLOYD_MAX:
         return lloyd_max_table(codec.code_bits, codec.group_size).clone()
     raise AssertionError(f"no value table for {kind}")
+
+
+def write_codebooks() -> dict:
+    """Fit every turbo codec's codebook and write codebooks.json (levels in LEVEL_QUANTUM units)."""
+    from .catalogue import CODECS
+
+    out = {}
+    for codec in CODECS.values():
+        if codec.values is ValueKind.LLOYD_MAX:
+            levels = fit_lloyd_max_table(codec.code_bits, codec.group_size)
+            out[_key(codec.code_bits, codec.group_size)] = [
+                int(v) for v in torch.round(levels / LEVEL_QUANTUM).tolist()
+            ]
+    CODEBOOK_FILE.write_text(json.dumps(out, indent=1) + "\n")
+    _shipped.cache_clear()
+    lloyd_max_table.cache_clear()
+    return out
+
+
+if __name__ == "__main__":
+    for name, quanta in write_codebooks().items():
+        print(name, [q * LEVEL_QUANTUM for q in quanta])
