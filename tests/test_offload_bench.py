@@ -24,3 +24,16 @@ def test_bench_bytes_per_token_follow_the_format(tmp_path):
     assert len(rows) == 4 and len(rows[0]) == len(cols)
     with pytest.raises(ConfigError, match="--tokens"):
         bench.run_bench(["bf16"], tokens=4, block_size=16)
+
+
+def test_cli_bench_offload_json(capsys):
+    import json
+
+    from pagedkv.cli.main import main
+
+    rc = main(["bench", "offload", "--formats", "bf16", "--tokens", "16", "--layers", "1",
+               "--kv-heads", "1", "--head-dim", "16", "--repeats", "1", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["tier"] for r in out["results"]] == ["memory", "disk"]
+    assert main(["bench", "offload", "--tokens", "4", "--repeats", "1"]) == 2  # ConfigError
