@@ -216,3 +216,21 @@ def test_range_reads_and_key_prefix(server):
     assert t.put("k1", b"other", if_absent=True) and t.get("k1") == b"0123456789"
     t.delete("k1")
     assert t.get("k1") is None
+
+
+def test_prefix_lookup_batches_round_trips(server, baseline):
+    ToyLM(_cache(server.url)).generate(PROMPT, 8)
+    b = _cache(server.url)
+    calls = {"mget": 0, "get": 0}
+    client = b.prefix.tier.client
+    for name in calls:
+        real = getattr(client, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        setattr(client, name, counted)
+    run = ToyLM(b).generate(PROMPT, 8)
+    assert run.hit_tokens == 40 and run.tokens == baseline.tokens
+    assert calls == {"mget": 1, "get": 0}  # 5 blocks in one round trip

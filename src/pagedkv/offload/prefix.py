@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from hashlib import blake2b
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..alloc import BlockPool
 from ..alloc.hashing import Salt, chain_hash, root_hash
@@ -47,8 +47,11 @@ class PrefixStats:
 class PrefixStore:
     """Publishes and loads whole blocks (every layer) through one tier."""
 
-    def __init__(self, tier: Tier):
+    def __init__(self, tier: Tier, batch_blocks: int = 8):
+        """batch_blocks: blocks looked up per round trip on a remote tier (`Tier.get_many`); a
+        miss ends the walk, so a larger batch can fetch a few values that are not used."""
         self.tier = tier
+        self.batch_blocks = batch_blocks
         self.stats = PrefixStats()
 
     def load(self, pool: BlockPool, layers: Sequence[PagedLayer], layout: BlockLayout,
@@ -87,10 +90,18 @@ class PrefixStore:
             for b in hits:  # hold them so that loading cannot evict them
                 pool.share(b)
                 held.append(b)
+            batch: list[tuple[bytes, Optional[bytes]]] = []  # fetched ahead: (chain, value)
             for i in range(i, nfull):
-                h = chain_hash(h, tokens[i * bs:(i + 1) * bs])
-                raw = self.tier.get(store_key(layout, h))
-                sections = try_decode_record(raw, layout, h)
+                if not batch:  # one round trip for the next few blocks
+                    chains = []
+                    ahead = self.batch_blocks if self.tier.remote else 1
+                    for j in range(i, min(nfull, i + ahead)):
+                        h = chain_hash(h, tokens[j * bs:(j + 1) * bs])
+                        chains.append(h)
+                    vals = self.tier.get_many([store_key(layout, c) for c in chains])
+                    batch = list(zip(chains, vals))[::-1]
+                h_i, raw = batch.pop()
+                sections = try_decode_record(raw, layout, h_i)
                 if sections is None:
                     if raw is not None:
                         log.warning("prefix store: entry for block %d failed its checks; "
@@ -101,7 +112,7 @@ class PrefixStore:
                 fill = getattr(pool, "fill", None)
                 if fill is not None:
                     fill[b] = bs
-                if not pool.register(b, h):  # cannot happen (lookup missed); stay safe
+                if not pool.register(b, h_i):  # cannot happen (lookup missed); stay safe
                     pool.release(b)
                     break
                 held.append(b)

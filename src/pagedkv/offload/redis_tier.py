@@ -47,6 +47,7 @@ class RedisTier(Tier):
     """
 
     name = "redis"
+    remote = True
 
     def __init__(self, url: str, *, prefix: str = "pagedkv:", timeout_s: float = 0.5,
                  retry_after_s: float = 5.0, ttl_s: Optional[int] = None):
@@ -124,6 +125,12 @@ class RedisTier(Tier):
     def _get(self, key: str) -> Optional[bytes]:
         ok, v = self._call("reading", self.client.get, self._k(key))
         return v if ok else None
+
+    def _get_many(self, keys: list[str]) -> list[Optional[bytes]]:
+        if not keys:
+            return []
+        ok, vals = self._call("reading", self.client.mget, [self._k(k) for k in keys])
+        return list(vals) if ok else [None] * len(keys)
 
     def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
         if length == 0:

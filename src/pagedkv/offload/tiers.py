@@ -2,6 +2,7 @@
 
 A tier maps string keys (`[0-9A-Za-z_.-]`, at most 200 characters) to immutable byte values:
 - `get(key)` -> bytes or None (a miss: absent, or the tier is unreachable);
+- `get_many(keys)` -> a list of the above (one round trip on a remote tier);
 - `get_range(key, start, length)` -> exactly `length` bytes or None;
 - `put(key, value)`: atomic (a reader never sees half a value). A failure that the caller must
   know about (disk full, value over the size limit) raises `TierWriteError` with nothing
@@ -64,6 +65,7 @@ class Tier:
     """Base class: subclasses implement `_get`, `_get_range`, `_put`, `_delete`."""
 
     name = "tier"
+    remote = False  # True when a request costs a network round trip (batch lookups then)
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -76,6 +78,15 @@ class Tier:
         v = self._get(key)
         self._count_read(v)
         return v
+
+    def get_many(self, keys: list[str]) -> list[Optional[bytes]]:
+        """`get` of several keys (one round trip on a remote tier)."""
+        for key in keys:
+            check_key(key)
+        vals = self._get_many(keys)
+        for v in vals:
+            self._count_read(v)
+        return vals
 
     def get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
         check_key(key)
@@ -143,6 +154,9 @@ class Tier:
     # ---- to implement -----------------------------------------------------------------------
     def _get(self, key: str) -> Optional[bytes]:
         raise NotImplementedError
+
+    def _get_many(self, keys: list[str]) -> list[Optional[bytes]]:
+        return [self._get(k) for k in keys]
 
     def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
         v = self._get(key)
