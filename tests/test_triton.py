@@ -107,6 +107,14 @@ def test_settings_and_shapes():
     check_backend(**ATTN, cases=settings, device=DEVICE, **TOL)
 
 
+def test_head_dims_that_are_not_powers_of_two():
+    """head_dim 96 / 80: the row tile is padded to 128 and the WHT splits into 64 + 32 / 64 + 16."""
+    cases = [CheckCase("turbo3", "turbo2", seq_lens=(21, 4), head_dim=96, group=2),
+             CheckCase("turbo8", "q8_0", seq_lens=(9,), head_dim=96),
+             CheckCase("nvfp4", "turbo4", seq_lens=(17, 2), head_dim=80, group=1)]
+    check_backend(**ATTN, cases=cases, device=DEVICE, **TOL)
+
+
 def test_store_then_attend():
     """The Triton store feeding the Triton attention, compared with the reference end to end."""
     cases = [CheckCase("turbo3", "turbo2", seq_lens=(40, 7), centre=True, k_offset=3.0),

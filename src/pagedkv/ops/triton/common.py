@@ -1,10 +1,10 @@
 """Triton device functions shared by the kernels: reading codes from the pools, small-float rounding.
 
 Every non-bf16 codec decodes as `value_table[code] * scale` (docs/internals.md), so one reader
-serves the whole catalogue: the code of element d sits at bit `d * BITS` of the row's
-little-endian bit stream (true of the 2-, 3-, 4-, 8- and 16-bit layouts alike), the value comes
-from the codec's table (a tiny cached tensor) and the scale from the row's scale bytes, the
-layer's fp32 tensor scale, or nothing. The rounding helpers reproduce torch's conversions
+serves the whole catalogue: the row's bytes are unpacked in registers into codes (2-, 3-, 4-,
+8-bit layouts, or raw bf16), the value comes from the codec's table (a tiny cached tensor) or
+from arithmetic (E4M3, int8, int4), the scale from the row's scale bytes, the layer's fp32
+tensor scale, or nothing. The rounding helpers reproduce torch's conversions
 bit for bit with integer arithmetic (round to nearest even, E4M3 saturating at 448) so the store
 kernel writes the same bytes as the reference encoder on every device.
 """
@@ -26,27 +26,59 @@ _SCALE_FP16 = tl.constexpr(SCALE_FP16)
 
 
 @triton.jit
-def load_rows(pool_ptr, table_ptr, e4m3_ptr, tensor_scale, row_off, scale_off, offs_d, mask,
-              BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr):
-    """Decode a tile of rows to float32 [N, BLOCK_D] in the stored (rotated) basis.
+def _load_bytes(pool_ptr, row_off, row_ok, start, NB: tl.constexpr, STEP: tl.constexpr, VALID: tl.constexpr):
+    """int32 [N, NB]: byte start + STEP * j of each row (j < VALID; others and masked rows 0)."""
+    j = tl.arange(0, NB)
+    m = row_ok[:, None] & (j < VALID)[None, :]
+    return tl.load(pool_ptr + row_off[:, None] + start + j[None, :] * STEP, mask=m, other=0).to(tl.int32)
 
-    row_off: int64 [N, 1] byte offset of each row's codes in the pool; scale_off: int64 [N, 1]
-    offset of its scales; offs_d: int32 [1, BLOCK_D] element index; mask: bool [N, BLOCK_D]
-    (masked elements read nothing and decode to 0). VALUES: table gather or arithmetic decode
-    (spec.VAL_*); E4M3 scales are decoded arithmetically too (e4m3_ptr is kept for callers).
+
+@triton.jit
+def _le16(pool_ptr, row_off, row_ok, NW: tl.constexpr, VALID: tl.constexpr):
+    """int32 [N, NW]: little-endian 16-bit words 0..NW-1 of each row (one contiguous byte load)."""
+    b = _load_bytes(pool_ptr, row_off, row_ok, 0, 2 * NW, 1, 2 * VALID)
+    lo, hi = tl.split(tl.reshape(b, (b.shape[0], NW, 2)))
+    return lo | (hi << 8)
+
+
+@triton.jit
+def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+              SCALE_KIND: tl.constexpr, VALUES: tl.constexpr):
+    """Decode N rows of D codes to float32 [N, BLOCK_D] in the stored (rotated) basis.
+
+    row_off / scale_off: int64 [N] byte offsets of each row's codes / scales in the pool;
+    row_ok: bool [N] (masked rows read nothing). Elements d >= D and masked rows decode to 0.
+    The row's bytes are read contiguously (one lane per byte) and unpacked in registers: a
+    4-bit byte gives codes 2i, 2i+1, a 2-bit byte 4i..4i+3, three 3-bit bytes 8i..8i+7 (joined
+    back into element order), so no byte is loaded twice. VALUES: value-table gather or
+    arithmetic decode (spec.VAL_*); E4M3 scales are decoded arithmetically.
     """
-    bit = offs_d * BITS
-    byte = bit >> 3
-    b0 = tl.load(pool_ptr + row_off + byte, mask=mask, other=0).to(tl.int32)
-    if BITS == 3 or BITS == 16:  # a code may straddle two bytes / a bf16 spans two
-        b1 = tl.load(pool_ptr + row_off + byte + 1, mask=mask, other=0).to(tl.int32)
-        word = b0 | (b1 << 8)
-    else:
-        word = b0
+    N: tl.constexpr = row_off.shape[0]
+    offs_d = tl.arange(0, BLOCK_D)
     if BITS == 16:
-        val = (word << 16).to(tl.float32, bitcast=True)
+        val = (_le16(pool_ptr, row_off, row_ok, BLOCK_D, D) << 16).to(tl.float32, bitcast=True)
     else:
-        code = (word >> (bit & 7)) & ((1 << BITS) - 1)
+        if BITS == 8:
+            code = _load_bytes(pool_ptr, row_off, row_ok, 0, BLOCK_D, 1, D)
+        elif BITS == 4:
+            b = _load_bytes(pool_ptr, row_off, row_ok, 0, BLOCK_D // 2, 1, D // 2)
+            code = tl.reshape(tl.join(b & 15, b >> 4), (N, BLOCK_D))
+        elif BITS == 2:
+            b = _load_bytes(pool_ptr, row_off, row_ok, 0, BLOCK_D // 4, 1, D // 4)
+            even = tl.join(b & 3, (b >> 4) & 3)
+            odd = tl.join((b >> 2) & 3, (b >> 6) & 3)
+            code = tl.reshape(tl.join(even, odd), (N, BLOCK_D))
+        else:  # 3 bits: 8 codes in 3 bytes, w = b0 | b1 << 8 | b2 << 16, code j = (w >> 3j) & 7
+            NW: tl.constexpr = BLOCK_D // 8
+            w = (_load_bytes(pool_ptr, row_off, row_ok, 0, NW, 3, D // 8)
+                 | (_load_bytes(pool_ptr, row_off, row_ok, 1, NW, 3, D // 8) << 8)
+                 | (_load_bytes(pool_ptr, row_off, row_ok, 2, NW, 3, D // 8) << 16))
+            c04 = tl.join(w & 7, (w >> 12) & 7)
+            c26 = tl.join((w >> 6) & 7, (w >> 18) & 7)
+            c15 = tl.join((w >> 3) & 7, (w >> 15) & 7)
+            c37 = tl.join((w >> 9) & 7, (w >> 21) & 7)
+            code = tl.reshape(tl.join(tl.join(c04, c26), tl.join(c15, c37)), (N, BLOCK_D))
         if VALUES == _VAL_E4M3:
             val = e4m3_value(code)
         elif VALUES == _VAL_INT8:
@@ -54,23 +86,21 @@ def load_rows(pool_ptr, table_ptr, e4m3_ptr, tensor_scale, row_off, scale_off, o
         elif VALUES == _VAL_INT4:
             val = (code - 8).to(tl.float32)
         else:
-            val = tl.load(table_ptr + code, mask=mask, other=0.0)
+            val = tl.load(table_ptr + code)
         if SCALE_KIND == _SCALE_TENSOR:
             val = val * tensor_scale
-        elif SCALE_KIND == _SCALE_E4M3:
-            sb = tl.load(pool_ptr + scale_off + offs_d // GROUP, mask=mask, other=0).to(tl.int32)
-            val = val * e4m3_value(sb)
-        elif SCALE_KIND == _SCALE_BF16 or SCALE_KIND == _SCALE_FP16:
-            sp = pool_ptr + scale_off + (offs_d // GROUP) * 2
-            s0 = tl.load(sp, mask=mask, other=0).to(tl.int32)
-            s1 = tl.load(sp + 1, mask=mask, other=0).to(tl.int32)
-            sw = s0 | (s1 << 8)
-            if SCALE_KIND == _SCALE_BF16:
-                s = (sw << 16).to(tl.float32, bitcast=True)
+        elif SCALE_KIND != 0:  # one scale per GROUP elements along the row
+            NG: tl.constexpr = BLOCK_D // GROUP
+            if SCALE_KIND == _SCALE_E4M3:
+                s = e4m3_value(_load_bytes(pool_ptr, scale_off, row_ok, 0, NG, 1, D // GROUP))
             else:
-                s = sw.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            val = val * s
-    return val
+                sw = _le16(pool_ptr, scale_off, row_ok, NG, D // GROUP)
+                if SCALE_KIND == _SCALE_BF16:
+                    s = (sw << 16).to(tl.float32, bitcast=True)
+                else:
+                    s = sw.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            val = tl.reshape(tl.reshape(val, (N, NG, GROUP)) * s[:, :, None], (N, BLOCK_D))
+    return tl.where(row_ok[:, None] & (offs_d < D)[None, :], val, 0.0)
 
 
 @triton.jit

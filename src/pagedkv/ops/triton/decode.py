@@ -104,11 +104,9 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
         p_ok = pos < end
         page = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + pos // BS, mask=p_ok, other=0).to(tl.int64)
         srow = (pos % BS) * H + kvh
-        kmask = p_ok[:, None] & d_ok[None, :]
-        k = load_rows(k_pool, k_tab, e4m3_ptr, k_ts,
-                      (page * K_BLOCK_BYTES + srow * K_ROW_DATA)[:, None],
-                      (page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE)[:, None],
-                      offs_d[None, :], kmask, K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES)
+        k = load_rows(k_pool, k_tab, k_ts, page * K_BLOCK_BYTES + srow * K_ROW_DATA,
+                      page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE, p_ok,
+                      D, BLOCK_D, K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES)
         s = _qk(q, k, DOT)  # [BLOCK_G, BLOCK_N] fp32
         if HAS_QC:
             s = s + qc[:, None]
@@ -116,14 +114,14 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
         if SOFT_CAP:
             s = soft_cap_logits(s, soft_cap)
         s = tl.where(p_ok[None, :], s, float("-inf"))
-        v_off = (page * V_BLOCK_BYTES + srow * V_ROW_DATA)[:, None]
-        v_soff = (page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE)[:, None]
+        v_off = page * V_BLOCK_BYTES + srow * V_ROW_DATA
+        v_soff = page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE
         if PASS == 2:
             p = tl.exp(s - gm[:, None]) / gz[:, None]
             p = tl.where((p >= threshold) & g_ok[:, None], p, 0.0)
             need = tl.max(p, axis=0) > 0  # [BLOCK_N]: some head of the group keeps the token
-            v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts, v_off, v_soff, offs_d[None, :],
-                          need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
+            v = load_rows(v_pool, v_tab, v_ts, v_off, v_soff, need, D, BLOCK_D,
+                          V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
             acc += _pv(p, v, DOT)
         else:
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -131,8 +129,8 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_p
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PASS == 0:
-                v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts, v_off, v_soff, offs_d[None, :],
-                              kmask, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
+                v = load_rows(v_pool, v_tab, v_ts, v_off, v_soff, p_ok, D, BLOCK_D,
+                              V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
                 acc = acc * alpha[:, None] + _pv(p, v, DOT)
             m_i = m_new
 

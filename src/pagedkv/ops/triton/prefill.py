@@ -26,7 +26,8 @@ from .spec import e4m3_values
 
 @triton.jit
 def _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, d_ok,
-            scale, soft_cap, window, H: tl.constexpr, BS: tl.constexpr, kvh,
+            scale, soft_cap, window, H: tl.constexpr, BS: tl.constexpr, kvh, D: tl.constexpr,
+            BLOCK_D: tl.constexpr,
             K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr, K_VALUES: tl.constexpr,
             K_ROW_DATA: tl.constexpr, K_ROW_SCALE: tl.constexpr, K_DATA_END: tl.constexpr,
             K_BLOCK_BYTES: tl.constexpr, HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr,
@@ -36,10 +37,9 @@ def _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row_ptr, kpos, qpos, row_ok
     k_ok = kpos <= tl.max(tl.where(row_ok, qpos, -1), axis=0)
     page = tl.load(bt_row_ptr + kpos // BS, mask=k_ok, other=0).to(tl.int64)
     srow = (kpos % BS) * H + kvh
-    k = load_rows(k_pool, k_tab, e4m3_ptr, k_ts,
-                  (page * K_BLOCK_BYTES + srow * K_ROW_DATA)[:, None],
-                  (page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE)[:, None],
-                  offs_d[None, :], k_ok[:, None] & d_ok[None, :], K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES)
+    k = load_rows(k_pool, k_tab, k_ts, page * K_BLOCK_BYTES + srow * K_ROW_DATA,
+                  page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE, k_ok,
+                  D, BLOCK_D, K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES)
     s = dot(q, tl.trans(k), DOT)
     if HAS_QC:
         s = s + qc[:, None]
@@ -120,7 +120,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
     for t in range(k_start, k_end, BLOCK_N):
         kpos = t + offs_n
         s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row, kpos, qpos, row_ok,
-                                      offs_d, d_ok, scale, soft_cap, window, H, BS, kvh,
+                                      offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
                                       K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
                                       K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -129,10 +129,9 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not SPARSE:
-            v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts,
-                          (page * V_BLOCK_BYTES + srow * V_ROW_DATA)[:, None],
-                          (page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE)[:, None],
-                          offs_d[None, :], k_ok[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
+            v = load_rows(v_pool, v_tab, v_ts, page * V_BLOCK_BYTES + srow * V_ROW_DATA,
+                          page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE, k_ok,
+                          D, BLOCK_D, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
             acc = acc * alpha[:, None] + dot(p, v, DOT)
         m_i = m_new
     if SPARSE:  # second pass: exact weights, keep p >= threshold, read only the kept V rows
@@ -141,16 +140,15 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
         for t in range(k_start, k_end, BLOCK_N):
             kpos = t + offs_n
             s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row, kpos, qpos, row_ok,
-                                          offs_d, d_ok, scale, soft_cap, window, H, BS, kvh,
+                                          offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
                                           K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
                                           K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
             p = tl.exp(s - m_fin[:, None]) / z[:, None]
             p = tl.where(p >= threshold, p, 0.0)
             need = (tl.max(p, axis=0) > 0) & k_ok
-            v = load_rows(v_pool, v_tab, e4m3_ptr, v_ts,
-                          (page * V_BLOCK_BYTES + srow * V_ROW_DATA)[:, None],
-                          (page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE)[:, None],
-                          offs_d[None, :], need[:, None] & d_ok[None, :], V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
+            v = load_rows(v_pool, v_tab, v_ts, page * V_BLOCK_BYTES + srow * V_ROW_DATA,
+                          page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE, need,
+                          D, BLOCK_D, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
             acc += dot(p, v, DOT)
         out = acc
     else:
