@@ -156,3 +156,21 @@ def test_kv_cache_refuses_mla_and_eval_runs_latent(model):
     assert by["bf16"]["bytes_per_token"] == LAYERS * (LAT + ROPE) * 2
     assert by["bf16"]["bits_per_element"] == 16 and by["bf16"]["kl"] == 0
     assert by["turbo8"]["kl"] > 0
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0}
+
+
+@pytest.mark.parametrize("variant", [dict(q_lora_rank=None), dict(rope_interleave=False),
+                                     dict(rope_parameters=YARN)], ids=["q_proj", "rope_half", "yarn_mscale"])
+@torch.no_grad()
+def test_config_variants_match_eager(variant):
+    """DeepSeek-V2-Lite style q_proj, half-split RoPE, YaRN (its mscale changes the softmax scale)."""
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(_config(num_hidden_layers=2, **variant)).eval()
+    full = _ids(seed=2, n=20)
+    rounded = m(full, cache=_RoundingCache(config=m.config)).logits
+    enable(m)
+    ours = m(full, cache=PagedLatentCache(m, "bf16")).logits
+    torch.testing.assert_close(ours, rounded, atol=1e-4 * float(rounded.abs().max()), rtol=0)
