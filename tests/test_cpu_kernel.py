@@ -46,6 +46,8 @@ SHAPES = [
     (("bf16", "nvfp4"), 3, 3, 64, 32),
     (("turbo2", "q8_0"), 2, 8, 128, 16),
     (("turbo3", "fp8"), 2, 2, 80, 16),  # head_dim not a multiple of 64 (rotation blocks 64 + 16)
+    (("q8_0", "q4_0"), 8, 2, 128, 24),  # block size not a multiple of 16, group-32 scales, 8 kv heads
+    (("turbo4", "turbo3"), 1, 4, 64, 128),  # blocks larger than the kernel's 64-token chunk
 ]
 
 

@@ -232,27 +232,30 @@ PKV_INLINE __m512 e4m3_lanes(__m512i u) {
 /* Decode the scales of every kv head of `nt` tokens into rows->scl (vectorised per token). */
 static void decode_scales(const pkv_side *sd, pkv_rows *rows, int nt, int H, int D) {
     if (!sd->group) return;
-    const int nc = D >> 4, ng = D / sd->group, n = H * ng, per = nc / ng;
-    float tmp[1024];
+    const int nc = D >> 4, ng = D / sd->group, per = nc / ng;
+    const int n = per == 1 ? H * ng : ng;  /* entries decoded per vector pass */
+    float tmp[64];
     for (int i = 0; i < nt; i++) {
-        const uint8_t *s = rows->sraw[i];
-        float *out = per == 1 ? rows->scl + (int64_t)i * H * nc : tmp;
-        for (int e = 0; e < n; e += 16) {
-            __mmask16 k = (__mmask16)(n - e >= 16 ? 0xffff : ((1u << (n - e)) - 1u));
-            __m512 v;
-            if (sd->scale_kind == SC_E4M3) {
-                v = e4m3_lanes(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, s + e)));
-            } else if (sd->scale_kind == SC_BF16) {
-                __m256i hbits = _mm256_maskz_loadu_epi16(k, s + 2 * e);
-                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16));
-            } else {
-                v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + 2 * e));
+        for (int hh = 0; hh < (per == 1 ? 1 : H); hh++) {
+            const uint8_t *s = rows->sraw[i] + (int64_t)hh * sd->row_scale_bytes;
+            float *out = per == 1 ? rows->scl + (int64_t)i * H * nc : tmp;
+            for (int e = 0; e < n; e += 16) {
+                __mmask16 k = (__mmask16)(n - e >= 16 ? 0xffff : ((1u << (n - e)) - 1u));
+                __m512 v;
+                if (sd->scale_kind == SC_E4M3) {
+                    v = e4m3_lanes(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, s + e)));
+                } else if (sd->scale_kind == SC_BF16) {
+                    __m256i hbits = _mm256_maskz_loadu_epi16(k, s + 2 * e);
+                    v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16));
+                } else {
+                    v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + 2 * e));
+                }
+                _mm512_mask_storeu_ps(out + e, k, v);
             }
-            _mm512_mask_storeu_ps(out + e, k, v);
-        }
-        if (per != 1) {
-            float *dst = rows->scl + (int64_t)i * H * nc;
-            for (int c = 0; c < H * nc; c++) dst[c] = tmp[c / per];
+            if (per != 1) {  /* one scale per `per` chunks: expand to one per chunk */
+                float *dst = rows->scl + ((int64_t)i * H + hh) * nc;
+                for (int c = 0; c < nc; c++) dst[c] = tmp[c / per];
+            }
         }
     }
 }
