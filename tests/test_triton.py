@@ -190,6 +190,11 @@ def test_lower_precision_matmuls():
     for prec in ("tf32", "bf16"):
         got = tr.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params, precision=prec)
         torch.testing.assert_close(got.cpu(), want.cpu(), atol=2e-2, rtol=2e-2)
+    fast = tr.make_backend("bf16", name="triton-bf16-test", device_types=(DEVICE,))
+    got = api.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params, backend=fast)
+    torch.testing.assert_close(got.cpu(), want.cpu(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ConfigError, match="precision"):
+        tr.make_backend("fp64")
     with pytest.raises(ConfigError, match="precision"):
         tr.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params, precision="fp16")
 
@@ -203,7 +208,8 @@ def test_bench_dry_run():
     ours = [r for r in result["rows"] if r["impl"] == "ours" and r["op"] == "decode"]
     assert {r["format"] for r in ours} == set(cfg.formats)
     by_format = {r["format"]: r["rel_err_vs_sdpa"] for r in ours}
-    assert by_format["bf16"] < 1e-2 < 1.0 > by_format["turbo3"] > by_format["bf16"]
+    assert by_format["bf16"] < 1e-2  # the timed kernel computes attention (bf16 pages ~ exact)
+    assert by_format["bf16"] < by_format["turbo3"] < 1.0  # the codec's error, bounded
     assert "decode" in format_table(result)
 
 

@@ -47,16 +47,33 @@ def interpreting() -> bool:
     return type(_decode_kernel).__name__ == "InterpretedFunction"
 
 
-BACKEND = Backend(
-    name="triton",
-    device_types=("cuda",),
-    store=store,
-    decode_attention=decode_attention,
-    prefill_attention=prefill_attention,
-    supports=supports,
-    priority=100,
-    store_k_fused=store_k_fused,
-)
+def make_backend(precision: str = "ieee", *, name: str = "triton", priority: int = 100,
+                 device_types: tuple = ("cuda",)) -> Backend:
+    """A Backend running these kernels with the given matmul operand precision.
+
+    precision: "ieee" (exact fp32 products; the registered default, matches the reference to
+    fp32 rounding), "tf32" or "bf16" (tensor cores, as FlashAttention does; fp32 accumulation
+    either way, several times faster for prefill). Register it to make it the CUDA default:
+    `register_backend(make_backend("bf16"))` (same name: replaces the default one).
+    """
+    from functools import partial
+
+    from .decode import check_precision
+
+    check_precision(precision)
+    return Backend(
+        name=name,
+        device_types=device_types,
+        store=store,
+        decode_attention=partial(decode_attention, precision=precision),
+        prefill_attention=partial(prefill_attention, precision=precision),
+        supports=supports,
+        priority=priority,
+        store_k_fused=store_k_fused,
+    )
+
+
+BACKEND = make_backend()
 register_backend(BACKEND)
 
 
@@ -65,10 +82,8 @@ def interpreter_backend() -> Backend:
     if not interpreting():
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
                            "pagedkv.ops.triton is first imported")
-    return Backend(name="triton-interpreter", device_types=("cpu",), store=store,
-                   decode_attention=decode_attention, prefill_attention=prefill_attention,
-                   supports=supports, store_k_fused=store_k_fused)
+    return make_backend(name="triton-interpreter", device_types=("cpu",), priority=0)
 
 
-__all__ = ["store", "decode_attention", "prefill_attention", "store_k_fused", "BACKEND", "supports",
+__all__ = ["store", "decode_attention", "prefill_attention", "store_k_fused", "BACKEND", "make_backend", "supports",
            "interpreter_backend", "interpreting"]

@@ -143,7 +143,7 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
         best_err = tl.full((BLOCK_T, NG), float("inf"), tl.float32)
         best_code = tl.zeros((BLOCK_T, NG), tl.int32)
         best_idx = tl.zeros((BLOCK_T, NG, GROUP), tl.int32)
-        for k in tl.static_range(SEARCH_N):
+        for k in range(SEARCH_N):  # a loop, not unrolled: keeps compile time down
             cb = tl.minimum(tl.maximum(base_code + (SEARCH_LO + k), 1), 0x7E)
             cand = e4m3_value(cb)  # [BLOCK_T, NG]
             y = tl.math.div_rn(xg, cand[:, :, None] + tl.zeros_like(xg))
