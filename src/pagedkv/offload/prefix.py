@@ -124,6 +124,25 @@ class PrefixStore:
         self.stats.blocks_loaded += loaded
         return loaded
 
+    def publish_many(self, layers: Sequence[PagedLayer], layout: BlockLayout,
+                     blocks: Sequence[tuple[int, bytes]]) -> int:
+        """Publish several (pool block, chain hash) pairs: one round trip on a remote tier.
+        Returns how many were stored. Never raises for tier faults."""
+        if not blocks:
+            return 0
+        if not self.tier.remote:
+            return sum(self.publish(layers, layout, b, c) for b, c in blocks)
+        recs = [(store_key(layout, c), encode_record(layout, c, read_block(layers, b)))
+                for b, c in blocks]
+        res = self.tier.put_many(recs, if_absent=True)
+        for (_, rec), ok in zip(recs, res):
+            if ok:
+                self.stats.blocks_published += 1
+                self.stats.bytes_published += len(rec)
+            else:
+                self.stats.publish_failures += 1
+        return sum(res)
+
     def publish(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int,
                 chain: bytes) -> bool:
         """Store pool block `block` (prefix key `chain`) unless already stored. Never raises for

@@ -148,6 +148,30 @@ class RedisTier(Tier):
         self._recovered("full")
         return True
 
+    def _put_many(self, items: list[tuple[str, bytes]], if_absent: bool) -> list[bool]:
+        if not items:
+            return []
+
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(self._k(key), value, ex=self.ttl_s, nx=if_absent)
+            return pipe.execute(raise_on_error=False)
+
+        ok, res = self._call("writing", run)
+        if not ok:
+            return [False] * len(items)
+        out = []
+        for r in res:
+            if isinstance(r, Exception):
+                self._fault(r, "writing")
+                out.append(False)
+            else:
+                out.append(True)
+        if all(out):
+            self._recovered("full")
+        return out
+
     def _delete(self, key: str) -> None:
         self._call("deleting", self.client.delete, self._k(key))
 

@@ -366,16 +366,17 @@ class TieredCache(PagedCache):
         table = self.seqs.table(seq_id)
         sw = self._swapped.get(seq_id, {})
         h = chains[-1] if chains else root_hash(self.seqs.namespace, self._salt.get(seq_id))
+        todo: list[tuple[int, bytes]] = []
         for i in range(len(chains), full):
             toks = tokens[i * bs:(i + 1) * bs]
             if -1 in toks:
                 self._no_publish.add(seq_id)
-                return
+                break
             h = chain_hash(h, toks)
             chains.append(h)
-            if i in sw:
-                continue  # already swapped: the data is not in the pool (published earlier)
-            self.prefix.publish(self.layers, self.layout, table[i], h)  # type: ignore[union-attr]
+            if i not in sw:  # a swapped block's data is not in the pool (published earlier)
+                todo.append((table[i], h))
+        self.prefix.publish_many(self.layers, self.layout, todo)  # type: ignore[union-attr]
 
     # ---- attention --------------------------------------------------------------------------
     def block_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:

@@ -4,6 +4,7 @@ A tier maps string keys (`[0-9A-Za-z_.-]`, at most 200 characters) to immutable 
 - `get(key)` -> bytes or None (a miss: absent, or the tier is unreachable);
 - `get_many(keys)` -> a list of the above (one round trip on a remote tier);
 - `get_range(key, start, length)` -> exactly `length` bytes or None;
+- `put_many(items)`: several puts (one round trip on a remote tier);
 - `put(key, value)`: atomic (a reader never sees half a value). A failure that the caller must
   know about (disk full, value over the size limit) raises `TierWriteError` with nothing
   written; a remote tier that is down or out of memory counts the failure and warns once;
@@ -116,6 +117,21 @@ class Tier:
                 self.stats.put_failures += 1
         return ok
 
+    def put_many(self, items: list[tuple[str, bytes]], if_absent: bool = False) -> list[bool]:
+        """`put` of several values (one round trip on a remote tier); per item stored or not.
+        A local tier raises TierWriteError at the first failed write (earlier ones stay)."""
+        for key, _ in items:
+            check_key(key)
+        res = self._put_many(items, if_absent)
+        with self._lock:
+            for (_, v), ok in zip(items, res):
+                if ok:
+                    self.stats.puts += 1
+                    self.stats.bytes_written += len(v)
+                else:
+                    self.stats.put_failures += 1
+        return res
+
     def delete(self, key: str) -> None:
         check_key(key)
         self._delete(key)
@@ -164,6 +180,20 @@ class Tier:
 
     def _put(self, key: str, value: bytes, if_absent: bool) -> bool:
         raise NotImplementedError
+
+    def _put_many(self, items: list[tuple[str, bytes]], if_absent: bool) -> list[bool]:
+        out = []
+        for key, value in items:
+            try:
+                out.append(self._put(key, value, if_absent))
+            except TierWriteError:
+                with self._lock:
+                    self.stats.put_failures += 1
+                    for (_, v), ok in zip(items, out):
+                        self.stats.puts += ok
+                        self.stats.bytes_written += len(v) if ok else 0
+                raise
+        return out
 
     def _delete(self, key: str) -> None:
         raise NotImplementedError
