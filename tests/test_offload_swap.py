@@ -7,8 +7,10 @@ read-back restores the very bytes the attention would have read.
 
 from __future__ import annotations
 
-import torch
+import os
+
 import pytest
+import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.errors import InvalidInput
@@ -234,3 +236,22 @@ def test_shared_prefix_blocks_are_swapped_once(tmp_path):
         tc.free(got[1].seq_id)
         assert tc.swap.refs == {} and tc.swap.by_chain == {}
         tc.seqs.check_invariants()
+
+
+def test_stale_swap_dirs_of_dead_processes_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from pagedkv.offload.tiered import _HOST
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    swap = tmp_path / "swap"
+    for name in (f"{_HOST}-{dead}-abc", f"otherhost-{dead}-abc", f"{_HOST}-{os.getpid()}-live"):
+        (swap / name).mkdir(parents=True)
+        (swap / name / "x").write_bytes(b"1")
+    tc = _tiered(tmp_path, _cfg("bf16"), 2)
+    left = sorted(p.name for p in swap.iterdir())
+    assert f"{_HOST}-{dead}-abc" not in left  # its process is gone
+    assert f"otherhost-{dead}-abc" in left and f"{_HOST}-{os.getpid()}-live" in left
+    tc.close()

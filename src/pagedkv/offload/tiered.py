@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
+import socket
 import uuid
 import weakref
 from array import array
@@ -52,8 +54,35 @@ from .swap import SwapSpace
 from .tiers import MemoryTier, Tier
 
 
+_HOST = re.sub(r"[^0-9A-Za-z_.]", "_", socket.gethostname())[:40] or "host"
+
+
 def _rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_swap_dirs(root: Path) -> int:
+    """Delete swap directories (`<host>-<pid>-<id>`) that processes of this host left behind
+    when they died without closing their cache. Returns how many were removed."""
+    n = 0
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return 0
+    for d in entries:
+        parts = d.name.rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # someone else's live process (or a bogus pid)
+        _rmtree(str(d))
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -94,7 +123,9 @@ class TieredCache(PagedCache):
                 if offload.swap == "memory":
                     swap_tier = MemoryTier(offload.swap_limit_bytes)
                 else:
-                    d = offload.swap_path() / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                    root = offload.swap_path()
+                    remove_stale_swap_dirs(root)
+                    d = root / f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
                     swap_tier = DiskTier(d, offload.swap_limit_bytes, evict=False)
                     self._finalizer = weakref.finalize(self, _rmtree, str(d))
             self.swap = SwapSpace(swap_tier, prefetch=offload.prefetch)
