@@ -283,3 +283,22 @@ def test_small_float_helpers_match_torch():
     assert torch.equal(v[ok], table[codes.cpu()[ok].long()])
     assert torch.equal(hb, xc.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF)
     assert torch.equal(fb, xc.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF)
+
+
+def test_cli_bench_attention_cuda(capsys):
+    """`pagedkv bench attention --device cuda --json` (a dry run on the CPU, a tiny run on a GPU)."""
+    import json
+
+    from pagedkv.cli.main import main
+
+    argv = ["bench", "attention", "--device", "cuda", "--formats", "turbo3", "--precisions", "ieee", "--json"]
+    if DEVICE == "cpu":
+        assert main(argv[:-1] + ["--batch", "2"]) == 2  # no GPU: one-line error, exit 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+        argv.append("--dry-run")
+    else:
+        argv += ["--batch", "2", "--contexts", "64"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert {(r["op"], r["impl"]) for r in res["rows"] if r["format"] == "turbo3"} == {
+        ("decode", "ours"), ("prefill", "ours"), ("store", "ours")}

@@ -61,6 +61,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     from ..offload.bench import add_arguments as add_offload_arguments
 
     add_offload_arguments(p)
+    from .bench_cuda import add_arguments as add_cuda_arguments  # --device cuda: Triton on a GPU
+
+    add_cuda_arguments(p)
     return p
 
 
@@ -71,6 +74,10 @@ def run(args) -> int:
         res = ob.run_from_args(args)
         print_json(res) if args.json else print_table(*ob.table(res))
         return 0
+    if args.device == "cuda":
+        from . import bench_cuda
+
+        return bench_cuda.run(args)
     from . import bench_attention as ba
 
     shape = ba.BenchShape(layers=args.layers, num_q_heads=args.q_heads, num_kv_heads=args.kv_heads,
