@@ -62,4 +62,5 @@ def run(args) -> int:
 
 
 def _bf16_bytes_per_token(cache) -> int:
-    return sum(2 * 2 * s.num_kv_heads * s.head_dim for s in cache.config.layers)
+    return sum(2 * (s.latent.elements if getattr(s, "latent", None) is not None  # MLA: one latent
+                    else 2 * s.num_kv_heads * s.head_dim) for s in cache.config.layers)
