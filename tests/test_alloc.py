@@ -1,0 +1,192 @@
+"""Block pool and sequence bookkeeping (no tensors): ordering, LRU, keys, failures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv.alloc import BlockPool, SequenceManager, chain_hash, root_hash
+from pagedkv.alloc.hashing import chain
+from pagedkv.errors import CacheFull, ConfigError, UnknownSequence
+
+
+def test_pool_hands_out_low_ids_first_and_counts():
+    p = BlockPool(4)
+    assert p.allocate(2) == [0, 1]
+    assert (p.num_free, p.num_used, p.num_cached) == (2, 2, 0)
+    p.release(1)
+    assert p.allocate_one() == 1  # LIFO free list
+    with pytest.raises(CacheFull):
+        p.allocate(3)
+    assert (p.num_free, p.num_used) == (2, 2)  # unchanged by the failed call
+
+
+def test_pool_lru_keeps_keyed_blocks_until_memory_is_needed():
+    p = BlockPool(3, trace=True)
+    a, b, c = p.allocate(3)
+    assert p.register(a, b"ka") and p.register(b, b"kb")
+    assert not p.register(c, b"ka")  # key taken: c stays unkeyed
+    for x in (b, a, c):
+        p.release(x)
+    assert p.cached_blocks() == [b, a] and p.free_blocks() == [c]
+    assert p.lookup(b"ka") == a
+    p.share(a)  # revive out of the LRU
+    assert p.cached_blocks() == [b] and p.ref_count(a) == 1
+    p.release(a)  # a is now the most recently used
+    assert p.allocate(2) == [c, b]  # free list first, then the LRU head (b)
+    assert p.lookup(b"kb") is None and p.lookup(b"ka") == a
+    assert p.evictions == 1
+    kinds = [e.kind for e in p.trace.for_block(b)]
+    assert kinds == ["alloc", "cache", "free", "evict", "alloc"]
+
+
+def test_reset_prefix_cache_frees_cached_blocks_and_forgets_keys():
+    p = BlockPool(3)
+    a, b = p.allocate(2)
+    p.register(a, b"x")
+    p.register(b, b"y")
+    p.release(a)
+    assert p.reset_prefix_cache() == 1
+    assert p.num_cached == 0 and p.index_size() == 0 and p.block_hash(b) is None
+    assert p.num_free == 2 and p.num_used == 1
+
+
+def test_hash_chain_is_deterministic_across_processes_and_salted():
+    r = root_hash(b"ns", "tenant")
+    assert r != root_hash(b"ns", None) and r != root_hash(b"ns2", "tenant")
+    assert root_hash(b"ns", "1") != root_hash(b"ns", 1)
+    h = chain_hash(r, [1, 2, 3, 4])
+    assert chain_hash(r, [1, 2, 3, 5]) != h and chain_hash(root_hash(b"ns"), [1, 2, 3, 4]) != h
+    code = ("from pagedkv.alloc import chain_hash, root_hash;"
+            "print(chain_hash(root_hash(b'ns', 'tenant'), [1, 2, 3, 4]).hex())")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={"PYTHONHASHSEED": seed}, check=True).stdout.strip()
+        assert out == h.hex()
+    assert chain(r, list(range(9)), 4) == [chain_hash(r, [0, 1, 2, 3]),
+                                           chain_hash(chain_hash(r, [0, 1, 2, 3]), [4, 5, 6, 7])]
+
+
+def _mgr(n=8, bs=4):
+    return SequenceManager(BlockPool(n), bs, b"test")
+
+
+def test_add_commit_then_hit_whole_blocks_only():
+    m = _mgr()
+    a, hit, slots = m.add(list(range(10)))
+    assert hit == 0 and slots == list(range(10))
+    # not committed yet: nothing is keyed, a second prompt must not hit unwritten data
+    b, hit, _ = m.add(list(range(10)))
+    assert hit == 0
+    m.commit([a, b])
+    c, hit, slots = m.add(list(range(9)) + [99])
+    assert hit == 8 and m.table(c)[:2] == m.table(a)[:2] and len(slots) == 2
+    # a prompt fully covered by cached blocks still leaves its last block to compute
+    d, hit, _ = m.add(list(range(8)))
+    assert hit == 4
+    m.check_invariants()
+
+
+def test_allocate_by_count_is_never_keyed():
+    m = _mgr()
+    a, _, _ = m.add([1, 2])
+    m.allocate(a, 6)  # ids unknown
+    m.commit(a)
+    assert m.pool.index_size() == 0
+    b, hit, _ = m.add([1, 2, -0, 0, 0, 0, 7])
+    assert hit == 0
+    m.check_invariants()
+
+
+def test_fork_then_write_copies_the_shared_partial_block_once():
+    m = _mgr()
+    a, _, _ = m.add([1, 2, 3, 4, 5, 6])
+    m.commit(a)
+    b = m.fork(a)
+    assert m.pool.ref_count(m.table(a)[1]) == 2
+    slots, copies = m.allocate(b, [7])
+    src, dst = copies[0]
+    assert copies == [(m.table(a)[1], m.table(b)[1])] and src != dst
+    assert slots == [dst * 4 + 2]
+    slots, copies = m.allocate(a, [8])  # now sole owner: in place
+    assert copies == [] and slots == [src * 4 + 2]
+    m.check_invariants()
+
+
+def test_pop_then_write_into_a_keyed_block():
+    m = _mgr()
+    a, _, _ = m.add([1, 2, 3, 4, 5])
+    m.commit(a)
+    blk = m.table(a)[0]
+    assert m.pool.block_hash(blk) is not None
+    m.pop(a, 2)  # back into the keyed block
+    _, copies = m.allocate(a, [9])  # sole owner: key dropped, written in place
+    assert copies == [] and m.pool.block_hash(blk) is None
+    m.commit(a)
+    assert m.pool.block_hash(blk) == chain_hash(root_hash(b"test"), [1, 2, 3, 9])
+    b, _, _ = m.add([1, 2, 3, 4, 5])
+    m.commit(b)
+    c = m.fork(b)
+    m.pop(c, 2)
+    _, copies = m.allocate(c, [7])  # shared keyed block: copied, original keeps its key
+    assert len(copies) == 1 and m.pool.block_hash(m.table(b)[0]) is not None
+    m.check_invariants()
+
+
+def test_pop_frees_trailing_blocks_and_bad_counts_are_rejected():
+    m = _mgr()
+    a, _, _ = m.add(list(range(9)))
+    assert m.pool.num_used == 3
+    m.pop(a, 5)
+    assert m.length(a) == 4 and m.pool.num_used == 1
+    with pytest.raises(ConfigError):
+        m.pop(a, 5)
+    with pytest.raises(ConfigError):
+        m.pop(a, -1)
+    assert m.length(a) == 4
+    m.reset(a)
+    assert m.length(a) == 0 and m.pool.num_used == 0
+
+
+def test_failures_change_nothing():
+    m = _mgr(n=4)
+    a, _, _ = m.add(list(range(12)))  # 3 blocks
+    m.commit(a)
+    b = m.fork(a)
+    before = (m.tokens(a), list(m.table(a)), m.pool.num_free, m.pool.num_used)
+    with pytest.raises(CacheFull):
+        m.add(list(range(20, 28)))  # needs 2 new blocks, 1 free
+    with pytest.raises(CacheFull):
+        m.allocate_batch([a, b], [[1], [2]])  # 2 new blocks needed
+    with pytest.raises(UnknownSequence):
+        m.allocate(123, [1])
+    with pytest.raises(UnknownSequence):
+        m.allocate_batch([a, 123], [[1], [1]])
+    with pytest.raises(ConfigError):
+        m.allocate_batch([a, a], [[1], [1]])
+    with pytest.raises(ConfigError):
+        m.allocate(a, [1, -2])
+    with pytest.raises(ConfigError):
+        m.add([1], seq_id=a)
+    assert (m.tokens(a), list(m.table(a)), m.pool.num_free, m.pool.num_used) == before
+    assert m.tokens(b) == m.tokens(a)
+    m.check_invariants()
+
+
+def test_free_puts_tail_blocks_first_in_line_for_eviction():
+    m = _mgr(n=4)
+    a, _, _ = m.add(list(range(13)))  # 4 blocks, 3 full
+    m.commit(a)
+    t = list(m.table(a))
+    m.free(a)
+    assert m.pool.cached_blocks() == [t[2], t[1], t[0]]
+    m.add([50, 51])  # takes the free block (t[3]); no eviction
+    c, _, _ = m.add([60, 61, 62, 63, 64])  # needs 2: evicts t[2] then t[1]
+    assert m.pool.evictions == 2 and m.pool.cached_blocks() == [t[0]]
+    m.free(c)  # never committed: its blocks go straight to the free list
+    assert m.pool.num_free == 2 and m.pool.num_cached == 1
+    d, hit, _ = m.add(list(range(9)))
+    assert hit == 4  # the head block survived
+    m.check_invariants()
