@@ -206,3 +206,19 @@ def test_automatic_uses_chunked_when_only_the_reference_serves_the_row(monkeypat
     monkeypatch.setattr(lat.api, "decode_attention", boom)
     out = latent_decode_attention(q_lat, q_rope, layer, tables, lens, p)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["fp8", "q8_0"])
+def test_fast_row_decoders_equal_the_reference(name):
+    from pagedkv.codecs import reference as codec_ref
+    from pagedkv.ops.latent import decode_rows
+
+    codec = get_codec(name)
+    g = torch.Generator().manual_seed(7)
+    d = 64
+    rows = torch.randint(0, 256, (300, codec.row_data_bytes(d)), dtype=torch.uint8, generator=g)
+    rows[:256, 0] = torch.arange(256, dtype=torch.uint8)  # every code
+    _, scales = codec_ref.encode(codec, torch.randn(300, d, generator=g))
+    ts = 0.37 if name == "fp8" else None
+    want = codec_ref.decode(codec, rows, scales, d, ts, rotated_basis=True)
+    assert torch.equal(decode_rows(codec, rows, scales, d, ts), want)
