@@ -72,6 +72,9 @@ def test_logits_match_eager_attention(model):
     eager = model(full).logits
     rounded = model(full, cache=_RoundingCache(config=model.config)).logits
     enable(model)
+    assert enable(model) == LAYERS  # idempotent; other caches still run transformers' own forward
+    torch.testing.assert_close(model(full, cache=_RoundingCache(config=model.config)).logits, rounded,
+                               atol=0, rtol=0)
     ours = model(full, cache=PagedLatentCache(model, "bf16")).logits
     # same stored values -> only fp32 summation order differs (absorbed vs expanded heads)
     torch.testing.assert_close(ours, rounded, atol=2e-3 * float(eager.abs().max()), rtol=0)
