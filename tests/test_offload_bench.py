@@ -13,7 +13,7 @@ def test_bench_bytes_per_token_follow_the_format(tmp_path):
     res = bench.run_bench(["q8_0", "bf16k_q4_0v"], tokens=32, layers=2, kv_heads=2, head_dim=32,
                           block_size=16, repeats=1, disk_dir=str(tmp_path))
     assert [(r["format"], r["tier"]) for r in res["results"]] == [
-        ("q8_0", "memory"), ("q8_0", "disk"), ("bf16k_q4_0v", "memory"), ("bf16k_q4_0v", "disk")]
+        (f, t) for f in ("q8_0", "bf16k_q4_0v") for t in ("memory", "disk", "swapfile")]
     for r in res["results"]:
         f = parse_format(r["format"])
         payload = 2 * 2 * 32 * (f.k.bits_per_element + f.v.bits_per_element) / 8  # per token
@@ -21,7 +21,7 @@ def test_bench_bytes_per_token_follow_the_format(tmp_path):
         assert r["load_us_per_token"] > 0 and r["recompute_store_us_per_token"] > 0
         assert r["tier_faults"] == 0
     title, cols, rows = bench.table(res)
-    assert len(rows) == 4 and len(rows[0]) == len(cols)
+    assert len(rows) == 6 and len(rows[0]) == len(cols)
     with pytest.raises(ConfigError, match="--tokens"):
         bench.run_bench(["bf16"], tokens=4, block_size=16)
 
@@ -35,5 +35,5 @@ def test_cli_bench_offload_json(capsys):
                "--kv-heads", "1", "--head-dim", "16", "--repeats", "1", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["tier"] for r in out["results"]] == ["memory", "disk"]
+    assert [r["tier"] for r in out["results"]] == ["memory", "disk", "swapfile"]
     assert main(["bench", "offload", "--tokens", "4", "--repeats", "1"]) == 2  # ConfigError

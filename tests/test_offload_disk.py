@@ -119,3 +119,34 @@ def test_default_dirs_follow_xdg_only_when_given(tmp_path):
         OffloadConfig(prefix_store="s3")
     with pytest.raises(ConfigError, match="resident_blocks_per_seq"):
         OffloadConfig(resident_blocks_per_seq=0)
+
+
+def test_swap_file_slots(tmp_path, monkeypatch):
+    from pagedkv.offload import SwapFileTier
+
+    t = SwapFileTier(tmp_path / "sw", limit_bytes=300)
+    t.put("a", b"A" * 100)
+    t.put("b", b"B" * 90)  # shorter values fit a slot
+    assert t.get("a") == b"A" * 100 and t.get_range("b", 10, 5) == b"BBBBB"
+    assert t.get_range("b", 85, 10) is None  # past the value: a miss
+    with pytest.raises(TierWriteError, match="does not fit"):
+        t.put("big", b"x" * 101)
+    t.put("c", b"C" * 100)
+    with pytest.raises(TierWriteError, match="full"):
+        t.put("d", b"D" * 100)  # 3 slots of 100 bytes already
+    t.delete("b")
+    t.put("d", b"D" * 100)  # reuses b's slot
+    assert t.path.stat().st_size == 300 and t.get("d") == b"D" * 100
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    t.delete("c")
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(TierWriteError, match="no space left"):
+        t.put("a", b"Z" * 100)
+    monkeypatch.undo()
+    assert t.get("a") == b"A" * 100  # the old value is intact and still mapped
+    t.put("e", b"E" * 100)  # the failed write's slot was returned
+    t.close()
+    assert not t.path.exists() and t.get("a") is None

@@ -1,8 +1,9 @@
 """Tiers below memory: a per-sequence resident cap with swap, and a shared prefix store.
 
 - `TieredCache(cache_config, OffloadConfig(...))`: a PagedCache with both features.
-- Tiers: `DiskTier` (files, size limit, LRU; the embedded default), `RedisTier` (shared across
-  processes and machines), `MemoryTier` (tests, benchmarks).
+- Tiers: `DiskTier` (a file per value, size limit, LRU: the embedded prefix store),
+  `SwapFileTier` (fixed-size slots in one file: the disk swap), `RedisTier` (shared across
+  processes and machines), `MemoryTier` (tests, benchmarks, swap in memory).
 - `record`: the checksummed byte format of one stored block (every layer, K and V).
 See docs/offload.md.
 """
@@ -12,12 +13,13 @@ from .disk import DiskTier
 from .prefix import PrefixStore, store_key
 from .record import BlockLayout, RecordError, decode_record, encode_record, parse_header
 from .swap import SwapSpace
+from .swapfile import SwapFileTier
 from .tiered import TieredCache
 from .tiers import MemoryTier, SwapLost, Tier, TierWarning, TierWriteError
 
 __all__ = [
     "OffloadConfig", "default_cache_dir", "TieredCache",
-    "Tier", "MemoryTier", "DiskTier", "TierWarning", "TierWriteError", "SwapLost",
+    "Tier", "MemoryTier", "DiskTier", "SwapFileTier", "TierWarning", "TierWriteError", "SwapLost",
     "PrefixStore", "store_key", "SwapSpace",
     "BlockLayout", "RecordError", "encode_record", "decode_record", "parse_header",
 ]

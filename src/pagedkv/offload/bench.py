@@ -2,7 +2,8 @@
 
 For each KV format, a prefix of `--tokens` seeded random K/V is stored in a cache of `--layers`
 layers (`--kv-heads` x `--head-dim`); then for each tier (memory, disk in a temporary
-directory, and Redis when `--redis-url` is given):
+directory (the prefix store's tier), the swap file (the swap tier), and Redis when
+`--redis-url` is given):
 - bytes/token: record bytes (every layer, K and V, headers and checksums) / block_size, and the
   ratio to bf16's bytes/token;
 - write: encode + put of every block (publish / swap-out), per token;
@@ -21,6 +22,7 @@ Times are medians of `--repeats` runs, one thread; loads are checked to restore 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -34,6 +36,7 @@ from ..ops import api as ops
 from .disk import DiskTier
 from .record import (BlockLayout, decode_section, encode_record, read_block, section_span,
                      try_decode_record, write_block)
+from .swapfile import SwapFileTier
 from .tiers import MemoryTier, Tier
 from .toy import ToyLM
 
@@ -94,7 +97,7 @@ def _fill(cache: PagedCache, tokens: int, seed: int = 0) -> tuple[list[int], lis
 def measure_tier(tier: Tier, cache: PagedCache, blocks: list[int], repeats: int) -> dict:
     """Write / load / swap-read times (s, medians) and bytes of `blocks` through `tier`."""
     layers, layout = cache.layers, BlockLayout.from_layers(cache.layers)
-    keys = [f"bench-{b}" for b in blocks]
+    keys = [f"bench-{b:08d}" for b in blocks]
     recs = {}
 
     def write():
@@ -163,7 +166,8 @@ def run_bench(formats: list[str], *, tokens: int = 512, layers: int = 30, kv_hea
         tmp = tempfile.TemporaryDirectory(prefix="pagedkv-bench-")
     disk_root = disk_dir or tmp.name
     tiers: list[tuple[str, Callable[[], Tier]]] = [
-        ("memory", MemoryTier), ("disk", lambda: DiskTier(disk_root))]
+        ("memory", MemoryTier), ("disk", lambda: DiskTier(disk_root)),
+        ("swapfile", lambda: SwapFileTier(os.path.join(disk_root, "swap")))]
     if redis_url:
         from .redis_tier import RedisTier
 

@@ -35,6 +35,7 @@ from functools import lru_cache
 from hashlib import blake2b
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..codecs.catalogue import Codec
@@ -320,13 +321,11 @@ def read_block(layers: Sequence[PagedLayer], block: int) -> list[tuple[bytes, by
     return out
 
 
-def _tensor(b: bytes, device: torch.device) -> torch.Tensor:
-    t = torch.frombuffer(bytearray(b), dtype=torch.uint8)
-    return t if device.type == "cpu" else t.to(device, non_blocking=False)
-
-
 def write_block(layers: Sequence[PagedLayer], block: int, sections: Sequence[tuple[bytes, bytes]]) -> None:
     """Write per-layer (K bytes, V bytes) into block id `block` of every layer's pools."""
     for pl, (k, v) in zip(layers, sections):
-        pl.k_pool[block].copy_(_tensor(k, pl.device))
-        pl.v_pool[block].copy_(_tensor(v, pl.device))
+        for pool, data in ((pl.k_pool, k), (pl.v_pool, v)):
+            if pool.device.type == "cpu":  # a numpy view of the row: no tensor op per row
+                pool[block].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+            else:
+                pool[block].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(pool.device))

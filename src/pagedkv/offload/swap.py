@@ -71,7 +71,7 @@ class SwapSpace:
             key = self.by_chain[chain]
             self.refs[key] += 1
             return key
-        key = f"{self.session}-{next(self._ids)}"
+        key = f"{self.session}-{next(self._ids):012d}"  # fixed width: fixed-size records
         rec = encode_record(layout, key.encode(), read_block(layers, block))
         self.tier.put(key, rec)
         self.refs[key] = 1

@@ -51,6 +51,7 @@ from .disk import DiskTier
 from .prefix import PrefixStore
 from .record import BlockLayout, write_block
 from .swap import SwapSpace
+from .swapfile import SwapFileTier
 from .tiers import MemoryTier, Tier
 
 
@@ -126,7 +127,7 @@ class TieredCache(PagedCache):
                     root = offload.swap_path()
                     remove_stale_swap_dirs(root)
                     d = root / f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-                    swap_tier = DiskTier(d, offload.swap_limit_bytes, evict=False)
+                    swap_tier = SwapFileTier(d, offload.swap_limit_bytes)
                     self._finalizer = weakref.finalize(self, _rmtree, str(d))
             self.swap = SwapSpace(swap_tier, prefetch=offload.prefetch)
         self._swapped: dict[Hashable, dict[int, str]] = {}

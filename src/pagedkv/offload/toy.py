@@ -1,8 +1,9 @@
 """A tiny deterministic transformer that drives a cache end to end (tests, bench, demos).
 
-Not a language model: random weights from a seed, no RoPE or norms. What it has is the data flow
-of one: per layer, project x to q, k, v; `store` k, v at the step's slots; attention through the
-cache's pools; x += attention @ W_o; greedy next token from x @ E^T. Outputs feed the next layer
+Not a language model: random weights from a seed, no RoPE. What it has is the data flow of one:
+per layer, RMS-normalise x and project it to q, k, v; `store` k, v at the step's slots; attention
+through the cache's pools; x += attention @ W_o; the greedy next token from the residual updates
+(x minus the input embedding) @ E^T, so it depends on attention. Outputs feed the next layer
 and the next token, so any difference in stored or read-back bytes shows in the tokens.
 
 Works with a plain `PagedCache` (calls `pagedkv.ops` with the cache's own tables) and with a
@@ -74,8 +75,9 @@ class ToyLM:
         for li, pl in enumerate(self.cache.layers):
             wq, wk, wv, wo = self.w[li]
             h, d = pl.num_kv_heads, pl.head_dim
-            q = (x @ wq).view(-1, 2 * h, d)
-            self.cache.store(li, (x @ wk).view(-1, h, d), (x @ wv).view(-1, h, d), slots)
+            xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMS norm: any depth
+            q = (xn @ wq).view(-1, 2 * h, d)
+            self.cache.store(li, (xn @ wk).view(-1, h, d), (xn @ wv).view(-1, h, d), slots)
             o = self._attend(li, q, seq_ids, qsl)
             x = x + o.reshape(x.shape[0], -1) @ wo
         return (x - self.emb[torch.tensor(list(tokens), dtype=torch.long)]) @ self.emb.T, o

@@ -1,0 +1,141 @@
+"""The disk swap tier: one preallocated-as-it-grows file of fixed-size slots, like an OS swap file.
+
+Swap records of one cache all have the same size (same layout, fixed-width keys), and attention
+reads them back one layer section at a time at every decode step: with one file per record that
+is an open() per block and layer. Here every record lives in a slot of a single file opened once;
+a section read is one `os.pread`, a write one `os.pwrite`.
+
+- put: the value goes to a free slot (a slot is never rewritten while a key maps to it), and the
+  key points at it only after the whole write succeeded, so a reader never sees half a block.
+  A write that fails (ENOSPC, EDQUOT, any OSError) raises TierWriteError and returns the slot.
+- limit_bytes: the file never grows past it (TierWriteError; swap data is never evicted).
+- delete frees the slot for reuse. The file is removed by `close()`.
+Values may be shorter than the slot (the first value fixes the slot size); a longer one is an
+error. Private to one process (the key -> slot map lives in memory).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+from ..errors import ConfigError
+from .tiers import Tier, TierWriteError
+
+
+class SwapFileTier(Tier):
+    """Fixed-size slots in one file under `root` (created)."""
+
+    name = "swap file"
+
+    def __init__(self, root: Union[str, os.PathLike], limit_bytes: Optional[int] = None):
+        super().__init__()
+        if limit_bytes is not None and (not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool)
+                                        or limit_bytes <= 0):
+            raise ConfigError(f"swap limit_bytes must be a positive int or None, got {limit_bytes!r}")
+        self.root = Path(root).expanduser()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.path = self.root / "swap.bin"
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"swap directory {str(self.root)!r} is not usable: {exc}") from None
+        self.name = f"swap file {self.path}"
+        self.limit_bytes = limit_bytes
+        self.slot_bytes: Optional[int] = None
+        self._slots: dict[str, tuple[int, int]] = {}  # key -> (slot, value length)
+        self._free: list[int] = []
+        self._next = 0  # slots ever handed out (the file holds this many)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(n for _, n in self._slots.values())
+
+    # ---- reads ------------------------------------------------------------------------------
+    def _read(self, key: str, start: int, length: int) -> Optional[bytes]:
+        with self._lock:
+            where = self._slots.get(key)
+        if where is None or self._fd < 0:
+            return None
+        slot, n = where
+        if start + length > n:
+            return None
+        try:
+            return os.pread(self._fd, length, slot * self.slot_bytes + start)  # type: ignore[operator]
+        except OSError as exc:
+            self._warn_once("read", f"read of {key} failed ({exc}); treated as a miss")
+            return None
+
+    def _get(self, key: str) -> Optional[bytes]:
+        with self._lock:
+            where = self._slots.get(key)
+        return None if where is None else self._read(key, 0, where[1])
+
+    def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
+        return self._read(key, start, length)
+
+    # ---- writes -----------------------------------------------------------------------------
+    def _take_slot(self, size: int) -> int:
+        with self._lock:
+            if self.slot_bytes is None:
+                self.slot_bytes = size
+            if size > self.slot_bytes:
+                raise TierWriteError(f"{self.name}: a value of {size} bytes does not fit its "
+                                     f"{self.slot_bytes}-byte slots")
+            if self._free:
+                return self._free.pop()
+            if self.limit_bytes is not None and (self._next + 1) * self.slot_bytes > self.limit_bytes:
+                raise TierWriteError(
+                    f"{self.name} is full: {self._next} slots of {self.slot_bytes} bytes, "
+                    f"limit_bytes={self.limit_bytes} (swap data is never evicted)"
+                )
+            self._next += 1
+            return self._next - 1
+
+    def _put(self, key: str, value: bytes, if_absent: bool) -> bool:
+        with self._lock:
+            if if_absent and key in self._slots:
+                return True
+        slot = self._take_slot(len(value))
+        try:
+            done = 0
+            view = memoryview(value)
+            while done < len(value):
+                done += os.pwrite(self._fd, view[done:], slot * self.slot_bytes + done)  # type: ignore[operator]
+        except OSError as exc:
+            with self._lock:
+                self._free.append(slot)
+            why = ("no space left on the device (or over the disk quota)"
+                   if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror or str(exc))
+            raise TierWriteError(f"{self.name}: writing {key} ({len(value)} bytes) failed: {why}; "
+                                 "nothing was stored") from exc
+        with self._lock:
+            old = self._slots.get(key)
+            self._slots[key] = (slot, len(value))
+            if old is not None:
+                self._free.append(old[0])
+        return True
+
+    def _delete(self, key: str) -> None:
+        with self._lock:
+            where = self._slots.pop(key, None)
+            if where is not None:
+                self._free.append(where[0])
+
+    def close(self) -> None:
+        """Close and delete the swap file."""
+        with self._lock:
+            self._slots.clear()
+            self._free.clear()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
