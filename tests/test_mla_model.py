@@ -177,3 +177,16 @@ def test_config_variants_match_eager(variant):
     enable(m)
     ours = m(full, cache=PagedLatentCache(m, "bf16")).logits
     torch.testing.assert_close(ours, rounded, atol=1e-4 * float(rounded.abs().max()), rtol=0)
+
+
+@torch.no_grad()
+def test_bf16_model_greedy_tokens_match_transformers_cache():
+    """A bf16 model: absorption runs in bf16 like transformers' projections, attention in fp32."""
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(_config(initializer_range=0.05)).eval().to(torch.bfloat16)
+    ids = _ids(seed=1)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = m.generate(ids, **kw)
+    enable(m)
+    out = m.generate(ids, cache=PagedLatentCache(m, "bf16"), **kw)
+    assert torch.equal(out, ref)

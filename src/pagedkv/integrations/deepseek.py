@@ -18,8 +18,8 @@ with `kv_b_proj` at every step. `enable(model)` replaces the forward of each MLA
 stores the new tokens' latent and rope key, then runs absorbed attention on the pages:
 `q_lat_h = W_UK_h^T q_nope_h` (W_UK_h: the key rows of `kv_b_proj` for head h, [nope, L]),
 logits `scale * (q_lat . c + q_rope . k_rope)` (`pagedkv.ops.latent`), output
-`o_h = W_UV_h (sum_j p_j c_j)` (W_UV_h: the value rows), then `o_proj`. Absorption and the
-attention are fp32. With any other cache (or none) the original forward runs unchanged.
+`o_h = W_UV_h (sum_j p_j c_j)` (W_UV_h: the value rows), then `o_proj`. The absorption runs in
+the model's dtype (like transformers' own projections), the attention in fp32. With any other cache (or none) the original forward runs unchanged.
 
 Limitations: rows of a batch must have the same length (a padded mask raises InvalidInput);
 `torch.compile` is not supported; the cache refuses `update()` (only the patched forward may
@@ -223,8 +223,9 @@ def _absorbed_forward(self, hidden_states: torch.Tensor, position_embeddings=Non
     _check_mask(attention_mask, layer.length)
 
     h = q_states.shape[1]
-    w = self.kv_b_proj.weight.view(h, nope + self.v_head_dim, L).float()
-    q_lat = torch.einsum("bhtn,hnl->bthl", q_pass.float(), w[:, :nope])  # [B, T, H, L]
+    # absorption in the model's dtype (as transformers' own projections; no fp32 weight copies)
+    w = self.kv_b_proj.weight.view(h, nope + self.v_head_dim, L)
+    q_lat = torch.einsum("bhtn,hnl->bthl", q_pass.to(w.dtype), w[:, :nope]).float()  # [B, T, H, L]
     q_rope = q_rot.float().transpose(1, 2)  # [B, T, H, R]
     params = AttentionParams(
         scale=float(self.scaling), sliding_window=layer.sliding_window,
@@ -244,7 +245,7 @@ def _absorbed_forward(self, hidden_states: torch.Tensor, position_embeddings=Non
                                      q_rope.reshape(b * t, h, rd).contiguous(), layer.paged, tables,
                                      seq_lens, qsl, params, backend=cache.backend, checks=cache.checks)
         o = o.reshape(b, t, h, L)
-    out = torch.einsum("bthl,hvl->bthv", o, w[:, nope:])  # [B, T, H, v_head_dim]
+    out = torch.einsum("bthl,hvl->bthv", o.to(w.dtype), w[:, nope:])  # [B, T, H, v_head_dim]
     out = out.reshape(b, t, h * self.v_head_dim).to(hidden_states.dtype)
     return self.o_proj(out), None
 
