@@ -15,6 +15,10 @@ bytes exceed 4x the L3 cache (the reads come from DRAM, as in a real 30-layer st
 memory budget. Contents: a few real encoded blocks (random N(0,1) K/V through the reference
 store) tiled over the pools, randomly permuted block tables.
 
+Clock: with one thread (the default) the calling thread's CPU time (`time.thread_time`), since
+both sides compute in that thread and its CPU time leaves out the time the OS gives to other
+processes on a shared machine; wall time with more threads (rows say which).
+
 Each row: format, context, batch, ms (per decode step over all layers), baseline_ms, ratio =
 ms / baseline_ms, gbps (effective GB/s of the K/V bytes a step reads), plus the baseline ways,
 the bytes per step and the timed layer count.
@@ -53,6 +57,15 @@ class BenchShape:
     repeats: int = 5
     threads: int = 1
     memory_budget: int = 1 << 30  # bytes one contender may allocate (timed layers shrink to fit)
+    clock: str = "auto"  # "cpu": the calling thread's CPU time; "wall"; "auto": cpu when threads == 1
+
+    def timer(self) -> Callable[[], float]:
+        """The clock timings use. With one thread both sides compute in the calling thread (torch
+        intra-op and the kernel's OpenMP region of one), so its CPU time excludes the time the OS
+        gives to other processes on a shared machine; with more threads only wall time is right."""
+        if self.clock == "cpu" or (self.clock == "auto" and self.threads == 1):
+            return time.thread_time
+        return time.perf_counter
 
     def check(self) -> None:
         for name in ("layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "repeats", "threads"):
@@ -62,6 +75,8 @@ class BenchShape:
         if self.num_q_heads % self.num_kv_heads:
             raise ConfigError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
                               f"({self.num_kv_heads})")
+        if self.clock not in ("auto", "cpu", "wall"):
+            raise ConfigError(f"clock must be auto, cpu or wall, got {self.clock!r}")
 
 
 def _timed_layers(shape: BenchShape, layer_bytes: int) -> int:
@@ -70,15 +85,16 @@ def _timed_layers(shape: BenchShape, layer_bytes: int) -> int:
     return max(1, min(shape.layers, want, fit))
 
 
-def _median_ms(fn: Callable[[int], object], n_layers: int, repeats: int) -> float:
+def _median_ms(fn: Callable[[int], object], n_layers: int, repeats: int,
+               clock: Callable[[], float] = time.perf_counter) -> float:
     """Median over repeats of the per-layer time (ms) of running fn(l) for l in range(n_layers)."""
     fn(0)  # warm-up (first touch, allocator)
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         for i in range(n_layers):
             fn(i)
-        times.append((time.perf_counter() - t) / n_layers)
+        times.append((clock() - t) / n_layers)
     return statistics.median(times) * 1e3
 
 
@@ -118,11 +134,11 @@ class Contender:
     bytes_per_step: int
     times: list = field(default_factory=list)  # per-layer seconds, one per repeat
 
-    def time_once(self) -> None:
-        t = time.perf_counter()
+    def time_once(self, clock: Callable[[], float]) -> None:
+        t = clock()
         for i in range(self.timed_layers):
             self.fn(i)
-        self.times.append((time.perf_counter() - t) / self.timed_layers)
+        self.times.append((clock() - t) / self.timed_layers)
 
     def step_ms(self, layers: int) -> float:
         return statistics.median(self.times) * 1e3 * layers
@@ -186,9 +202,10 @@ def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, bat
     everyone = base + ours
     for c in everyone:  # warm-up: first touch, allocator, thread pool
         c.fn(0)
+    clock = shape.timer()
     for _ in range(shape.repeats):
         for c in everyone:
-            c.time_once()
+            c.time_once(clock)
     ways = {c.name: c.step_ms(shape.layers) for c in base}
     best = min(base, key=lambda c: ways[c.name])
     rows = []
@@ -201,7 +218,8 @@ def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, bat
                      "baseline": best.name, "baseline_ways": ways,
                      "bytes_per_step": c.bytes_per_step, "timed_layers": c.timed_layers,
                      "baseline_timed_layers": best.timed_layers, "layers": shape.layers,
-                     "threads": shape.threads, "repeats": shape.repeats})
+                     "threads": shape.threads, "repeats": shape.repeats,
+                     "clock": "thread_cpu" if clock is time.thread_time else "wall"})
     return rows
 
 
@@ -273,8 +291,9 @@ def prefill_row(fmt: KVFormat, shape: BenchShape, context: int, q_len: int, atte
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(q_len, hq, d, generator=gen).to(torch.bfloat16)
     params = AttentionParams(scale=d ** -0.5)
+    clock = shape.timer()
     ms = _median_ms(lambda i: attention(q, layers[i], tables, lens, qsl, params, num_threads=shape.threads),
-                    n, reps) * shape.layers
+                    n, reps, clock) * shape.layers
 
     kb = [torch.randn(1, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
     vb = [torch.randn(1, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
@@ -285,9 +304,9 @@ def prefill_row(fmt: KVFormat, shape: BenchShape, context: int, q_len: int, atte
     mask = torch.arange(context)[None, :] <= pos[:, None]
     ways = {
         "sdpa_gqa": _median_ms(lambda i: F.scaled_dot_product_attention(
-            qb, kb[i], vb[i], attn_mask=mask, scale=d ** -0.5, enable_gqa=True), n, reps) * shape.layers,
+            qb, kb[i], vb[i], attn_mask=mask, scale=d ** -0.5, enable_gqa=True), n, reps, clock) * shape.layers,
         "sdpa_expanded": _median_ms(lambda i: F.scaled_dot_product_attention(
-            qb, ke[i], ve[i], attn_mask=mask, scale=d ** -0.5), n, reps) * shape.layers,
+            qb, ke[i], ve[i], attn_mask=mask, scale=d ** -0.5), n, reps, clock) * shape.layers,
     }
     best = min(ways, key=ways.get)
     return {"format": fmt.name, "context": context, "q_len": q_len, "ms": ms, "baseline_ms": ways[best],
