@@ -2,8 +2,8 @@
 
 Two independent features:
 - **resident cap** (`resident_blocks_per_seq`, None = off): a sequence keeps at most that many
-  blocks in memory; older full blocks are swapped to a private tier (`swap`: "disk" under
-  `swap_dir`, or "memory") and read back, bit-exact, when attention needs them;
+  blocks in memory; older full blocks are swapped to a private tier (`swap`: "disk", a slot
+  file under `swap_dir`, or "memory") and read back, bit-exact, when attention needs them;
 - **shared prefix store** (`prefix_store`: "none", "disk" under `prefix_dir`, or "redis" at
   `redis_url`): full blocks are published under a key derived from their token chain, the
   cache's fingerprint (model id, formats, dims), the record layout and the sequence's salt;
@@ -94,7 +94,7 @@ class OffloadConfig:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
     def swap_path(self) -> Path:
-        """This process's swap directory is a fresh subdirectory of this (see SwapSpace)."""
+        """Each cache swaps into a fresh subdirectory `<host>-<pid>-<id>` of this."""
         return Path(self.swap_dir).expanduser() if self.swap_dir else self.root() / "swap"
 
     def prefix_path(self) -> Path:

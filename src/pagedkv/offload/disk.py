@@ -7,7 +7,7 @@ OSError) removes its temporary file and raises `TierWriteError`; the index is on
 a successful rename, so the tier (and whatever cache uses it) stays consistent.
 
 Size limit: `limit_bytes` counts value bytes. With `evict=True` (the prefix store) the least
-recently used files are deleted to make room; with `evict=False` (the swap tier, whose data must
+recently used files are deleted to make room; with `evict=False` (a store whose data must
 never be dropped) a write beyond the limit raises `TierWriteError` instead. Recency is tracked in
 this process and mirrored in file mtimes (touched on a hit), so another process opening the same
 directory starts from a sensible LRU order. Several processes may share a directory: values are
