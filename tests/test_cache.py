@@ -283,3 +283,18 @@ def test_step_tensors_and_slot_helper_agree():
 
 def test_trace_is_off_by_default():
     assert PagedCache(_cfg()).trace is None
+
+
+def test_slot_check_is_redone_after_rollback():
+    cache = PagedCache(_cfg())
+    a = cache.add_sequence(list(range(6)))
+    k, v = _kv(6)
+    cache.store(0, k, v, a.slot_mapping)  # checked once, remembered for the other layers
+    cache.store(1, k, v, a.slot_mapping)
+    cache.pop(a.seq_id, 2)
+    with pytest.raises(InvalidInput, match="not allocated"):
+        cache.store(1, k, v, a.slot_mapping)  # positions 4, 5 were rolled back
+    cache.store(1, k[:4], v[:4], a.slot_mapping[:4])
+    cache.free(a.seq_id)
+    with pytest.raises(InvalidInput, match="not allocated"):
+        cache.store(0, k[:4], v[:4], a.slot_mapping[:4])

@@ -44,6 +44,7 @@ class BlockPool:
         self.fill = array("i", [0]) * num_blocks  # slots handed out per block (max over holders)
         self.trace: Optional[BlockTrace] = BlockTrace() if trace else None
         self.evictions = 0
+        self.version = 0  # bumped whenever a handed-out slot may stop being valid
 
     # ---- counts ---------------------------------------------------------------------------
     @property
@@ -142,6 +143,7 @@ class BlockPool:
         assert r >= 0, f"release of unreferenced block {block}"
         self._ref[block] = r
         if r == 0:
+            self.version += 1
             self.in_use[block] = 0
             if self._hash[block] is not None:
                 self._cached[block] = None
@@ -205,6 +207,7 @@ class BlockPool:
         self._free = list(range(n - 1, -1, -1))
         self._cached.clear()
         self._index.clear()
+        self.version += 1
         self.in_use[:] = bytes(n)  # in place: views of it stay valid
         for b in range(n):
             self.fill[b] = 0

@@ -329,6 +329,7 @@ class SequenceManager:
             self.pool.release(s.table.pop())
         if keep and self.pool._ref[s.table[-1]] == 1:
             self.pool.fill[s.table[-1]] = new_len - (keep - 1) * self.block_size
+            self.pool.version += 1
         del s.tokens[new_len:]
         s.committed = min(s.committed, new_len)
         if s.first_unknown >= new_len:

@@ -96,6 +96,7 @@ class PagedCache:
         self.pool = BlockPool(self.num_blocks, trace=config.trace)
         self.seqs = SequenceManager(self.pool, config.block_size, config.fingerprint)
         self.layers: tuple[PagedLayer, ...] = storage.build_layers(config)
+        self._checked: tuple = (None, -1, -1)  # (slot tensor, its _version, pool.version)
 
     # ---- sequences ------------------------------------------------------------------------
     def add_sequence(self, tokens: Sequence[int], salt: Salt = None,
@@ -235,6 +236,9 @@ class PagedCache:
                 f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)} "
                 f"{list(getattr(slot_mapping, 'shape', []))}"
             )
+        last, tv, pv = self._checked
+        if last is slot_mapping and tv == slot_mapping._version and pv == self.pool.version:
+            return  # the same, unmodified tensor was checked for an earlier layer of this step
         s = slot_mapping.detach().cpu()
         s = s[s >= 0]
         if not s.numel():
@@ -245,7 +249,7 @@ class PagedCache:
             raise InvalidInput(f"slot {hi} is outside the pool ({self.num_blocks} blocks x {bs})")
         blocks, offs = s // bs, s % bs
         in_use = torch.frombuffer(self.pool.in_use, dtype=torch.uint8)
-        fill = torch.frombuffer(bytearray(self.pool.fill), dtype=torch.int32)
+        fill = torch.frombuffer(self.pool.fill, dtype=torch.int32)  # zero-copy view
         bad = (in_use[blocks] == 0) | (offs >= fill[blocks].long())
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -256,6 +260,7 @@ class PagedCache:
             )
         if torch.unique(s).numel() != s.numel():
             raise InvalidInput("slot_mapping holds the same slot twice")
+        self._checked = (slot_mapping, slot_mapping._version, self.pool.version)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
