@@ -11,16 +11,13 @@ prompts load their prefixes from the store.
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
+import test_cache_stateful as base  # the plain cache's machine: rules, invariants, data banks
 from pagedkv.errors import CacheFull
 from pagedkv.offload import MemoryTier, OffloadConfig, TieredCache
-
-# the plain cache's machine (rules, invariants, data banks) is reused unchanged
-base = pytest.importorskip("test_cache_stateful", reason="tests/test_cache_stateful.py is missing")
 
 
 class TieredMachine(base.CacheMachine):
