@@ -142,7 +142,7 @@ def latent_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: La
     if fused is not None:
         out = api.decode_attention(qs[0], secs[0], block_tables, seq_lens, params, backend=fused,
                                    checks=False)
-        return out[..., : layer.latent_dim].contiguous()
+        return out[..., : layer.latent_dim].to(q_lat.dtype).contiguous()
     qsl = torch.arange(q_lat.shape[0] + 1, dtype=torch.int32, device=q_lat.device)
     return _chunked(q_lat, q_rope, layer, block_tables, seq_lens, qsl, params)
 
@@ -167,7 +167,7 @@ def latent_prefill_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: L
     if fused is not None:
         out = api.prefill_attention(qs[0], secs[0], block_tables, seq_lens, query_start_loc, params,
                                     backend=fused, checks=False)
-        return out[..., : layer.latent_dim].contiguous()
+        return out[..., : layer.latent_dim].to(q_lat.dtype).contiguous()
     return _chunked(q_lat, q_rope, layer, block_tables, seq_lens, query_start_loc, params)
 
 
