@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
-from pagedkv.errors import InvalidInput
+from pagedkv.errors import CacheFull, InvalidInput
 from pagedkv.offload import OffloadConfig, SwapLost, TieredCache, TierWriteError
 from pagedkv.offload.swapfile import SwapFileTier
 from pagedkv.offload.toy import ToyLM
@@ -259,3 +259,37 @@ def test_stale_swap_dirs_of_dead_processes_are_removed(tmp_path):
     assert f"{_HOST}-{dead}-abc" not in left  # its process is gone
     assert f"otherhost-{dead}-abc" in left and f"{_HOST}-{os.getpid()}-live" in left
     tc.close()
+
+
+def _chunked(cache, prompt, chunk=16, steps=6):
+    """Chunked prefill then decode; returns (tokens, last-layer outputs)."""
+    m = ToyLM(cache, seed=4)
+    new = cache.add_sequence(prompt[:chunk])
+    sid = new.seq_id
+    logits, _ = m.forward(prompt[:chunk], [sid], new.slot_mapping, torch.tensor([0, chunk], dtype=torch.int32))
+    cache.commit(sid)
+    for s in range(chunk, len(prompt), chunk):
+        part = prompt[s:s + chunk]
+        slots = cache.allocate(sid, part)
+        logits, _ = m.forward(part, [sid], slots, torch.tensor([0, len(part)], dtype=torch.int32))
+        cache.commit(sid)
+    toks, outs = [int(logits[-1].argmax())], []
+    for _ in range(steps):
+        batch = cache.step([sid], [[toks[-1]]])
+        logits, o = m.forward([toks[-1]], [sid], batch.slot_mapping, None)
+        cache.commit(sid)
+        toks.append(int(logits[-1].argmax()))
+        outs.append(o.clone())
+    return toks, outs
+
+
+def test_capped_context_longer_than_the_pool(tmp_path):
+    prompt = [(3 * i + 1) % 97 for i in range(200)]  # 200 tokens = 25 blocks of 8
+    want_toks, want_outs = _chunked(PagedCache(_cfg("turbo3", num_blocks=40)), prompt)
+    with pytest.raises(CacheFull):
+        _chunked(PagedCache(_cfg("turbo3", num_blocks=8)), prompt)
+    with _tiered(tmp_path, _cfg("turbo3", num_blocks=8), 3) as tc:  # 8 blocks hold 26 in use
+        toks, outs = _chunked(tc, prompt)
+        assert toks == want_toks and all(torch.equal(a, b) for a, b in zip(want_outs, outs))
+        assert tc.pool.num_used <= 5 and len(tc.seqs.table(0)) == 26
+        tc.seqs.check_invariants()
