@@ -246,14 +246,16 @@ def test_failures_raise_before_any_change():
     past_end = torch.tensor([cache.seqs.table(a.seq_id)[2] * 4 + 2])  # position 10: not allocated
     with pytest.raises(InvalidInput, match="not allocated"):
         cache.store(0, k[:1], v[:1], past_end)
+    with pytest.raises(InvalidInput, match="committed prefix block"):
+        cache.store(0, k, v, a.slot_mapping)  # positions 0-7 sit in keyed (shareable) blocks
     with pytest.raises(InvalidInput, match="outside the pool"):
         cache.store(0, k[:1], v[:1], torch.tensor([999]))
     with pytest.raises(InvalidInput, match="twice"):
-        cache.store(0, k[:2], v[:2], a.slot_mapping[:1].repeat(2))
+        cache.store(0, k[:2], v[:2], a.slot_mapping[-1:].repeat(2))
     with pytest.raises(InvalidInput, match="int64"):
         cache.store(0, k[:1], v[:1], a.slot_mapping[:1].int())
     with pytest.raises(InvalidInput):
-        cache.store(0, k[:2], v[:2], a.slot_mapping[:1])  # shape mismatch (ops validation)
+        cache.store(0, k[:2], v[:2], a.slot_mapping[-1:])  # shape mismatch (ops validation)
     assert (cache.tokens(a.seq_id), cache.stats()) == snap
     for layer in range(2):
         got = cache.gather(layer, a.seq_id)

@@ -236,7 +236,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=50, deadline=None,
+    max_examples=80, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCacheStateful = CacheMachine.TestCase

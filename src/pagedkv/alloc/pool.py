@@ -27,8 +27,9 @@ class BlockPool:
     """Hands out block ids `0 .. num_blocks-1` and counts references to them.
 
     in_use: bytearray [num_blocks], 1 where ref > 0; fill: array('i') [num_blocks], how many
-    leading slots of each used block have been handed out (the most any holder has). Cheap
-    mirrors the cache uses to validate slot mappings without walking Python lists.
+    leading slots of each used block have been handed out (the most any holder has); keyed:
+    bytearray [num_blocks], 1 where the block is keyed (its contents are frozen). Cheap mirrors
+    the cache uses to validate slot mappings without walking Python lists.
     """
 
     def __init__(self, num_blocks: int, *, trace: bool = False):
@@ -42,6 +43,7 @@ class BlockPool:
         self._index: dict[bytes, int] = {}
         self.in_use = bytearray(num_blocks)
         self.fill = array("i", [0]) * num_blocks  # slots handed out per block (max over holders)
+        self.keyed = bytearray(num_blocks)  # 1 where the block is in the prefix index (read-only)
         self.trace: Optional[BlockTrace] = BlockTrace() if trace else None
         self.evictions = 0
         self.version = 0  # bumped whenever a handed-out slot may stop being valid
@@ -113,6 +115,7 @@ class BlockPool:
             b, _ = self._cached.popitem(last=False)
             h = self._hash[b]
             self._hash[b] = None
+            self.keyed[b] = 0
             if self._index.get(h) == b:
                 del self._index[h]
             self.evictions += 1
@@ -163,6 +166,8 @@ class BlockPool:
             return False
         assert self._ref[block] > 0, f"register of unreferenced block {block}"
         self._hash[block] = key
+        self.keyed[block] = 1
+        self.version += 1  # its slots are no longer writable
         self._index[key] = block
         if self.trace is not None:
             self.trace.add("cache", block, self._ref[block])
@@ -175,6 +180,7 @@ class BlockPool:
             return
         assert self._ref[block] > 0, f"unregister of unreferenced block {block}"
         self._hash[block] = None
+        self.keyed[block] = 0
         if self._index.get(h) == block:
             del self._index[h]
         if self.trace is not None:
@@ -185,12 +191,14 @@ class BlockPool:
         n = len(self._cached)
         for b in self._cached:
             self._hash[b] = None
+            self.keyed[b] = 0
             self._free.append(b)
             if self.trace is not None:
                 self.trace.add("evict", b, 0)
         self._cached.clear()
         for b in self._index.values():
             self._hash[b] = None
+            self.keyed[b] = 0
         self._index.clear()
         return n
 
@@ -209,5 +217,6 @@ class BlockPool:
         self._index.clear()
         self.version += 1
         self.in_use[:] = bytes(n)  # in place: views of it stay valid
+        self.keyed[:] = bytes(n)
         for b in range(n):
             self.fill[b] = 0

@@ -381,6 +381,7 @@ class SequenceManager:
             where = (b in free) + (b in cached) + (refs[b] > 0)
             assert where == 1, f"block {b} is in {where} places"
             assert pool.in_use[b] == (refs[b] > 0), f"block {b}: in_use mirror"
+            assert pool.keyed[b] == (pool._hash[b] is not None), f"block {b}: keyed mirror"
             if b in free:
                 assert pool._hash[b] is None, f"free block {b} has a key"
             if b in cached:

@@ -258,6 +258,14 @@ class PagedCache:
                 "allocated to any sequence; store only at slots returned by add_sequence, "
                 "allocate or step"
             )
+        keyed = torch.frombuffer(self.pool.keyed, dtype=torch.uint8)[blocks]
+        if bool(keyed.any()):
+            i = int(keyed.nonzero()[0, 0])
+            raise InvalidInput(
+                f"slot {int(s[i])} is in block {int(blocks[i])}, a committed prefix block that "
+                "other sequences may share; its K/V are already stored (store only the tokens "
+                "after NewSequence.hit_tokens)"
+            )
         if torch.unique(s).numel() != s.numel():
             raise InvalidInput("slot_mapping holds the same slot twice")
         self._checked = (slot_mapping, slot_mapping._version, self.pool.version)
