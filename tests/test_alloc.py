@@ -190,3 +190,15 @@ def test_free_puts_tail_blocks_first_in_line_for_eviction():
     d, hit, _ = m.add(list(range(9)))
     assert hit == 4  # the head block survived
     m.check_invariants()
+
+
+def test_token_ids_may_come_as_a_tensor():
+    import torch
+
+    m = _mgr()
+    a, _, slots = m.add(torch.tensor([5, 6, 7]))
+    assert m.tokens(a) == [5, 6, 7] and slots == [0, 1, 2]
+    m.allocate(a, torch.tensor([8]))
+    assert m.tokens(a) == [5, 6, 7, 8]
+    with pytest.raises(ConfigError):
+        m.allocate(a, torch.tensor([1.5]))

@@ -49,7 +49,7 @@ def _check_tokens(tokens, what: str) -> tuple[int, list[int], bool]:
             raise ConfigError(f"{what}: number of new tokens must be >= 0, got {tokens}")
         return tokens, [-1] * tokens, False
     try:
-        toks = list(tokens)
+        toks = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)  # tensor / ndarray
     except TypeError:
         raise ConfigError(
             f"{what}: tokens must be a sequence of int token ids or a count, got "
