@@ -37,3 +37,33 @@ def test_cli_bench_offload_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert [r["tier"] for r in out["results"]] == ["memory", "disk", "swapfile"]
     assert main(["bench", "offload", "--tokens", "4", "--repeats", "1"]) == 2  # ConfigError
+
+
+def test_bench_model_recompute_column(monkeypatch):
+    """--model: dims follow the model config and its prefill time is reported (a stand-in
+    model here; the real one takes a minute to load)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import pagedkv.eval.model as em
+
+    calls = []
+
+    class Fake(torch.nn.Module):
+        config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, head_dim=16,
+                                 hidden_size=32, num_attention_heads=2, vocab_size=100)
+
+        def forward(self, ids, use_cache=False):
+            calls.append(tuple(ids.shape))
+            return ids.float().sum()
+
+    monkeypatch.setattr(em, "resolve_model_source", lambda name: name)
+    monkeypatch.setattr(em, "load_model", lambda src: SimpleNamespace(model=Fake(), label="fake"))
+    res = bench.run_bench(["bf16"], tokens=32, repeats=1, model="embedded")
+    assert (res["layers"], res["kv_heads"], res["head_dim"], res["model"]) == (2, 1, 16, "fake")
+    assert calls == [(1, 32), (1, 32)]  # warm-up + one timed forward over the prefix
+    r = res["results"][0]
+    assert r["recompute_model_us_per_token"] > 0 and r["load_vs_model"] > 0
+    title, cols, rows = bench.table(res)
+    assert "model prefill us/tok" in cols and len(rows[0]) == len(cols)

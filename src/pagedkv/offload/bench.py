@@ -68,6 +68,26 @@ def _shared_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _model_recompute(name: str, tokens: int, repeats: int) -> tuple[dict, float, str]:
+    """(dims, median seconds of a forward over `tokens` token ids, label) for a model.
+
+    Imports the eval layer lazily (only this optional measurement needs transformers)."""
+    from ..eval.model import load_model, resolve_model_source
+
+    lm = load_model(resolve_model_source(None if name == "embedded" else name))
+    c = lm.model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    dims = {"layers": c.num_hidden_layers, "heads": c.num_key_value_heads, "head_dim": head_dim}
+    ids = torch.randint(0, min(int(c.vocab_size), 30000), (1, tokens),
+                        generator=torch.Generator().manual_seed(0))
+
+    def fwd():
+        with torch.no_grad():
+            lm.model(ids, use_cache=False)
+
+    return dims, _median(fwd, repeats), lm.label
+
+
 def _median(fn: Callable[[], None], repeats: int) -> float:
     """Median seconds of `repeats` timed calls after one untimed warm-up call."""
     fn()
