@@ -34,7 +34,7 @@ _RAW = [(torch.randn(BANK, h, d, generator=_gen).bfloat16().float(),
 def _config(num_blocks: int = 20) -> CacheConfig:
     return CacheConfig(num_layers=2, num_kv_heads=1, head_dim=16, layer_dims=DIMS,
                        kv_format=FORMATS, high_precision_layers=0, block_size=BS,
-                       num_blocks=num_blocks)
+                       num_blocks=num_blocks, trace=True)
 
 
 def _expected_banks(cfg: CacheConfig):
@@ -221,6 +221,10 @@ class CacheMachine(RuleBasedStateMachine):
         st_ = c.stats()
         assert (st_.blocks_free, st_.blocks_cached, st_.blocks_used) == (len(free), len(cached), len(used))
         c.seqs.check_invariants()
+        last = {}
+        for e in c.trace:  # the trace's last word on each block is its current ref count
+            last[e.block] = e.ref
+        assert all(last.get(b, 0) == pool.ref_count(b) for b in range(pool.num_blocks))
 
     @invariant()
     def contents(self):
