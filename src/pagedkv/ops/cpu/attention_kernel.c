@@ -84,7 +84,22 @@ typedef struct {
     const uint8_t **data;    /* [nt] block base + (j % BS) * H * row_data_bytes */
     const uint8_t **sraw;    /* [nt] block base + scale_offset + (j % BS) * H * row_scale_bytes */
     float *scl;              /* [nt][H * nc] decoded scales, one per 16-element chunk */
+    const uint8_t **pf_data; /* the next chunk's rows, prefetched one row per row processed */
+    const uint8_t **pf_sraw;
+    int pf_nt;
 } pkv_rows;
+
+/* While row i of kv head h is processed, fetch row i of the next chunk (same head) and its scales:
+   random block order defeats the hardware prefetchers, and bursts of software prefetches at
+   chunk starts overflow the miss buffers; one row per row keeps the stream steady. */
+static inline void prefetch_next(const pkv_rows *rw, int i, int64_t hoff, int rdb) {
+    if (i < rw->pf_nt) {
+        const uint8_t *d = rw->pf_data[i] + hoff;
+        __builtin_prefetch(d, 0, 3);
+        __builtin_prefetch(d + rdb - 1, 0, 3);
+        __builtin_prefetch(rw->pf_sraw[i], 0, 3);
+    }
+}
 
 int pkv_abi_version(void) { return PKV_ABI_VERSION; }
 
@@ -267,6 +282,7 @@ PKV_INLINE void decode_rows_t(const int kind, const int bits, const pkv_side *sd
     const int nc = D >> 4;
     const int64_t hoff = (int64_t)h * sd->row_data_bytes;
     for (int i = 0; i < nt; i++) {
+        prefetch_next(rw, i, hoff, sd->row_data_bytes);
         if (need && !need[i]) continue;
         const uint8_t *drow = rw->data[i] + hoff;
         float *out = dst + (int64_t)i * D;
@@ -362,6 +378,7 @@ PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd,
                                    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                                    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     for (int i = 0; i < nt; i++) {
+        prefetch_next(rw, i, hoff, sd->row_data_bytes);
         const uint8_t *drow = rw->data[i] + hoff;
         const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc : ones;
         int c0 = 0;
@@ -422,6 +439,7 @@ PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_s
             for (int z = 0; z < 4; z++) acc[m][z] = _mm512_mul_ps(_mm512_load_ps(st_acc + (int64_t)m * D + 16 * (c0 + z)), al);
         }
         for (int i = 0; i < nt; i++) {
+            if (c0 == 0) prefetch_next(rw, i, hoff, sd->row_data_bytes);
             if (need && !need[i]) continue;
             const uint8_t *drow = rw->data[i] + hoff;
             __m512 v[4];
@@ -526,6 +544,7 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
                        pkv_scratch *sc, float *st_m, float *st_l, float *st_acc, int64_t *nv, int64_t *nskip) {
     const int D = a->head_dim, H = a->num_kv_heads;
     const int nt = jhi - jlo;
+    (void)H;
     const int ng = (nt + 15) >> 4, BSP = ng * 16;
     const int W = a->window;
     float *rows = sc->rows, *S = sc->s;
@@ -730,6 +749,27 @@ static void *xalloc(size_t bytes) {
     return p;
 }
 
+/* Row pointers of the chunk of logical blocks [lb, min(lb + NB, blk1)) of one sequence, limited to
+   visible positions [jmin, jmax]; returns its token count (0 if none), positions in [*jlo, *jhi). */
+static int fill_chunk(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, const int32_t *bt, int lb,
+                      int blk1, int NB, int jmin, int jmax, int *jlo, int *jhi, pkv_rows *kr, pkv_rows *vr) {
+    const int BS = a->block_size, H = a->num_kv_heads;
+    const int lb1 = imin(lb + NB, blk1);
+    *jlo = imax(lb * BS, jmin);
+    *jhi = imin(lb1 * BS, jmax + 1);
+    const int nt = *jhi - *jlo;
+    for (int i = 0; i < nt; i++) {
+        const int j = *jlo + i, pb = bt[j / BS], off = j % BS;
+        const uint8_t *kb = ks->pool + (int64_t)pb * ks->block_stride;
+        const uint8_t *vb = vs->pool + (int64_t)pb * vs->block_stride;
+        kr->data[i] = kb + (int64_t)off * H * ks->row_data_bytes;
+        kr->sraw[i] = kb + ks->scale_offset + (int64_t)off * H * ks->row_scale_bytes;
+        vr->data[i] = vb + (int64_t)off * H * vs->row_data_bytes;
+        vr->sraw[i] = vb + vs->scale_offset + (int64_t)off * H * vs->row_scale_bytes;
+    }
+    return nt > 0 ? nt : 0;
+}
+
 /* Run one task; writes [hpt*M] partial rows (m, l, acc[D]) at part_out. Returns 0 or -1 (OOM). */
 static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, const pkv_task *t,
                     float *part_out, int64_t *nv, int64_t *nskip) {
@@ -741,11 +781,19 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     const int NB = BS >= 64 ? 1 : 64 / BS;     /* blocks per chunk: ~64 tokens share one pass */
     const int CH = NB * BS, BSP = (CH + 15) & ~15, nc = D / 16 > 0 ? D / 16 : 1;
     pkv_scratch sc;
-    pkv_rows kr, vr;
-    kr.data = malloc(sizeof(void *) * CH); kr.sraw = malloc(sizeof(void *) * CH);
-    vr.data = malloc(sizeof(void *) * CH); vr.sraw = malloc(sizeof(void *) * CH);
-    kr.scl = xalloc(sizeof(float) * (size_t)CH * H * nc);
-    vr.scl = xalloc(sizeof(float) * (size_t)CH * H * nc);
+    pkv_rows krs[2], vrs[2];  /* rows of the current and of the next chunk (ping-pong) */
+    int rows_ok = 1;
+    for (int z = 0; z < 2; z++) {
+        pkv_rows *r2[2] = {&krs[z], &vrs[z]};
+        for (int y = 0; y < 2; y++) {
+            r2[y]->data = malloc(sizeof(void *) * CH);
+            r2[y]->sraw = malloc(sizeof(void *) * CH);
+            r2[y]->scl = xalloc(sizeof(float) * (size_t)CH * H * nc);
+            r2[y]->pf_data = r2[y]->pf_sraw = NULL;
+            r2[y]->pf_nt = 0;
+            rows_ok &= r2[y]->data && r2[y]->sraw && r2[y]->scl;
+        }
+    }
     sc.q = xalloc(sizeof(float) * (size_t)hpt * M * D);
     sc.bias = xalloc(sizeof(float) * (size_t)hpt * M);
     sc.pos = xalloc(sizeof(int32_t) * (size_t)M);
@@ -759,7 +807,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     float *st_acc = xalloc(sizeof(float) * (size_t)hpt * M * D);
     int rc = 0;
     if (!sc.q || !sc.bias || !sc.pos || !sc.rows || !sc.kt || !sc.s || !sc.need || !st_m || !st_l ||
-        !st_acc || (a->sinks && !sinkv) || !kr.data || !kr.sraw || !vr.data || !vr.sraw || !kr.scl || !vr.scl) {
+        !st_acc || (a->sinks && !sinkv) || !rows_ok) {
         rc = -1;
         goto done;
     }
@@ -786,52 +834,37 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     lut_ctx_init(&vlc, vs);
 #endif
     const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
-    const int64_t kbytes = ks->scale_offset + (int64_t)BS * H * ks->row_scale_bytes;
-    const int64_t vbytes = vs->scale_offset + (int64_t)BS * H * vs->row_scale_bytes;
 #ifdef PKV_AVX512
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);  /* DAZ and FTZ off: the E4M3 bit trick needs denormal inputs */
 #endif
+    int cur = 0, jlo = 0, jhi = 0;
+    int nt = fill_chunk(a, ks, vs, bt, t->blk0, t->blk1, NB, jmin, jmax, &jlo, &jhi, &krs[0], &vrs[0]);
     for (int lb = t->blk0; lb < t->blk1; lb += NB) {
-        const int lb1 = imin(lb + NB, t->blk1);
-        int jlo = imax(lb * BS, jmin), jhi = imin(lb1 * BS, jmax + 1);
-        if (jlo >= jhi) continue;
-        /* software prefetch of the next chunk's blocks (random block order defeats the hardware
-           prefetchers; without this the kernel is twice as slow): K now, V after the first head */
-        const int pf0 = lb1, pf1 = imin(lb1 + NB, t->blk1);
-        for (int nb = pf0; nb < pf1; nb++) {
-            const char *nk = (const char *)ks->pool + (int64_t)bt[nb] * ks->block_stride;
-            for (int64_t o = 0; o < kbytes; o += 64) __builtin_prefetch(nk + o, 0, 3);
-        }
-        const int nt = jhi - jlo;
-        for (int i = 0; i < nt; i++) {
-            const int j = jlo + i, pb = bt[j / BS], off = j % BS;
-            const uint8_t *kb = ks->pool + (int64_t)pb * ks->block_stride;
-            const uint8_t *vb = vs->pool + (int64_t)pb * vs->block_stride;
-            kr.data[i] = kb + (int64_t)off * H * ks->row_data_bytes;
-            kr.sraw[i] = kb + ks->scale_offset + (int64_t)off * H * ks->row_scale_bytes;
-            vr.data[i] = vb + (int64_t)off * H * vs->row_data_bytes;
-            vr.sraw[i] = vb + vs->scale_offset + (int64_t)off * H * vs->row_scale_bytes;
-        }
+        int jlo2 = 0, jhi2 = 0;
+        int nt2 = lb + NB < t->blk1
+                      ? fill_chunk(a, ks, vs, bt, lb + NB, t->blk1, NB, jmin, jmax, &jlo2, &jhi2, &krs[cur ^ 1], &vrs[cur ^ 1])
+                      : 0;
+        pkv_rows *kr = &krs[cur], *vr = &vrs[cur];
+        kr->pf_data = krs[cur ^ 1].data; kr->pf_sraw = krs[cur ^ 1].sraw; kr->pf_nt = nt2;
+        vr->pf_data = vrs[cur ^ 1].data; vr->pf_sraw = vrs[cur ^ 1].sraw; vr->pf_nt = nt2;
+        if (nt > 0) {
 #ifdef PKV_AVX512
-        decode_scales(ks, &kr, nt, H, D);
-        decode_scales(vs, &vr, nt, H, D);
+            decode_scales(ks, kr, nt, H, D);
+            decode_scales(vs, vr, nt, H, D);
 #endif
-        for (int hh = 0; hh < hpt; hh++) {
-            int h = t->hg * hpt + hh;
-            chunk_head(a, ks, vs,
+            for (int hh = 0; hh < hpt; hh++) {
+                int h = t->hg * hpt + hh;
+                chunk_head(a, ks, vs,
 #ifdef PKV_AVX512
-                       &klc, &vlc,
+                           &klc, &vlc,
 #endif
-                       &kr, &vr, h, jlo, jhi, M, sc.q + (size_t)hh * M * D,
-                       a->bias ? sc.bias + hh * M : NULL, sinkv ? sinkv + hh * M : NULL, sc.pos, &sc,
-                       st_m + hh * M, st_l + hh * M, st_acc + (size_t)hh * M * D, nv, nskip);
-            if (hh == 0)
-                for (int nb = pf0; nb < pf1; nb++) {
-                    const char *nv2 = (const char *)vs->pool + (int64_t)bt[nb] * vs->block_stride;
-                    for (int64_t o = 0; o < vbytes; o += 64) __builtin_prefetch(nv2 + o, 0, 3);
-                }
+                           kr, vr, h, jlo, jhi, M, sc.q + (size_t)hh * M * D,
+                           a->bias ? sc.bias + hh * M : NULL, sinkv ? sinkv + hh * M : NULL, sc.pos, &sc,
+                           st_m + hh * M, st_l + hh * M, st_acc + (size_t)hh * M * D, nv, nskip);
+            }
         }
+        nt = nt2; jlo = jlo2; jhi = jhi2; cur ^= 1;
     }
 #ifdef PKV_AVX512
     _mm_setcsr(csr);
@@ -845,7 +878,10 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
 done:
     free(sc.q); free(sc.bias); free(sc.pos); free(sc.rows); free(sc.kt); free(sc.s); free(sc.need);
     free(sinkv); free(st_m); free(st_l); free(st_acc);
-    free(kr.data); free(kr.sraw); free(vr.data); free(vr.sraw); free(kr.scl); free(vr.scl);
+    for (int z = 0; z < 2; z++) {
+        free(krs[z].data); free(krs[z].sraw); free(krs[z].scl);
+        free(vrs[z].data); free(vrs[z].sraw); free(vrs[z].scl);
+    }
     return rc;
 }
 
