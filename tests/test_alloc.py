@@ -202,3 +202,16 @@ def test_token_ids_may_come_as_a_tensor():
     assert m.tokens(a) == [5, 6, 7, 8]
     with pytest.raises(ConfigError):
         m.allocate(a, torch.tensor([1.5]))
+
+
+def test_batch_needs_exactly_the_copies_it_makes():
+    m = _mgr(n=4)
+    a, _, _ = m.add([1, 2, 3, 4, 5, 6])  # 2 blocks, the second partly filled
+    m.commit(a)
+    b = m.fork(a)
+    c = m.fork(a)  # the partial block has 3 holders
+    assert m.pool.num_available == 2
+    _, copies = m.allocate_batch([a, b, c], [[7], [8], [9]])  # 2 copies, the last in place
+    assert len(copies) == 2 and m.pool.num_available == 0
+    assert len({m.table(x)[1] for x in (a, b, c)}) == 3
+    m.check_invariants()

@@ -187,15 +187,27 @@ class SequenceManager:
         self.prefix_hit_tokens += hit_tokens
         return seq_id, hit_tokens, self._slots(s, hit_tokens, n - hit_tokens)
 
-    def _need(self, s: _Seq, n: int) -> int:
-        """Blocks an append of n tokens takes (new blocks + a copy of a shared last block)."""
+    def _need(self, s: _Seq, n: int, shared: Optional[dict] = None) -> int:
+        """Blocks an append of n tokens takes (new blocks + a copy of a shared last block).
+
+        shared: in a batch, counts writers per shared last block: once all but one holder
+        copied it, the last writes in place (so copies = min(writers, ref - 1))."""
         if n == 0:
             return 0
         bs = self.block_size
         L = len(s.tokens)
         need = -(-(L + n) // bs) - len(s.table)
-        if L % bs and self.pool._ref[s.table[-1]] > 1:
-            need += 1
+        if L % bs:
+            last = s.table[-1]
+            r = self.pool._ref[last]
+            if r > 1:
+                if shared is None:
+                    need += 1
+                else:
+                    c = shared.get(last, 0)
+                    if c < r - 1:
+                        need += 1
+                    shared[last] = c + 1
         return need
 
     def _append(self, s: _Seq, n: int, toks: list[int], known: bool,
@@ -266,8 +278,9 @@ class SequenceManager:
         seqs = [self._get(i) for i in seq_ids]
         parsed = [_check_tokens(t, "allocate_batch") for t in tokens]
         need = 0
+        shared: dict[int, int] = {}
         for s, (n, _, _) in zip(seqs, parsed):
-            need += self._need(s, n)
+            need += self._need(s, n, shared)
         if need > self.pool.num_available:
             raise CacheFull(
                 f"allocate_batch of {sum(p[0] for p in parsed)} tokens over {len(seqs)} "
