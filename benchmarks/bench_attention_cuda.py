@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int)
     ap.add_argument("--context", type=int)
     ap.add_argument("--formats", help="comma-separated codec names")
-    ap.add_argument("--precisions", help="comma-separated: ieee,tf32,bf16")
+    ap.add_argument("--precisions", help="comma-separated: fp32,tf32,bf16")
     ap.add_argument("--json", help="also write the result as JSON to this path")
     args = ap.parse_args(argv)
     if args.dry_run:

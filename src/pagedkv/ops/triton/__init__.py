@@ -47,13 +47,14 @@ def interpreting() -> bool:
     return type(_decode_kernel).__name__ == "InterpretedFunction"
 
 
-def make_backend(precision: str = "ieee", *, name: str = "triton", priority: int = 100,
+def make_backend(precision: str = "fp32", *, name: str = "triton", priority: int = 100,
                  device_types: tuple = ("cuda",)) -> Backend:
     """A Backend running these kernels with the given matmul operand precision.
 
-    precision: "ieee" (exact fp32 products; the registered default, matches the reference to
-    fp32 rounding), "tf32" or "bf16" (tensor cores, as FlashAttention does; fp32 accumulation
-    either way, several times faster for prefill). Register it to make it the CUDA default:
+    precision: "fp32" (fp32-accurate products: exact FMAs in decode, 3xTF32 tensor-core
+    products in prefill; the registered default, matches the reference to fp32 rounding),
+    "tf32" or "bf16" (operands rounded, tensor cores, as FlashAttention does; fp32
+    accumulation either way). Register it to make it the CUDA default:
     `register_backend(make_backend("bf16"))` (same name: replaces the default one).
     """
     from functools import partial

@@ -40,7 +40,7 @@ PEAK_BANDWIDTH = (
 @dataclass(frozen=True)
 class BenchConfig:
     """What to run. formats: KV format names (`turbo3`, `fp8k_turbo3v`, ...). precisions: matmul operand
-    precision of our kernels ("ieee" exact fp32, "tf32", "bf16"; fp32 accumulation always)."""
+    precision of our kernels ("fp32" accurate, "tf32", "bf16"; fp32 accumulation always)."""
 
     batch: int = 32
     context: int = 32768
@@ -49,11 +49,11 @@ class BenchConfig:
     head_dim: int = 128
     block_size: int = 16
     formats: tuple = ("bf16", "fp8", "turbo8", "q8_0", "turbo4", "turbo3", "turbo2", "fp8k_turbo3v")
-    precisions: tuple = ("ieee", "bf16")
+    precisions: tuple = ("fp32", "bf16")
     prefill_batch: int = 4
     prefill_chunk: int = 2048
     decode_block_n: Optional[int] = None  # None: the launcher's choice per precision
-    prefill_block_m: int = 64
+    prefill_block_m: int = 32
     prefill_block_n: int = 32
     seed: int = 0
     dry_run: bool = False
@@ -62,7 +62,7 @@ class BenchConfig:
     def tiny() -> "BenchConfig":
         """The dry-run shapes: seconds on a CPU under the interpreter."""
         return BenchConfig(batch=2, context=48, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                           formats=("bf16", "turbo3"), precisions=("ieee",), prefill_batch=1,
+                           formats=("bf16", "turbo3"), precisions=("fp32",), prefill_batch=1,
                            prefill_chunk=16, dry_run=True)
 
     def check(self) -> None:

@@ -106,7 +106,9 @@ def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
 @triton.jit
 def dot(a, b, DOT: tl.constexpr):
     """fp32 a [M, K] @ fp32 b [K, N] with an fp32 accumulator. DOT picks the operand precision:
-    "ieee" (exact fp32 products, CUDA cores), "tf32" or "bf16" (operands rounded, tensor cores);
+    "ieee" (exact fp32 products on CUDA cores: register-hungry for big tiles), "tf32x3"
+    (fp32-accurate products from three TF32 tensor-core products), "tf32" or "bf16" (operands
+    rounded, tensor cores);
     "bf16-emulated": bf16-rounded operands multiplied in fp32 (the interpreter's dot treats bf16
     storage as integers, so the launchers use this there)."""
     if DOT == "bf16":

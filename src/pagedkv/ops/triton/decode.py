@@ -183,16 +183,18 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, lens_ptr, out_ptr, gm_ptr, 
         tl.store(out_ptr + row * D + offs_d, out, mask=d_ok)
 
 
-PRECISIONS = ("ieee", "tf32", "bf16")
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 def check_precision(precision: str) -> str:
-    """Validate a precision name; returns the DOT constexpr for the kernels."""
+    """Validate a precision name; returns the DOT constexpr of the tl.dot calls (common.dot):
+    fp32 -> "tf32x3" (fp32-accurate products on tensor cores; exact "ieee" FMA dots of big tiles
+    spill registers), bf16 -> "bf16-emulated" under the interpreter (see common.dot)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "bf16" and type(_decode_kernel).__name__ == "InterpretedFunction":
         return "bf16-emulated"
-    return precision
+    return "tf32x3" if precision == "fp32" else precision
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,12 +237,12 @@ def side_args(layer: PagedLayer, device: torch.device):
 
 def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, params: AttentionParams, *, block_n: int | None = None,
-                     num_splits: int | None = None, precision: str = "ieee") -> torch.Tensor:
+                     num_splits: int | None = None, precision: str = "fp32") -> torch.Tensor:
     """Triton twin of `pagedkv.ops.reference.decode_attention`: q [B, Hq, D] -> [B, Hq, D] (q's dtype).
 
     block_n: tokens per tile (None: sized so the fp32 [G, block_n, D] product tile stays in
-    registers with exact "ieee" products, 32 with tensor cores); num_splits: context partitions per sequence (None: from the
-    device's SM count); precision: operands of the two matmuls, "ieee" (exact fp32, the
+    registers with exact fp32 products, 32 with tensor cores); num_splits: context partitions per sequence (None: from the
+    device's SM count); precision: operands of the two matmuls, "fp32" (exact fp32 FMAs, the
     default), "tf32" or "bf16" (tensor cores); accumulation is fp32 in every case.
     Inputs are already validated by `pagedkv.ops.api`.
     """
@@ -257,7 +259,7 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     max_ctx = block_tables.shape[1] * layer.block_size
     if params.sliding_window is not None:
         max_ctx = min(max_ctx, params.sliding_window)
-    fma = dot_kind == "ieee"  # exact fp32 products without padding the GQA group to 16 rows
+    fma = precision == "fp32"  # exact fp32 FMAs on the real GQA rows (no padding to 16 rows)
     block_g = triton.next_power_of_2(g) if fma else max(16, triton.next_power_of_2(g))
     block_d = max(16, triton.next_power_of_2(d))
     if block_n is None:

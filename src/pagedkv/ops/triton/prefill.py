@@ -159,7 +159,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
 def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       params: AttentionParams, *, block_m: int = 32, block_n: int = 32,
-                      precision: str = "ieee") -> torch.Tensor:
+                      precision: str = "fp32") -> torch.Tensor:
     """Triton twin of `pagedkv.ops.reference.prefill_attention`: q [Tq, Hq, D] -> [Tq, Hq, D].
 
     block_m: rows (query tokens x heads of a group) per tile; block_n: keys per tile;
@@ -195,7 +195,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
         HAS_SINKS=params.sinks is not None, SPARSE=params.sparse_v_threshold > 0,
         SEARCH_STEPS=max(1, bsz.bit_length()), DOT=dot_kind, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_D=block_d, **consts, num_warps=8 if block_m * block_d >= 8192 else 4,
+        BLOCK_D=block_d, **consts, num_warps=8 if block_m * block_d >= 4096 else 4,
     )
     if layer.v_codec.rotated:
         out = wht.unrotate(out)

@@ -91,7 +91,7 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
     if ROTATED:  # y = x @ R^T, R [D, D] (rotate(x) = R x)
         r = tl.load(rot_ptr + offs_d[None, :] * D + offs_d[:, None],
                     mask=d_ok[None, :] & d_ok[:, None], other=0.0)  # r[j, i] = R[i, j]
-        x = tl.dot(x, r, input_precision="ieee")
+        x = tl.dot(x, r, input_precision="tf32x3")  # fp32-accurate, tensor cores (ieee spills)
 
     slot64 = tl.where(keep, slot, 0).to(tl.int64)
     blk = slot64 // BS
@@ -228,6 +228,7 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
         N_MIDS=max(spec.levels - 1, 0) if spec.encode == ENC_TABLE else 0,
         MAX_LEVEL=tabs.max_level, SEARCH_LO=SEARCH_LO, SEARCH_N=SEARCH_N,
         BLOCK_T=block_t, BLOCK_D=block_d, enable_fp_fusion=False, **prologue,
+        num_warps=8 if spec.encode == ENC_TABLE else 4,  # the scale search's 3D tiles spill at 4
     )
 
 
