@@ -28,7 +28,12 @@ class ScaleType(enum.Enum):
 
     @property
     def bytes_per_group(self) -> int:
-        return {"none": 0, "tensor-fp32": 0, "fp8-e4m3": 1, "bf16": 2, "fp16": 2}[self.value]
+        return _SCALE_BYTES[self]
+
+
+_SCALE_BYTES = {
+    ScaleType.NONE: 0, ScaleType.TENSOR_FP32: 0, ScaleType.FP8_E4M3: 1, ScaleType.BF16: 2, ScaleType.FP16: 2,
+}
 
 
 class ValueKind(enum.Enum):
