@@ -13,7 +13,8 @@ from pagedkv.codecs import get_codec
 from pagedkv.ops import make_layer, store
 from pagedkv.offload.record import (BlockLayout, RecordError, decode_record, decode_section,
                                     encode_record, header_bytes, parse_header, read_block,
-                                    record_size, section_span, try_decode_record, write_block)
+                                    record_size, section_span, section_views, try_decode_record,
+                                    write_block)
 
 
 def _layers(formats=(("turbo3", "turbo3"), ("bf16", "q4_0"), ("fp8", "turbo8")), nb=4, bs=8,
@@ -43,10 +44,18 @@ def test_round_trip_and_write_back(layers):
     assert decode_record(rec, layout, key) == sections
     head = parse_header(rec)
     assert head.key == key and head.layout == layout and head.header_len == len(header_bytes(layout, key))
-    # per-layer sections read alone verify too
-    for i in range(len(layers)):
+    # per-layer sections read alone verify too (and the copy-free hot path agrees)
+    hd = header_bytes(layout, key)[-16:]
+    for i, lay in enumerate(layout.layers):
         off, n = section_span(layout, key, i)
         assert decode_section(rec[off:off + n], layout, key, i) == sections[i]
+        k, v = section_views(rec[off:off + n], hd, i, lay.k_bytes, lay.v_bytes)
+        assert (bytes(k), bytes(v)) == sections[i]
+        bad = bytearray(rec[off:off + n])
+        bad[n // 2] ^= 4
+        assert section_views(bytes(bad), hd, i, lay.k_bytes, lay.v_bytes) is None
+        assert section_views(rec[off:off + n - 1], hd, i, lay.k_bytes, lay.v_bytes) is None
+        assert section_views(rec[off:off + n], hd, (i + 1) % 3, lay.k_bytes, lay.v_bytes) is None
     # writing the bytes into another block reproduces it exactly, in every layer and side
     write_block(layers, 0, sections)
     for pl in layers:

@@ -156,6 +156,20 @@ def _section_digest(head_digest: bytes, index: int, k, v) -> bytes:
     return struct.pack("<I", zlib.crc32(v, crc))
 
 
+def section_views(buf: Optional[bytes], head_digest: bytes, index: int, k_bytes: int,
+                  v_bytes: int) -> Optional[tuple[memoryview, memoryview]]:
+    """Hot path of the swap read-back: (K, V) memoryviews into `buf` (one layer's section) if
+    its length and check are right, else None. Same check as `decode_section`, without copies."""
+    if buf is None or len(buf) != k_bytes + v_bytes + CHECK:
+        return None
+    mv = memoryview(buf)
+    n = k_bytes + v_bytes
+    crc = zlib.crc32(mv[:n], zlib.crc32(head_digest + struct.pack("<H", index)))
+    if crc != int.from_bytes(mv[n:], "little"):
+        return None
+    return mv[:k_bytes], mv[k_bytes:n]
+
+
 def section_span(layout: BlockLayout, key: bytes, index: int) -> tuple[int, int]:
     """(offset, length) of layer `index`'s section (K, V, digest) inside the record."""
     off = len(header_bytes(layout, key))

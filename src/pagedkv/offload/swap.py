@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..ops.batch import PagedLayer
-from .record import (BlockLayout, RecordError, decode_record, decode_section, encode_record,
-                     header_bytes, read_block, section_offsets)
+from .record import (BlockLayout, RecordError, decode_record, encode_record, header_bytes,
+                     read_block, section_offsets, section_views)
 from .tiers import SwapLost, Tier
 
 Sections = list[tuple[bytes, bytes]]
@@ -124,26 +124,29 @@ class SwapSpace:
         return out
 
     def _fetch(self, layout: BlockLayout, layer: int, keys: tuple[str, ...]
-               ) -> list[Optional[tuple[bytes, bytes]]]:
+               ) -> list[Optional[tuple[memoryview, memoryview]]]:
         t0 = time.perf_counter()
-        out: list[Optional[tuple[bytes, bytes]]] = []
+        out: list[Optional[tuple[memoryview, memoryview]]] = []
         nbytes = 0
         lay_of, offsets = self._offsets
         if lay_of is not layout:
             offsets = section_offsets(layout)
             self._offsets = (layout, offsets)
-        length = layout.layers[layer].section_bytes
-        for key in keys:
-            head = self._heads.get(key)
-            if head is None:  # released meanwhile (a stale prefetch)
-                out.append(None)
-                continue
-            raw = self.tier.get_range(key, head[0] + offsets[layer], length)
-            try:
-                out.append(decode_section(raw, layout, b"", layer, head[1]))
-                nbytes += length
-            except RecordError:
-                out.append(None)
+        lay = layout.layers[layer]
+        length = lay.section_bytes
+        heads = [self._heads.get(key) for key in keys]  # None: released meanwhile (stale prefetch)
+        starts = [h[0] + offsets[layer] if h is not None else 0 for h in heads]
+        read_ranges = getattr(self.tier, "read_ranges", None)
+        if read_ranges is not None:
+            raws = read_ranges(list(keys), starts, length)
+        else:
+            raws = [self.tier.get_range(k, st, length) if h is not None else None
+                    for k, st, h in zip(keys, starts, heads)]
+        for raw, head in zip(raws, heads):
+            item = None if head is None else section_views(raw, head[1], layer, lay.k_bytes,
+                                                           lay.v_bytes)
+            out.append(item)
+            nbytes += length if item is not None else 0
         self.stats.read_s += time.perf_counter() - t0
         self.stats.sections_read += len(keys)
         self.stats.bytes_read += nbytes

@@ -79,6 +79,31 @@ class SwapFileTier(Tier):
     def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
         return self._read(key, start, length)
 
+    def read_ranges(self, keys: list[str], starts: list[int], length: int
+                    ) -> list[Optional[bytes]]:
+        """`get_range(key, start, length)` for many keys at once (the swap read-back of one
+        layer): one lookup pass, then one pread each, counted once."""
+        with self._lock:
+            where = [self._slots.get(k) for k in keys]
+            fd, slot_bytes = self._fd, self.slot_bytes
+        out: list[Optional[bytes]] = []
+        for w, start in zip(where, starts):
+            if w is None or fd < 0 or start + length > w[1]:
+                out.append(None)
+                continue
+            try:
+                out.append(os.pread(fd, length, w[0] * slot_bytes + start))
+            except OSError as exc:
+                self._warn_once("read", f"read failed ({exc}); treated as a miss")
+                out.append(None)
+        with self._lock:
+            hits = sum(v is not None and len(v) == length for v in out)
+            self.stats.gets += len(out)
+            self.stats.hits += hits
+            self.stats.misses += len(out) - hits
+            self.stats.bytes_read += hits * length
+        return out
+
     # ---- writes -----------------------------------------------------------------------------
     def _take_slot(self, size: int) -> int:
         with self._lock:
