@@ -95,45 +95,71 @@ def _qdq(x: torch.Tensor, codec) -> torch.Tensor:
 
 
 class _QDQLayer(transformers.cache_utils.DynamicLayer):
-    """Dense oracle: keys (k - centre) and values round-tripped through the codecs."""
+    """Dense oracle: keys and values round-tripped through the codecs, with the paged layer's own
+    key centre c and channel multipliers m: k -> (decode(encode(k*m - c*m)) + c*m) / m."""
 
-    def __init__(self, fmt, centring):
+    def __init__(self, fmt, paged_layer):
         super().__init__()
-        self.fmt, self.centring, self.centre = fmt, centring, None
+        self.fmt, self.paged_layer = fmt, paged_layer
 
     def update(self, k, v, *args, **kwargs):
-        if self.centre is None:
-            self.centre = k.float().mean(dim=(0, 2))[None, :, None, :] if self.centring else torch.zeros(1)
-        kq = _qdq((k.float() - self.centre).transpose(1, 2), self.fmt.k).transpose(1, 2) + self.centre
+        pl = self.paged_layer
+        m = pl.k_mult if pl.k_mult is not None else torch.ones(k.shape[1], k.shape[-1])
+        cm = pl.paged.k_centre if pl.paged.k_centre is not None else torch.zeros_like(m)
+        m4, cm4 = m[None, :, None, :], cm[None, :, None, :]
+        kq = (_qdq((k.float() * m4 - cm4).transpose(1, 2), self.fmt.k).transpose(1, 2) + cm4) / m4
         vq = _qdq(v.float().transpose(1, 2), self.fmt.v).transpose(1, 2)
         return super().update(kq.to(k.dtype), vq.to(v.dtype))
 
 
-@pytest.mark.parametrize("family,fmt,centring", [
-    ("llama", "turbo3", True), ("llama", "q4_0", False), ("qwen3", "turbo4", True),
-    ("gemma2", "turbo2", True), ("gemma3", "bf16k_turbo3v", False), ("mistral", "q8_0", True),
+@pytest.mark.parametrize("family,fmt,centring,scaling", [
+    ("llama", "turbo3", True, True), ("llama", "q4_0", False, False), ("qwen3", "turbo4", True, False),
+    ("gemma2", "turbo2", True, True), ("gemma3", "bf16k_turbo3v", False, False),
+    ("mistral", "q8_0", True, True),
 ])
-def test_compressed_cache_equals_dense_attention_on_decoded_kv(family, fmt, centring):
+def test_compressed_cache_equals_dense_attention_on_decoded_kv(family, fmt, centring, scaling):
     from pagedkv.formats import parse_format
 
     kvf = parse_format(fmt)
     model = _model(family)
     ids = _ids(20, seed=2)
-    oracle_cache = DynamicCache()
-    oracle_cache.layers = [_QDQLayer(kvf, centring) for _ in range(model.config.num_hidden_layers)]
-    oracle_cache.layer_class_to_replicate = None
-    # the oracle stores decoded K/V densely: prefill 12 tokens, then decode 8 one by one
-    ref = torch.cat([_logits(model, ids[:, :12], oracle_cache)] +
-                    [_logits(model, ids[:, t:t + 1], oracle_cache) for t in range(12, 20)], dim=1)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    cache = PagedKVCache(model, fmt, high_precision_layers=0, key_centring=centring, block_size=8)
+    cache = PagedKVCache(model, fmt, high_precision_layers=0, key_centring=centring,
+                         key_scaling=scaling, block_size=8)
+    # prefill 12 tokens, then decode 8 one by one
     out = torch.cat([_logits(model, ids[:, :12], cache)] +
                     [_logits(model, ids[:, t:t + 1], cache) for t in range(12, 20)], dim=1)
+    assert all((layer.k_mult is not None) == (scaling and kvf.k.name != "bf16") for layer in cache.layers)
+    # the oracle stores decoded K/V densely, with the statistics the paged cache fixed
+    model.set_attn_implementation("eager")
+    oracle_cache = DynamicCache()
+    oracle_cache.layers = [_QDQLayer(kvf, layer) for layer in cache.layers]
+    oracle_cache.layer_class_to_replicate = None
+    ref = torch.cat([_logits(model, ids[:, :12], oracle_cache)] +
+                    [_logits(model, ids[:, t:t + 1], oracle_cache) for t in range(12, 20)], dim=1)
     assert (out - ref).abs().max() <= 1e-3 * ref.abs().max(), (out - ref).abs().max()
     # the cache really holds fewer bytes than bf16 would
     bf16_bytes = sum(2 * 2 * s.num_kv_heads * s.head_dim for s in cache.config.layers) * 20
     if kvf.k.name != "bf16" or kvf.v.name != "bf16":
         assert cache.bytes_per_token() * 20 < bf16_bytes
+
+
+def test_channel_multipliers_minimise_the_logit_error_bound():
+    from pagedkv.integrations.transformers import MULT_RANGE, channel_multipliers
+
+    torch.manual_seed(0)
+    k = torch.randn(1, 2, 50, 16) * torch.linspace(0.1, 3, 16)
+    q = torch.randn(1, 4, 50, 16) * torch.linspace(2, 0.5, 16)
+    m = channel_multipliers(k, q)
+    assert m.shape == (2, 16) and torch.allclose(m[:, :8], m[:, 8:])  # RoPE pairs share one
+    assert torch.allclose(m.log().mean(-1), torch.zeros(2), atol=1e-5)
+    assert float(m.max()) <= MULT_RANGE and float(m.min()) >= 1 / MULT_RANGE
+    K, Q = k.pow(2).mean((0, 2)), q.reshape(1, 2, 2, 50, 16).pow(2).mean((0, 2, 3))
+
+    def bound(mm):
+        return ((mm ** 2 * K).sum(-1) * (Q / mm ** 2).sum(-1))
+
+    assert bool((bound(m) < bound(torch.ones_like(m))).all())
 
 
 def test_generate_greedy_and_beam_match_dynamic_cache():

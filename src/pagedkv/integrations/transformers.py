@@ -146,6 +146,8 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     high_precision_layers, hp_format: the first/last N layers' format ("auto": N from the K
     codec, see `pagedkv.cache.config`); pass 0 to use `kv_format` everywhere.
     key_centring: None = on when some layer's K codec is not bf16.
+    key_scaling: per-channel key multipliers fitted to the first chunk's keys and queries
+    (None = on when some layer's K codec is not bf16); see `channel_multipliers`.
     block_size: tokens per block. max_tokens: None grows the pools on demand; an int fixes the
     capacity to that many tokens summed over rows (CacheFull beyond).
     device: where the pools live (default: the model's device, else cpu).
@@ -155,7 +157,8 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[int, str] = "auto", hp_format: Union[str, KVFormat] = "bf16",
-                 key_centring: Optional[bool] = None, block_size: int = 16,
+                 key_centring: Optional[bool] = None, key_scaling: Optional[bool] = None,
+                 block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
                  checks: bool = True, check_attn_implementation: bool = True):
         config = getattr(model_or_config, "config", model_or_config)
@@ -183,6 +186,9 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         if key_centring is None:
             key_centring = any(s.format.k.name != "bf16" for s in self.config.layers)
         self.key_centring = bool(key_centring)
+        if key_scaling is None:
+            key_scaling = any(s.format.k.name != "bf16" for s in self.config.layers)
+        self.key_scaling = bool(key_scaling)
         self.backend = backend
         self.checks = bool(checks)
         self.blocks = _Blocks(block_size, initial_blocks, growable=max_tokens is None)
@@ -255,9 +261,14 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             self._table_version = self.blocks.version
         return self._table_tensor.to(device)
 
+    def _flush(self) -> None:
+        for layer in self.layers:
+            layer.flush()
+
     def _rearrange_rows(self, sources: Sequence[int]) -> None:
         """New row i = old row sources[i]; full blocks are shared (refcounted), a shared partial
         block is copied when it is next written."""
+        self._flush()
         old = self.blocks.tables
         new = []
         for s in sources:
@@ -290,6 +301,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
 
     def crop(self, tokens_to_remove: int) -> None:
         """Negative n removes -n tokens; n >= 0 keeps the first n tokens (legacy form)."""
+        self._flush()
         length = self.get_seq_length()
         keep = length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, length)
         keep = max(keep, 0)
@@ -369,6 +381,9 @@ class PagedCacheLayer:
         self.is_sliding = spec.sliding_window is not None
         self.length = 0
         self.paged: Optional[PagedLayer] = None
+        self.k_mult: Optional[torch.Tensor] = None  # float32 [H, D]: stored keys are k * k_mult
+        self.pending = None  # (k, v, start) of a first chunk waiting for its queries
+        self.scale_keys = cache.key_scaling and spec.format.k.name != "bf16"
         self.device = cache.config.device
 
     def __repr__(self):
@@ -406,11 +421,14 @@ class PagedCacheLayer:
             return 0
         p = self.paged
         extra = 8 + (0 if p.k_centre is None else p.k_centre.numel() * 4)
+        extra += 0 if self.k_mult is None else self.k_mult.numel() * 4
         return p.k_pool.numel() + p.v_pool.numel() + extra
 
     # contract -------------------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Fix the pools, the fp8 tensor scales and the key centre from the first chunk."""
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                            query_states: Optional[torch.Tensor] = None) -> None:
+        """Fix the pools, the key centre, the key channel multipliers and the fp8 tensor scales
+        from the first chunk (keys/values float [B, H, T, D], queries [B, Hq, T, D] or None)."""
         s = self.spec
         if key_states.shape[1] != s.num_kv_heads or key_states.shape[-1] != s.head_dim:
             raise InvalidInput(
@@ -420,21 +438,46 @@ class PagedCacheLayer:
         p = self._make(self.cache.blocks.num_blocks)
         k32 = key_states.detach().float()
         changes: dict[str, Any] = {}
-        centre = None
-        if self.cache.key_centring and key_states.shape[2] > 0:
-            centre = k32.mean(dim=(0, 2))  # [H, D]
-            changes["k_centre"] = centre.contiguous()
+        centre = k32.mean(dim=(0, 2)) if self.cache.key_centring and k32.shape[2] else None  # [H, D]
+        kc = k32 - centre[None, :, None, :] if centre is not None else k32
+        mult = None
+        if self.scale_keys and query_states is not None and k32.shape[2]:
+            mult = channel_multipliers(kc, query_states.detach().float())
+            kc = kc * mult[None, :, None, :]
+        self.k_mult = mult
+        if centre is not None:
+            changes["k_centre"] = (centre * mult if mult is not None else centre).contiguous()
         if p.k_codec.name == "fp8":
-            kc = k32 - centre[None, :, None, :] if centre is not None else k32
             changes["k_scale"] = _fp8_scale(kc, p.device)
         if p.v_codec.name == "fp8":
             changes["v_scale"] = _fp8_scale(value_states.detach().float(), p.device)
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True
 
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+        b, h, t, d = key_states.shape
+        slots = self.cache._slots(start, t, self.paged.device)
+        k = key_states.transpose(1, 2).reshape(b * t, h, d)
+        if self.k_mult is not None:
+            k = k.float() * self.k_mult
+        v = value_states.transpose(1, 2).reshape(b * t, h, d)
+        store(self.paged, k, v, slots, backend=self.cache.backend, checks=self.cache.checks)
+
+    def flush(self, query_states: Optional[torch.Tensor] = None) -> None:
+        """Store the chunk held back for its queries' statistics (first chunk of a layer)."""
+        if self.pending is None:
+            return
+        k, v, start = self.pending
+        self.pending = None
+        self.lazy_initialization(k, v, query_states)
+        self._store(k, v, start)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens' K/V (float [B, H, T, D]) compressed; return them tagged with this
-        layer for the attention function (nothing stored is read back here)."""
+        layer for the attention function (nothing stored is read back here).
+
+        With key scaling the layer's first chunk is held back until the attention function
+        has seen its queries (`flush`), then stored before any attention reads it."""
         if key_states.dim() != 4 or key_states.shape != value_states.shape:
             raise InvalidInput(
                 f"layer {self.spec.index}: expected keys and values [B, H, T, D] of one shape, got "
@@ -442,13 +485,14 @@ class PagedCacheLayer:
             )
         b, h, t, d = key_states.shape
         self.cache._ensure_rows(b)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self.flush()  # attention never ran for a held-back chunk: fix stats from keys alone
         if t:
-            slots = self.cache._slots(self.length, t, self.paged.device)
-            k = key_states.transpose(1, 2).reshape(b * t, h, d)
-            v = value_states.transpose(1, 2).reshape(b * t, h, d)
-            store(self.paged, k, v, slots, backend=self.cache.backend, checks=self.cache.checks)
+            if not self.is_initialized and self.scale_keys:
+                self.pending = (key_states, value_states, self.length)
+            else:
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                self._store(key_states, value_states, self.length)
             self.length += t
         setattr(key_states, _TAG, self)
         return key_states, value_states
@@ -465,6 +509,8 @@ class PagedCacheLayer:
     def reset(self) -> None:
         self.length = 0
         self.paged = None
+        self.k_mult = None
+        self.pending = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:  # the cache crops all layers together
@@ -484,6 +530,34 @@ class PagedCacheLayer:
 
     def prefetch(self):
         pass
+
+
+MULT_RANGE = 8.0  # channel multipliers are clamped to [1/8, 8] (geometric mean 1 per head)
+
+
+def channel_multipliers(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Per-channel key multipliers m (float32 [H, D]) that minimise the expected logit error of
+    quantized keys: attention uses (q / m) . (k * m) == q . k exactly, and with a quantization
+    error proportional to the stored keys' energy, E[(q' . e)^2] ~ sum_i m_i^2 K_i *
+    sum_i Q_i / m_i^2, minimised (Cauchy-Schwarz) at m_i = (Q_i / K_i)^(1/4), where K_i, Q_i are
+    the mean squares of (centred) keys and of the group's queries in channel i. Channels i and
+    i + D/2 (a RoPE pair) share one multiplier.
+
+    keys: float32 [B, H, T, D] (already centred); queries: float32 [B, Hq, T, D].
+    """
+    b, h, t, d = keys.shape
+    g = queries.shape[1] // h
+    K = keys.pow(2).mean(dim=(0, 2))  # [H, D]
+    Q = queries.reshape(b, h, g, -1, d).pow(2).mean(dim=(0, 2, 3))  # [H, D]
+    if d % 2 == 0:
+        half = d // 2
+        K = ((K[:, :half] + K[:, half:]) / 2).repeat(1, 2)
+        Q = ((Q[:, :half] + Q[:, half:]) / 2).repeat(1, 2)
+    tiny = torch.finfo(torch.float32).tiny
+    log_m = 0.25 * (torch.log(Q + tiny) - torch.log(K + tiny))
+    log_m = log_m - log_m.mean(dim=-1, keepdim=True)
+    bound = float(torch.log(torch.tensor(MULT_RANGE)))
+    return torch.exp(log_m.clamp(-bound, bound)).contiguous()
 
 
 def _fp8_scale(x: torch.Tensor, device) -> torch.Tensor:
@@ -516,6 +590,10 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if layer is None:
         window = sliding_window
         return _dense_attention(query, key, value, scaling, window, softcap, sinks), None
+    layer.flush(query)  # a first chunk held back for its queries' statistics is stored now
+    if layer.k_mult is not None:  # q . k == (q / m) . (k * m): stored keys are k * m
+        g = query.shape[1] // layer.k_mult.shape[0]
+        query = (query.float() / layer.k_mult.repeat_interleave(g, dim=0)[None, :, None, :]).to(query.dtype)
     window = sliding_window if sliding_window is not None else layer.sliding_window
     params = AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap, sinks=sinks)
     b, hq, tq, d = query.shape
