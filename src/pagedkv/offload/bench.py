@@ -34,8 +34,8 @@ from ..cache import CacheConfig, PagedCache
 from ..errors import ConfigError
 from ..ops import api as ops
 from .disk import DiskTier
-from .record import (BlockLayout, decode_section, encode_record, read_block, section_span,
-                     try_decode_record, write_block)
+from .record import (BlockLayout, encode_record, header_bytes, read_block, section_offsets,
+                     section_views, try_decode_record, write_block)
 from .swapfile import SwapFileTier
 from .tiers import MemoryTier, Tier
 from .toy import ToyLM
@@ -140,11 +140,19 @@ def measure_tier(tier: Tier, cache: PagedCache, blocks: list[int], repeats: int)
 
     load_s = _median(load, repeats)
 
-    def swap_read():
-        for li in range(len(layers)):
-            for key in keys:
-                off, n = section_span(layout, key.encode(), li)
-                decode_section(tier.get_range(key, off, n), layout, key.encode(), li)
+    heads = [header_bytes(layout, k.encode()) for k in keys]
+    offsets = section_offsets(layout)
+
+    def swap_read():  # what SwapSpace does per layer at every decode step
+        for li, lay in enumerate(layout.layers):
+            starts = [len(h) + offsets[li] for h in heads]
+            if hasattr(tier, "read_ranges"):
+                raws = tier.read_ranges(keys, starts, lay.section_bytes)
+            else:
+                raws = [tier.get_range(k, st, lay.section_bytes) for k, st in zip(keys, starts)]
+            for raw, h in zip(raws, heads):
+                if section_views(raw, h[-16:], li, lay.k_bytes, lay.v_bytes) is None:
+                    raise RuntimeError(f"bench: {tier.name} returned a bad section")
 
     swap_s = _median(swap_read, repeats)
     cache.pool.release(scratch)
