@@ -199,3 +199,19 @@ def test_kernel_rejects_unsupported_head_dim_via_supports():
     assert not cpu.supports(Op.DECODE, layer, AttentionParams(scale=1.0))
     layer = make_layer(CODECS["bf16"], CODECS["bf16"], 4, 16, 1, 80)
     assert cpu.supports(Op.DECODE, layer, AttentionParams(scale=1.0))
+
+
+def test_bench_attention_smoke():
+    """`pagedkv bench attention` machinery on a tiny shape: rows, ratio = ms / baseline_ms."""
+    from pagedkv.cli import bench_attention as ba
+
+    shape = ba.BenchShape(layers=2, repeats=1)
+    res = ba.run(["turbo3", "fp8k_turbo3v"], [48], [1, 2], shape, prefill_shape=(64, 16))
+    assert {(r["format"], r["batch"]) for r in res.rows} == {
+        (f, b) for f in ("turbo3", "fp8k_turbo3v") for b in (1, 2)}
+    for r in res.rows:
+        assert r["ms"] > 0 and r["baseline_ms"] > 0
+        assert math.isclose(r["ratio"], r["ms"] / r["baseline_ms"])
+        assert r["baseline"] in r["baseline_ways"] and r["baseline_ms"] == min(r["baseline_ways"].values())
+    assert len(res.prefill) == 2 and all(p["ms"] > 0 for p in res.prefill)
+    assert len(res.memory) == 2 and res.bandwidth_gbps > 0

@@ -324,8 +324,11 @@ class BenchResult:
 
 
 def run(formats: list[str], contexts: list[int], batches: list[int], shape: BenchShape, *,
-        prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None) -> BenchResult:
-    """Run the benchmark grid; formats are KV format names (parsed here, the config edge)."""
+        prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None,
+        prefill_shape: tuple = (4096, 512)) -> BenchResult:
+    """Run the benchmark grid; formats are KV format names (parsed here, the config edge).
+
+    prefill_shape: (context, query count) of the chunked-prefill rows."""
     shape.check()
     fmts = [parse_format(f) for f in formats]
     for c in contexts + batches:
@@ -347,7 +350,7 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
                     f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}")
     if prefill:
         for fmt in fmts:
-            res.prefill.append(prefill_row(fmt, shape, 4096, 512, cpu.attention))
+            res.prefill.append(prefill_row(fmt, shape, prefill_shape[0], prefill_shape[1], cpu.attention))
             p = res.prefill[-1]
             say(f"prefill {fmt.name:>14}: {p['ms']:.0f} ms vs {p['baseline_ms']:.0f} ms ratio {p['ratio']:.2f}")
     if memory:
