@@ -171,7 +171,30 @@ __attribute__((unused)) static void decode_row_scalar(const pkv_side *sd, const 
         return;
     }
     const float *t = sd->table;
-    for (int j = 0; j < D; j++) dst[j] = t[code_at(drow, sd->bits, j)];
+    switch (sd->bits) {  /* one loop per code width (a switch per element would not vectorise) */
+    case 8:
+        for (int j = 0; j < D; j++) dst[j] = t[drow[j]];
+        break;
+    case 4:
+        for (int i = 0; i < D / 2; i++) {
+            dst[2 * i] = t[drow[i] & 15];
+            dst[2 * i + 1] = t[drow[i] >> 4];
+        }
+        break;
+    case 2:
+        for (int i = 0; i < D / 4; i++)
+            for (int k = 0; k < 4; k++) dst[4 * i + k] = t[(drow[i] >> (2 * k)) & 3];
+        break;
+    case 3:
+        for (int i = 0; i < D / 8; i++) {
+            const uint8_t *p = drow + 3 * i;
+            uint32_t w = p[0] | (p[1] << 8) | ((uint32_t)p[2] << 16);
+            for (int k = 0; k < 8; k++) dst[8 * i + k] = t[(w >> (3 * k)) & 7];
+        }
+        break;
+    default:
+        for (int j = 0; j < D; j++) dst[j] = t[code_at(drow, sd->bits, j)];
+    }
     if (sd->group) {
         for (int g = 0; g < D / sd->group; g++) {
             float s = group_scale(sd, srow, g);
@@ -593,20 +616,30 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
     for (int i = 0; i < nt; i++)
         decode_row_scalar(ks, kr->data[i] + (int64_t)h * ks->row_data_bytes,
                           kr->sraw[i] + (int64_t)h * ks->row_scale_bytes, D, rows + (int64_t)i * D);
+    /* transpose the K tile to [D][BSP] so that the score loop runs along tokens (vectorises) */
+    float *kt = sc->kt;
+    for (int i = 0; i < BSP; i++)
+        for (int d = 0; d < D; d++) kt[(int64_t)d * BSP + i] = i < nt ? rows[(int64_t)i * D + d] : 0.0f;
     for (int m = 0; m < M; m++) {
         const float *q = qv + (int64_t)m * D;
+        float *sr = S + (int64_t)m * BSP;
+        for (int i = 0; i < BSP; i++) sr[i] = 0.0f;
+        for (int d = 0; d < D; d++) {
+            const float qd = q[d];
+            const float *kd = kt + (int64_t)d * BSP;
+#ifdef _OPENMP
+#pragma omp simd
+#endif
+            for (int i = 0; i < BSP; i++) sr[i] += qd * kd[i];
+        }
         for (int i = 0; i < BSP; i++) {
             int j = jlo + i;
             float s = -INFINITY;
             if (i < nt && j <= pos[m] && (W <= 0 || j > pos[m] - W)) {
-                const float *k = rows + (int64_t)i * D;
-                float acc = 0.0f;
-                for (int d = 0; d < D; d++) acc += q[d] * k[d];
-                if (bias) acc += bias[m];
-                if (a->soft_cap > 0) acc = a->soft_cap * tanhf(acc / a->soft_cap);
-                s = acc;
+                s = sr[i] + (bias ? bias[m] : 0.0f);
+                if (a->soft_cap > 0) s = a->soft_cap * tanhf(s / a->soft_cap);
             }
-            S[(int64_t)m * BSP + i] = s;
+            sr[i] = s;
         }
     }
 #endif
@@ -730,6 +763,9 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
             float p = pr[i];
             if (p == 0.0f) continue;
             const float *v = rows + (int64_t)i * D;
+#ifdef _OPENMP
+#pragma omp simd
+#endif
             for (int d = 0; d < D; d++) acc[d] += p * v[d];
         }
 #endif
