@@ -306,3 +306,19 @@ def test_cli_bench_attention_cuda(capsys):
     res = json.loads(capsys.readouterr().out)
     assert {(r["op"], r["impl"]) for r in res["rows"] if r["format"] == "turbo3"} == {
         ("decode", "ours"), ("prefill", "ours"), ("store", "ours")}
+
+
+@pytest.mark.skipif(not DEVICE_IS_CPU, reason="on a GPU every other test compiles the kernels for real")
+def test_kernels_compile_for_a_gpu_target(tmp_path):
+    """The interpreter does not compile: build the main kernel variants for sm_90 (Triton ->
+    PTX -> cubin, no GPU needed) in a subprocess without TRITON_INTERPRET; no compile errors,
+    no heavy register spills (tests/triton_compile_check.py)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    script = os.path.join(os.path.dirname(__file__), "triton_compile_check.py")
+    proc = subprocess.run([sys.executable, script, "--arch", "90"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "0 failures" in proc.stdout

@@ -53,7 +53,7 @@ class BenchConfig:
     prefill_batch: int = 4
     prefill_chunk: int = 2048
     decode_block_n: Optional[int] = None  # None: the launcher's choice per precision
-    prefill_block_m: int = 32
+    prefill_block_m: Optional[int] = None  # None: the launcher's choice
     prefill_block_n: int = 32
     seed: int = 0
     dry_run: bool = False

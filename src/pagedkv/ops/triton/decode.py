@@ -276,6 +276,7 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, DOT="fma" if fma else dot_kind, **consts,
     )
+    common["num_warps"] = 8 if fma and block_g * block_n * block_d >= 8192 else 4  # no spills at sm_90
     args = (qk, qc if qc is not None else gm, layer.k_pool, layer.v_pool, k_tab, v_tab, e4m3_values(dev),
             layer.k_scale, layer.v_scale, block_tables, seq_lens, m, l, acc, gm, gz,
             block_tables.stride(0), float(params.scale), float(params.soft_cap or 1.0),

@@ -158,11 +158,13 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
 
 def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      params: AttentionParams, *, block_m: int = 32, block_n: int = 32,
+                      params: AttentionParams, *, block_m: int | None = None, block_n: int | None = None,
                       precision: str = "fp32") -> torch.Tensor:
     """Triton twin of `pagedkv.ops.reference.prefill_attention`: q [Tq, Hq, D] -> [Tq, Hq, D].
 
-    block_m: rows (query tokens x heads of a group) per tile; block_n: keys per tile;
+    block_m: rows (query tokens x heads of a group) per tile (None: 32, or 16 for head_dim > 128
+    or sparse V, whose two passes hold more state: sizes that compile without register spills
+    at sm_90); block_n: keys per tile (None: 32, 16 with sparse V);
     precision: matmul operands as in `decode_attention`. Inputs are already validated by
     `pagedkv.ops.api`.
     """
@@ -178,6 +180,10 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     qk, qc = prepare_query(q, layer)
     k_tab, v_tab, consts = side_args(layer, dev)
     gp = triton.next_power_of_2(g)
+    if block_m is None:
+        block_m = 16 if d > 128 or params.sparse_v_threshold > 0 else 32
+    if block_n is None:
+        block_n = 16 if params.sparse_v_threshold > 0 else 32
     block_m = max(block_m, gp, 16)
     block_q = block_m // gp
     block_d = max(16, triton.next_power_of_2(d))
@@ -195,7 +201,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
         HAS_SINKS=params.sinks is not None, SPARSE=params.sparse_v_threshold > 0,
         SEARCH_STEPS=max(1, bsz.bit_length()), DOT=dot_kind, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_D=block_d, **consts, num_warps=8 if block_m * block_d >= 4096 else 4,
+        BLOCK_D=block_d, **consts, num_warps=8 if block_m * block_d >= 2048 else 4,
     )
     if layer.v_codec.rotated:
         out = wht.unrotate(out)

@@ -228,7 +228,7 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
         N_MIDS=max(spec.levels - 1, 0) if spec.encode == ENC_TABLE else 0,
         MAX_LEVEL=tabs.max_level, SEARCH_LO=SEARCH_LO, SEARCH_N=SEARCH_N,
         BLOCK_T=block_t, BLOCK_D=block_d, enable_fp_fusion=False, **prologue,
-        num_warps=8 if spec.encode == ENC_TABLE else 4,  # the scale search's 3D tiles spill at 4
+        num_warps=8 if spec.encode == ENC_TABLE or rotate_in_kernel else 4,  # fewer warps spill
     )
 
 
