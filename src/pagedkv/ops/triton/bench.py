@@ -153,7 +153,8 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
                               "use --dry-run to check the script on the CPU")
         device = torch.device("cuda")
     timer = _timer(device, cfg.dry_run)
-    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)  # block tables
+    dgen = torch.Generator(device=device).manual_seed(cfg.seed)  # data, generated where it lives
     b, s, hq, h, d, bs = cfg.batch, cfg.context, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size
     scale = d ** -0.5
     peak = None if cfg.dry_run else peak_bandwidth(device)
@@ -162,9 +163,9 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
 
     # ---- the contiguous bf16 cache (baseline layout [B, H, S, D]) and the queries ----------------
     log(f"building a bf16 cache: batch {b} x {s} tokens x {h} kv heads x {d}")
-    k_c = torch.randn(b, h, s, d, generator=gen, dtype=torch.float32).to(device, torch.bfloat16)
-    v_c = torch.randn(b, h, s, d, generator=gen, dtype=torch.float32).to(device, torch.bfloat16)
-    q_dec = torch.randn(b, hq, d, generator=gen).to(device, torch.bfloat16)
+    k_c = torch.randn(b, h, s, d, generator=dgen, device=device, dtype=torch.bfloat16)
+    v_c = torch.randn(b, h, s, d, generator=dgen, device=device, dtype=torch.bfloat16)
+    q_dec = torch.randn(b, hq, d, generator=dgen, device=device, dtype=torch.bfloat16)
     bf16_bytes = 2 * b * h * s * d * 2
 
     def add(**row):
@@ -189,7 +190,7 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
     # prefill baseline: the last `chunk` tokens of the first `pb` sequences attend causally
     # (bottom-right) to their whole context
     pb, chunk = cfg.prefill_batch, cfg.prefill_chunk
-    q_pre = torch.randn(pb * chunk, hq, d, generator=gen).to(device, torch.bfloat16)
+    q_pre = torch.randn(pb * chunk, hq, d, generator=dgen, device=device, dtype=torch.bfloat16)
     visible = chunk * (s - chunk) + chunk * (chunk + 1) // 2
     flops = 4.0 * pb * hq * d * visible
     sdpa_pre_ms = _sdpa_prefill_ms(timer, q_pre, k_c[:pb], v_c[:pb], pb, chunk, hq, h, scale)
