@@ -454,33 +454,34 @@ PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_s
                        float *st_acc, const float *alpha, const uint8_t *need) {
     const int nc = D >> 4;
     const int64_t hoff = (int64_t)h * sd->row_data_bytes;
+    const int CG = MM <= 4 ? 4 : 2;  /* chunks per pass: MM x CG accumulators stay in registers */
     int c0 = 0;
-    for (; c0 + 4 <= nc; c0 += 4) {
-        __m512 acc[MM][4];
+    for (; c0 + CG <= nc; c0 += CG) {
+        __m512 acc[8][4];
         for (int m = 0; m < MM; m++) {
             const __m512 al = _mm512_set1_ps(alpha[m]);
-            for (int z = 0; z < 4; z++) acc[m][z] = _mm512_mul_ps(_mm512_load_ps(st_acc + (int64_t)m * D + 16 * (c0 + z)), al);
+            for (int z = 0; z < CG; z++) acc[m][z] = _mm512_mul_ps(_mm512_load_ps(st_acc + (int64_t)m * D + 16 * (c0 + z)), al);
         }
         for (int i = 0; i < nt; i++) {
             if (c0 == 0) prefetch_next(rw, i, hoff, sd->row_data_bytes);
             if (need && !need[i]) continue;
             const uint8_t *drow = rw->data[i] + hoff;
             __m512 v[4];
-            for (int z = 0; z < 4; z++) v[z] = decode16(kind, bits, sd, lc, drow, c0 + z);
+            for (int z = 0; z < CG; z++) v[z] = decode16(kind, bits, sd, lc, drow, c0 + z);
             if (sd->group) {
                 const float *scl = rw->scl + ((int64_t)i * H + h) * nc + c0;
-                for (int z = 0; z < 4; z++) v[z] = _mm512_mul_ps(v[z], _mm512_set1_ps(scl[z]));
+                for (int z = 0; z < CG; z++) v[z] = _mm512_mul_ps(v[z], _mm512_set1_ps(scl[z]));
             }
             for (int m = 0; m < MM; m++) {
                 const __m512 p = _mm512_set1_ps(P[(int64_t)m * BSP + i]);
-                for (int z = 0; z < 4; z++) acc[m][z] = _mm512_fmadd_ps(p, v[z], acc[m][z]);
+                for (int z = 0; z < CG; z++) acc[m][z] = _mm512_fmadd_ps(p, v[z], acc[m][z]);
             }
         }
         for (int m = 0; m < MM; m++)
-            for (int z = 0; z < 4; z++) _mm512_store_ps(st_acc + (int64_t)m * D + 16 * (c0 + z), acc[m][z]);
+            for (int z = 0; z < CG; z++) _mm512_store_ps(st_acc + (int64_t)m * D + 16 * (c0 + z), acc[m][z]);
     }
     for (; c0 < nc; c0++) {  /* remaining chunks (head_dim not a multiple of 64) */
-        __m512 acc[MM];
+        __m512 acc[8];
         for (int m = 0; m < MM; m++)
             acc[m] = _mm512_mul_ps(_mm512_load_ps(st_acc + (int64_t)m * D + 16 * c0), _mm512_set1_ps(alpha[m]));
         for (int i = 0; i < nt; i++) {
@@ -493,7 +494,7 @@ PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_s
     }
 }
 
-#define VACC_MAX_M 4
+#define VACC_MAX_M 8
 static void vacc_fused(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H, int D,
                        int M, const float *P, int BSP, float *st_acc, const float *alpha, const uint8_t *need) {
 #define PKV_CALL_V(K, B)                                                                          \
@@ -501,7 +502,11 @@ static void vacc_fused(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
     case 1: vacc_t(K, B, 1, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
     case 2: vacc_t(K, B, 2, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
     case 3: vacc_t(K, B, 3, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
-    default: vacc_t(K, B, 4, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;        \
+    case 4: vacc_t(K, B, 4, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 5: vacc_t(K, B, 5, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 6: vacc_t(K, B, 6, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 7: vacc_t(K, B, 7, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    default: vacc_t(K, B, 8, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;        \
     }
     PKV_DISPATCH(sd, PKV_CALL_V)
 #undef PKV_CALL_V
