@@ -414,9 +414,10 @@ PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd,
             }
             for (int m = 0; m < M; m++) {
                 const float *q = qv + (int64_t)m * D + 16 * c0;
-                __m512 acc = _mm512_fmadd_ps(k1, _mm512_loadu_ps(q + 16), _mm512_mul_ps(k0, _mm512_loadu_ps(q)));
-                __m512 acc2 = _mm512_fmadd_ps(k3, _mm512_loadu_ps(q + 48), _mm512_mul_ps(k2, _mm512_loadu_ps(q + 32)));
-                acc = _mm512_add_ps(acc, acc2);
+                __m512 acc = _mm512_mul_ps(k0, _mm512_loadu_ps(q));
+                acc = _mm512_fmadd_ps(k1, _mm512_loadu_ps(q + 16), acc);
+                acc = _mm512_fmadd_ps(k2, _mm512_loadu_ps(q + 32), acc);
+                acc = _mm512_fmadd_ps(k3, _mm512_loadu_ps(q + 48), acc);
                 float *dst = part + ((int64_t)m * BSP + i) * 16;
                 if (c0) acc = _mm512_add_ps(acc, _mm512_load_ps(dst));
                 _mm512_store_ps(dst, acc);
@@ -556,6 +557,7 @@ typedef struct {
     float *kt;      /* [BSP/16][D][16] transposed K */
     float *s;       /* [M, BSP] scores then probabilities */
     uint8_t *need;  /* [BSP] V row needed */
+    float *alpha;   /* [M] */
 } pkv_scratch;
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
@@ -653,7 +655,7 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
     const float thr = a->sparse_thr;
     if (thr > 0) memset(sc->need, 0, BSP);
     int any_row = 0;
-    float alpha[M > 0 ? M : 1];
+    float *alpha = sc->alpha;  /* [M] rescale factors of this chunk */
     for (int m = 0; m < M; m++) {
         float *sr = S + (int64_t)m * BSP;
         float mx = st_m[m];
@@ -842,12 +844,13 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     sc.kt = xalloc(sizeof(float) * (size_t)BSP * (D > 16 * M ? D : 16 * M));
     sc.s = xalloc(sizeof(float) * (size_t)M * BSP);
     sc.need = xalloc((size_t)BSP);
+    sc.alpha = xalloc(sizeof(float) * (size_t)M);
     float *sinkv = a->sinks ? xalloc(sizeof(float) * (size_t)hpt * M) : NULL;
     float *st_m = xalloc(sizeof(float) * (size_t)hpt * M);
     float *st_l = xalloc(sizeof(float) * (size_t)hpt * M);
     float *st_acc = xalloc(sizeof(float) * (size_t)hpt * M * D);
     int rc = 0;
-    if (!sc.q || !sc.bias || !sc.pos || !sc.rows || !sc.kt || !sc.s || !sc.need || !st_m || !st_l ||
+    if (!sc.q || !sc.bias || !sc.pos || !sc.rows || !sc.kt || !sc.s || !sc.need || !sc.alpha || !st_m || !st_l ||
         !st_acc || (a->sinks && !sinkv) || !rows_ok) {
         rc = -1;
         goto done;
@@ -917,7 +920,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
         memcpy(row + 2, st_acc + (size_t)i * D, sizeof(float) * D);
     }
 done:
-    free(sc.q); free(sc.bias); free(sc.pos); free(sc.rows); free(sc.kt); free(sc.s); free(sc.need);
+    free(sc.q); free(sc.bias); free(sc.pos); free(sc.rows); free(sc.kt); free(sc.s); free(sc.need); free(sc.alpha);
     free(sinkv); free(st_m); free(st_l); free(st_acc);
     for (int z = 0; z < 2; z++) {
         free(krs[z].data); free(krs[z].sraw); free(krs[z].scl);
