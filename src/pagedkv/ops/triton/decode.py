@@ -32,7 +32,7 @@ from ...codecs import wht
 from ...errors import ConfigError
 from ..batch import AttentionParams, PagedLayer
 from .common import dot, load_rows, soft_cap_logits
-from .spec import codec_spec, codec_tables, e4m3_values
+from .spec import codec_spec, codec_tables
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _pv(p, v, DOT: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_ptr, v_ts_ptr,
+def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_ptr,
                    bt_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gz_ptr,
                    bt_stride, scale, soft_cap, window, threshold,
                    NUM_SPLITS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -277,7 +277,7 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, DOT="fma" if fma else dot_kind, **consts,
     )
     common["num_warps"] = 8 if fma and block_g * block_n * block_d >= 8192 else 4  # no spills at sm_90
-    args = (qk, qc if qc is not None else gm, layer.k_pool, layer.v_pool, k_tab, v_tab, e4m3_values(dev),
+    args = (qk, qc if qc is not None else gm, layer.k_pool, layer.v_pool, k_tab, v_tab,
             layer.k_scale, layer.v_scale, block_tables, seq_lens, m, l, acc, gm, gz,
             block_tables.stride(0), float(params.scale), float(params.soft_cap or 1.0),
             int(params.sliding_window or 0), float(params.sparse_v_threshold))

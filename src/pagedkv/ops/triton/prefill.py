@@ -21,11 +21,10 @@ from ...codecs import wht
 from ..batch import AttentionParams, PagedLayer
 from .common import dot, load_rows, soft_cap_logits
 from .decode import check_precision, prepare_query, side_args
-from .spec import e4m3_values
 
 
 @triton.jit
-def _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, d_ok,
+def _scores(q, qc, k_pool, k_tab, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, d_ok,
             scale, soft_cap, window, H: tl.constexpr, BS: tl.constexpr, kvh, D: tl.constexpr,
             BLOCK_D: tl.constexpr,
             K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr, K_VALUES: tl.constexpr,
@@ -54,7 +53,7 @@ def _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row_ptr, kpos, qpos, row_ok
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_ptr, v_ts_ptr,
+def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_ptr,
                     bt_ptr, lens_ptr, qsl_ptr, tiles_ptr, sinks_ptr, out_ptr,
                     bt_stride, scale, soft_cap, window, threshold, B,
                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
@@ -119,7 +118,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(k_start, k_end, BLOCK_N):
         kpos = t + offs_n
-        s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row, kpos, qpos, row_ok,
+        s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, kpos, qpos, row_ok,
                                       offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
                                       K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
                                       K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
@@ -139,7 +138,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, e4m3_ptr, k_ts_
         z = tl.where(l_i > 0, l_i, 1.0)
         for t in range(k_start, k_end, BLOCK_N):
             kpos = t + offs_n
-            s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, e4m3_ptr, k_ts, bt_row, kpos, qpos, row_ok,
+            s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, kpos, qpos, row_ok,
                                           offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
                                           K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
                                           K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
@@ -193,7 +192,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     sinks = params.sinks.to(dev, torch.float32).contiguous() if params.sinks is not None else out
     grid = (triton.cdiv(tq, block_q) + bsz, h)
     _prefill_kernel[grid](
-        qk, qc if qc is not None else out, layer.k_pool, layer.v_pool, k_tab, v_tab, e4m3_values(dev),
+        qk, qc if qc is not None else out, layer.k_pool, layer.v_pool, k_tab, v_tab,
         layer.k_scale, layer.v_scale, block_tables, seq_lens, query_start_loc, tiles, sinks, out,
         block_tables.stride(0), float(params.scale), float(params.soft_cap or 1.0),
         int(params.sliding_window or 0), float(params.sparse_v_threshold), bsz,

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from ...codecs.catalogue import Codec, ScaleType, ValueKind
-from ...codecs.floats import e4m3_table
 
 # Scale kinds (constexpr SCALE_KIND): how a code's value is multiplied after the table lookup.
 SCALE_NONE, SCALE_TENSOR, SCALE_E4M3, SCALE_BF16, SCALE_FP16 = 0, 1, 2, 3, 4
@@ -150,13 +149,3 @@ def _tables(codec: Codec, device: str) -> CodecTables:
 def codec_tables(codec: Codec, device: torch.device | str) -> CodecTables:
     """Cached CodecTables of `codec` on `device`."""
     return _tables(codec, str(torch.device(device)))
-
-
-@functools.lru_cache(maxsize=None)
-def _e4m3(device: str) -> torch.Tensor:
-    return e4m3_table().to(device)
-
-
-def e4m3_values(device: torch.device | str) -> torch.Tensor:
-    """float32 [256]: the value of every E4M3 byte (scales of nvfp4/turbo2/3/4), on `device`."""
-    return _e4m3(str(torch.device(device)))

@@ -31,7 +31,7 @@ import triton.language as tl
 from ...codecs import wht
 from ..batch import PagedLayer
 from .common import bf16_bits, bf16_round, e4m3_bits, e4m3_value, fp16_bits, round_half_even
-from .spec import ENC_BF16, ENC_E4M3, ENC_INT, ENC_TABLE, SCALE_TENSOR, codec_spec, codec_tables, e4m3_values
+from .spec import ENC_BF16, ENC_E4M3, ENC_INT, ENC_TABLE, SCALE_TENSOR, codec_spec, codec_tables
 
 _ENC_BF16 = tl.constexpr(ENC_BF16)
 _ENC_E4M3 = tl.constexpr(ENC_E4M3)
@@ -42,7 +42,7 @@ _SCALE_TENSOR = tl.constexpr(SCALE_TENSOR)
 
 @triton.jit
 def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mids_ptr, order_ptr,
-                  e4m3_ptr, tscale_ptr, T, stride_t, stride_h,
+                  tscale_ptr, T, stride_t, stride_h,
                   H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr,
                   ROW_DATA: tl.constexpr, ROW_SCALE: tl.constexpr, DATA_END: tl.constexpr,
@@ -219,7 +219,7 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
     grid = (triton.cdiv(t, block_t), h)
     _store_kernel[grid](
         x, slot_mapping, pool, centre if centre is not None else tabs.values, rot,
-        tabs.levels, tabs.mids, tabs.order, e4m3_values(x.device), tensor_scale,
+        tabs.levels, tabs.mids, tabs.order, tensor_scale,
         t, x.stride(0), x.stride(1),
         H=h, D=d, BS=layer.block_size, BITS=spec.bits, GROUP=max(spec.group, 1),
         SCALE_KIND=spec.scale_kind, ROW_DATA=spec.row_data, ROW_SCALE=spec.row_scale,
