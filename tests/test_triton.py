@@ -322,3 +322,26 @@ def test_kernels_compile_for_a_gpu_target(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 failures" in proc.stdout
+
+
+def test_strided_inputs():
+    """Column-sliced block tables, strided seq_lens / slot mappings and non-contiguous K/V/q."""
+    from pagedkv.ops import reference
+
+    cc = CheckCase("turbo2", "nvfp4", seq_lens=(30, 12), group=2)
+    case = cc.build(device=DEVICE)
+    params = cc.params()
+    wide = torch.full((case.batch, 2 * case.block_tables.shape[1]), -1, dtype=torch.int32, device=DEVICE)
+    wide[:, ::2] = case.block_tables  # a strided view with the same values
+    tables = wide[:, ::2]
+    lens = torch.stack([case.seq_lens, case.seq_lens], 1)[:, 0]
+    q = case.q_decode.transpose(0, 1).contiguous().transpose(0, 1)
+    want = reference.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    got = tr.decode_attention(q, case.layer, tables, lens, params)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **TOL)
+    k = torch.randn(6, 2, 128, device=DEVICE)[:, :, ::2]
+    slots = torch.arange(12, device=DEVICE)[::2]
+    layers = [make_layer(CODECS["q4_0"], CODECS["q8_0"], 2, 16, 2, 64, device=DEVICE) for _ in range(2)]
+    reference.store(layers[0], k, k, slots)
+    tr.store(layers[1], k, k, slots)
+    assert bool((layers[0].k_pool == layers[1].k_pool).all()) and bool((layers[0].v_pool == layers[1].v_pool).all())

@@ -255,6 +255,7 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     if bsz == 0:
         return out.to(q.dtype)
     qk, qc = prepare_query(q, layer)
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()  # kernels assume unit strides
     k_tab, v_tab, consts = side_args(layer, dev)
     max_ctx = block_tables.shape[1] * layer.block_size
     if params.sliding_window is not None:

@@ -177,6 +177,8 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     if tq == 0 or bsz == 0:
         return out.to(q.dtype)
     qk, qc = prepare_query(q, layer)
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()  # kernels assume unit strides
+    query_start_loc = query_start_loc.contiguous()
     k_tab, v_tab, consts = side_args(layer, dev)
     gp = triton.next_power_of_2(g)
     if block_m is None:

@@ -207,6 +207,7 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
     assert (SCALE_SEARCH.start, len(SCALE_SEARCH)) == (SEARCH_LO, SEARCH_N), SCALE_SEARCH
     spec = codec_spec(codec, layer.block_size, h, d)
     tabs = codec_tables(codec, x.device)
+    slot_mapping = slot_mapping.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
     rotate_in_kernel = codec.rotated and d <= ROTATE_IN_KERNEL_MAX_D
