@@ -55,7 +55,9 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     source = resolve_model_source(cfg.model)
-    log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: print(m, file=sys.stderr))
+    def log(message: str) -> None:  # progress goes to stderr so that --json stays parseable
+        print(message, file=sys.stderr)
+
     log(f"loading {source.label} ...")
     lm = load_model(source, attn_implementation="pagedkv", device=args.device)
     tokens = tokenize(lm.tokenizer, read_text(cfg.text))

@@ -43,7 +43,7 @@ import torch
 
 from ..cache.config import CacheConfig
 from ..errors import CacheFull, ConfigError, InvalidInput
-from ..formats import KVFormat, parse_format
+from ..formats import KVFormat
 from ..ops import AttentionParams, PagedLayer, decode_attention, prefill_attention, store
 
 ATTN_IMPLEMENTATION = "pagedkv"
