@@ -206,7 +206,8 @@ def test_bench_attention_smoke():
     from pagedkv.cli import bench_attention as ba
 
     shape = ba.BenchShape(layers=2, repeats=1)
-    res = ba.run(["turbo3", "fp8k_turbo3v"], [48], [1, 2], shape, prefill_shape=(64, 16))
+    res = ba.run(["turbo3", "fp8k_turbo3v"], [48], [1, 2], shape, prefill_shape=(64, 16),
+                 bandwidth_bytes=1 << 22)
     assert {(r["format"], r["batch"]) for r in res.rows} == {
         (f, b) for f in ("turbo3", "fp8k_turbo3v") for b in (1, 2)}
     for r in res.rows:

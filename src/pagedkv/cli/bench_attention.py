@@ -325,10 +325,11 @@ class BenchResult:
 
 def run(formats: list[str], contexts: list[int], batches: list[int], shape: BenchShape, *,
         prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None,
-        prefill_shape: tuple = (4096, 512)) -> BenchResult:
+        prefill_shape: tuple = (4096, 512), bandwidth_bytes: int = 1 << 29) -> BenchResult:
     """Run the benchmark grid; formats are KV format names (parsed here, the config edge).
 
-    prefill_shape: (context, query count) of the chunked-prefill rows."""
+    prefill_shape: (context, query count) of the chunked-prefill rows; bandwidth_bytes: buffer
+    of the streaming-read probe (larger than the caches)."""
     shape.check()
     fmts = [parse_format(f) for f in formats]
     for c in contexts + batches:
@@ -340,7 +341,7 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
         raise ConfigError(f"the fast CPU attention kernel is not available: {cpu.kernel_info().get('error')}")
     torch.set_num_threads(shape.threads)
     res = BenchResult(kernel=cpu.kernel_info())
-    res.bandwidth_gbps = cpu.stream_read_gbps(threads=shape.threads)
+    res.bandwidth_gbps = cpu.stream_read_gbps(bandwidth_bytes, threads=shape.threads)
     say = progress or (lambda s: None)
     for batch in batches:
         for context in contexts:
