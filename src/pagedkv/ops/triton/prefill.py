@@ -161,9 +161,9 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
                       precision: str = "fp32") -> torch.Tensor:
     """Triton twin of `pagedkv.ops.reference.prefill_attention`: q [Tq, Hq, D] -> [Tq, Hq, D].
 
-    block_m: rows (query tokens x heads of a group) per tile (None: 32, or 16 for head_dim > 128
-    or sparse V, whose two passes hold more state: sizes that compile without register spills
-    at sm_90); block_n: keys per tile (None: 32, 16 with sparse V);
+    block_m: rows (query tokens x heads of a group) per tile (None: 64 with tf32/bf16 operands,
+    32 with fp32 (3xTF32 needs more registers), 16 for head_dim > 128 or sparse V, whose two
+    passes hold more state: sizes that compile without register spills at sm_90); block_n: keys per tile (None: 32, 16 with sparse V);
     precision: matmul operands as in `decode_attention`. Inputs are already validated by
     `pagedkv.ops.api`.
     """
@@ -182,7 +182,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     k_tab, v_tab, consts = side_args(layer, dev)
     gp = triton.next_power_of_2(g)
     if block_m is None:
-        block_m = 16 if d > 128 or params.sparse_v_threshold > 0 else 32
+        block_m = 16 if d > 128 or params.sparse_v_threshold > 0 else 32 if precision == "fp32" else 64
     if block_n is None:
         block_n = 16 if params.sparse_v_threshold > 0 else 32
     block_m = max(block_m, gp, 16)
