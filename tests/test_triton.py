@@ -345,3 +345,31 @@ def test_strided_inputs():
     reference.store(layers[0], k, k, slots)
     tr.store(layers[1], k, k, slots)
     assert bool((layers[0].k_pool == layers[1].k_pool).all()) and bool((layers[0].v_pool == layers[1].v_pool).all())
+
+
+def test_pools_with_padded_rows():
+    """Pools that are views with a row pitch larger than a block (one buffer, padded rows)."""
+    from pagedkv.ops import reference
+    from pagedkv.ops.batch import PagedLayer
+
+    cc = CheckCase("turbo4", "q4_0", seq_lens=(20, 5), group=2)
+    case = cc.build(device=DEVICE)
+    lay = case.layer
+    def padded(pool):
+        big = torch.zeros(pool.shape[0], pool.shape[1] + 48, dtype=torch.uint8, device=DEVICE)
+        big[:, : pool.shape[1]] = pool
+        return big[:, : pool.shape[1]]
+    view = PagedLayer(padded(lay.k_pool), padded(lay.v_pool), lay.k_codec, lay.v_codec, lay.block_size,
+                      lay.num_kv_heads, lay.head_dim, lay.k_scale, lay.v_scale)
+    assert view.k_pool.stride(0) != view.k_pool.shape[1] and tr.supports(Op.DECODE, view, None)
+    params = cc.params()
+    want = reference.decode_attention(case.q_decode, lay, case.block_tables, case.seq_lens, params)
+    got = tr.decode_attention(case.q_decode, view, case.block_tables, case.seq_lens, params)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **TOL)
+    got = tr.prefill_attention(case.q_prefill, view, case.block_tables, case.seq_lens, case.query_start_loc, params)
+    want = reference.prefill_attention(case.q_prefill, lay, case.block_tables, case.seq_lens, case.query_start_loc, params)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **TOL)
+    k = torch.randn(4, lay.num_kv_heads, lay.head_dim, device=DEVICE)
+    reference.store(lay, k, k, torch.arange(4, device=DEVICE))
+    tr.store(view, k, k, torch.arange(4, device=DEVICE))
+    assert bool((view.v_pool == lay.v_pool).all())  # q4_0: deterministic bytes on every device

@@ -35,8 +35,9 @@ from .store import store
 
 
 def supports(op: Op, layer: PagedLayer, params: AttentionParams | None) -> bool:
-    """Every codec pair; head_dim a multiple of 16 up to 256."""
-    return supports_head_dim(layer.head_dim)
+    """Every codec pair; head_dim a multiple of 16 up to 256; pools with contiguous rows."""
+    return (supports_head_dim(layer.head_dim) and layer.k_pool.stride(1) == 1
+            and layer.v_pool.stride(1) == 1)
 
 
 def interpreting() -> bool:

@@ -228,11 +228,14 @@ def prepare_query(q: torch.Tensor, layer: PagedLayer):
 
 
 def side_args(layer: PagedLayer, device: torch.device):
-    """Pools, tables and constexprs of the K and V sides."""
+    """Value tables and constexprs of the K and V sides. A block's pitch in its pool is the pool's
+    row stride (a pool may be a view with padded rows; elements within a row are contiguous)."""
     bs, h, d = layer.block_size, layer.num_kv_heads, layer.head_dim
     ks, vs = codec_spec(layer.k_codec, bs, h, d), codec_spec(layer.v_codec, bs, h, d)
     kt, vt = codec_tables(layer.k_codec, device), codec_tables(layer.v_codec, device)
-    return kt.values, vt.values, {**ks.constexprs("K_"), **vs.constexprs("V_")}
+    consts = {**ks.constexprs("K_"), **vs.constexprs("V_"),
+              "K_BLOCK_BYTES": layer.k_pool.stride(0), "V_BLOCK_BYTES": layer.v_pool.stride(0)}
+    return kt.values, vt.values, consts
 
 
 def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,

@@ -224,7 +224,7 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
         t, x.stride(0), x.stride(1),
         H=h, D=d, BS=layer.block_size, BITS=spec.bits, GROUP=max(spec.group, 1),
         SCALE_KIND=spec.scale_kind, ROW_DATA=spec.row_data, ROW_SCALE=spec.row_scale,
-        DATA_END=spec.data_end, BLOCK_BYTES=spec.block_bytes, ENCODE=spec.encode,
+        DATA_END=spec.data_end, BLOCK_BYTES=pool.stride(0), ENCODE=spec.encode,
         ROTATED=rotate_in_kernel, HAS_CENTRE=centre is not None,
         N_MIDS=max(spec.levels - 1, 0) if spec.encode == ENC_TABLE else 0,
         MAX_LEVEL=tabs.max_level, SEARCH_LO=SEARCH_LO, SEARCH_N=SEARCH_N,
