@@ -12,12 +12,15 @@ encoder's (`pagedkv.codecs.reference`), written with integer rounding helpers so
   squared error of the group, first on ties) and nearest level (ties go down).
 
 The WHT runs in the kernel for head_dim <= 128 (a [D, D] fp32 operand: 64 KiB of shared memory
-at 128); larger head dims are rotated by one torch matmul just before the kernel.
+at 128) as a 3xTF32 tensor-core matmul (fp32-accurate; exact fp32 FMAs of that tile spill
+registers); larger head dims are rotated by one torch matmul just before the kernel.
 
-Known deviation (documented, tested by tolerance): for rotated codecs the WHT matmul sums in a
-different order than torch's CPU matmul, so an element sitting within ~1e-7 of a decision
-boundary can take the neighbouring code or a group a neighbouring scale. Elsewhere the bytes are
-identical (floating-point contraction is disabled in the launch, divisions are IEEE).
+Known deviation (documented, tested by tolerance on GPUs): for rotated codecs the WHT sums in a
+different order (and on a GPU with 3xTF32 products) than the reference's matmul, so an element
+within ~1e-7 of a decision boundary can take the neighbouring code or a group a neighbouring
+scale. Under the interpreter the bytes matched the reference for every codec in the tests.
+Elsewhere the bytes are identical (floating-point contraction is disabled in the launch,
+divisions are IEEE).
 """
 
 from __future__ import annotations
