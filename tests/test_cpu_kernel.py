@@ -216,3 +216,19 @@ def test_bench_attention_smoke():
         assert r["baseline"] in r["baseline_ways"] and r["baseline_ms"] == min(r["baseline_ways"].values())
     assert len(res.prefill) == 2 and all(p["ms"] > 0 for p in res.prefill)
     assert len(res.memory) == 2 and res.bandwidth_gbps > 0
+
+
+def test_fp8_subnormals_exact_even_with_flush_denormal():
+    """E4M3 subnormal codes decode exactly although the caller flushes denormals (DAZ/FTZ)."""
+    cc, case = _decode_case(("fp8", "fp8"), (40, 7), num_kv_heads=2, group=2)
+    params = cc.params()
+    want = reference.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    codes = case.layer.k_pool.reshape(-1)
+    assert bool(((codes & 0x78) == 0).any())  # some subnormal E4M3 codes are stored
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = cpu.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    finally:
+        torch.set_flush_denormal(False)
+    assert (got - want).abs().max() < 2e-4

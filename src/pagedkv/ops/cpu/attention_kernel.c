@@ -101,6 +101,16 @@ static inline void prefetch_next(const pkv_rows *rw, int i, int64_t hoff, int rd
     }
 }
 
+/* Factor the fast decode leaves out of a side's values (folded elsewhere): 2^8 for E4M3 values. */
+static inline float value_mult(const pkv_side *sd) {
+#ifdef PKV_AVX512
+    return sd->kind == EK_E4M3 ? 256.0f : 1.0f;
+#else
+    (void)sd;
+    return 1.0f;
+#endif
+}
+
 int pkv_abi_version(void) { return PKV_ABI_VERSION; }
 
 int pkv_has_avx512(void) {
@@ -237,12 +247,15 @@ PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, c
         __m256i h = _mm256_loadu_si256((const __m256i *)(drow + 32 * c));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
-    if (kind == EK_E4M3) {  /* (b & 0x7f) << 20 is the E4M3 value times 2^-120 as an fp32 */
-        __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
-        __m512i mag = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20);
-        __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
-        __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
-        return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
+    if (kind == EK_E4M3) {
+        /* E4M3 -> fp16 bits (sign to bit 15, exponent + mantissa to bits 7..13): the fp16 value is
+           the E4M3 value times 2^-8, subnormals included; vcvtph2ps is exact. The 2^8 is folded
+           into q, the output scale or the group scales (value_mult). */
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
+        __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
+        __m256i sgn = _mm256_slli_epi16(w, 8);
+        __m256i h = _mm256_ternarylogic_epi32(mag, sgn, _mm256_set1_epi16((short)0x8000), 0xD8);
+        return _mm512_cvtph_ps(h);
     }
     if (kind == EK_I8) {
         __m512i u = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
@@ -289,6 +302,7 @@ static void decode_scales(const pkv_side *sd, pkv_rows *rows, int nt, int H, int
                 } else {
                     v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + 2 * e));
                 }
+                if (sd->kind == EK_E4M3) v = _mm512_mul_ps(v, _mm512_set1_ps(value_mult(sd)));
                 _mm512_mask_storeu_ps(out + e, k, v);
             }
             if (per != 1) {  /* one scale per `per` chunks: expand to one per chunk */
@@ -860,7 +874,12 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
         for (int r = 0; r < R; r++)
             for (int g = 0; g < G; g++) {
                 int m = r * G + g, tok = qs + t->r0 + r, qh = h * G + g;
-                memcpy(sc.q + ((size_t)hh * M + m) * D, a->q + ((size_t)tok * Hq + qh) * D, sizeof(float) * D);
+                {
+                    const float f = ks->group ? 1.0f : value_mult(ks);
+                    float *dq = sc.q + ((size_t)hh * M + m) * D;
+                    const float *sq = a->q + ((size_t)tok * Hq + qh) * D;
+                    for (int d = 0; d < D; d++) dq[d] = sq[d] * f;
+                }
                 sc.bias[hh * M + m] = a->bias ? a->bias[(size_t)tok * Hq + qh] : 0.0f;
                 if (sinkv) sinkv[hh * M + m] = a->sinks[qh];
                 st_m[hh * M + m] = -INFINITY;
@@ -1016,7 +1035,7 @@ int pkv_attention(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
                     z += p[1] * w;
                     for (int d = 0; d < D; d++) o[d] += w * p[2 + d];
                 }
-                float f = z > 0 ? a->out_scale / z : 0.0f;
+                float f = z > 0 ? a->out_scale * (vs->group ? 1.0f : value_mult(vs)) / z : 0.0f;
                 for (int d = 0; d < D; d++) o[d] *= f;
             }
     }
