@@ -100,8 +100,9 @@ def test_prefill_pairs():
     """Prefill reads codes with the same device function as decode: every codec on both sides
     (the 9 same-codec pairs) plus the asymmetric rotation cases (rotated K only / V only)."""
     pairs = [(c, c) for c in CODECS] + [("bf16", "turbo3"), ("turbo3", "bf16"), ("q8_0", "turbo8")]
-    check_backend(prefill_attention=tr.prefill_attention, cases=[_tiny(k, v) for k, v in pairs],
-                  device=DEVICE, **TOL)
+    cases = [_tiny(k, v) for k, v in pairs]
+    cases.append(CheckCase("turbo3", "q8_0", seq_lens=(19, 4, 40, 7), q_lens=(3, 0, 21, 7), group=3))  # no queries
+    check_backend(prefill_attention=tr.prefill_attention, cases=cases, device=DEVICE, **TOL)
 
 
 def test_settings_and_shapes():
