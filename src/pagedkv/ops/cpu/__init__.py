@@ -17,8 +17,9 @@ Technique (chosen by measurement; this machine: AMD EPYC with AVX-512 F/BW/VL/VB
   head) decode K once into a tile, transpose it, and broadcast-FMA every query against it.
 - Decoding (AVX-512): a 2/3/4-bit code is moved into its own 32-bit lane by one byte permute
   (vpermb) and a variable shift, then becomes a value through vpermps used as a 16-entry table
-  (sub-byte tables replicated, so upper bits need no mask); 8-bit E4M3 by bit arithmetic (MXCSR
-  DAZ cleared for the task), int8 by sign extension, other 8-bit tables by a gather; bf16 by a
+  (sub-byte tables replicated, so upper bits need no mask); 8-bit E4M3 by moving its bits into
+  an fp16 and converting (the 2^8 exponent offset folded into q, the output or the group scales),
+  int8 by sign extension, other 8-bit tables by a gather; bf16 by a
   shift. Scalar unpacking (numba) and torch-level dequantisation were measured 3-15x slower than
   bf16 (issue 8's table), hence SIMD decode fused with the dot products.
 - Memory latency, not bandwidth, was the second wall: blocks sit in random order, so hardware
@@ -38,21 +39,23 @@ bf16 matmul -> softmax -> matmul with the group folded; `pagedkv bench attention
 
 | format | 1k b1 | 4k b1 | 16k b1 | 32k b1 | 1k b8 | 4k b8 | 16k b8 | 32k b8 |
 |---|---|---|---|---|---|---|---|---|
-| bf16 | 0.67 | 0.69 | 0.70 | 0.74 | 0.76 | 0.79 | 0.88 | 0.89 |
-| fp8 | 0.87 | 0.92 | 0.85 | 0.96 | 1.04 | 0.94 | 1.10 | 0.99 |
-| turbo4 | 0.74 | 0.70 | 0.61 | 0.69 | 0.76 | 0.67 | 0.70 | 0.64 |
-| turbo3 | 0.70 | 0.66 | 0.60 | 0.66 | 0.71 | 0.62 | 0.67 | 0.62 |
-| turbo2 | 0.68 | 0.65 | 0.61 | 0.61 | 0.71 | 0.59 | 0.64 | 0.60 |
-| fp8k_turbo3v | 0.81 | 0.82 | 0.73 | 0.82 | 0.89 | 0.81 | 0.87 | 0.83 |
-| (baseline ms/step) | 4.2 | 11.6 | 44.0 | 82.4 | 22.2 | 86.4 | 319.2 | 671.3 |
-| (turbo3 ms/step) | 2.9 | 7.7 | 26.3 | 54.0 | 15.8 | 53.9 | 213.1 | 416.0 |
+| bf16 | 0.71 | 0.68 | 0.75 | 0.72 | 0.77 | 0.72 | 0.78 | 0.84 |
+| fp8 | 0.65 | 0.57 | 0.60 | 0.57 | 0.64 | 0.58 | 0.60 | 0.62 |
+| turbo4 | 0.72 | 0.65 | 0.69 | 0.62 | 0.71 | 0.63 | 0.65 | 0.66 |
+| turbo3 | 0.68 | 0.62 | 0.65 | 0.60 | 0.69 | 0.61 | 0.65 | 0.63 |
+| turbo2 | 0.68 | 0.60 | 0.62 | 0.58 | 0.67 | 0.58 | 0.60 | 0.60 |
+| fp8k_turbo3v | 0.66 | 0.60 | 0.59 | 0.60 | 0.64 | 0.59 | 0.56 | 0.57 |
+| (baseline ms/step) | 3.9 | 11.5 | 38.9 | 78.3 | 20.6 | 81.3 | 318.2 | 625.9 |
+| (turbo3 ms/step) | 2.6 | 7.2 | 25.4 | 47.0 | 14.2 | 49.4 | 205.4 | 391.5 |
 
-The bar of issue 8 (turbo3 / turbo4 <= 1.0 at 16k and 32k) holds with margin (0.60-0.70); the
-goal (<= 0.5) does not: the kernel is compute-bound (~3-4 GB/s of compressed bytes against a
-measured 39 GB/s streaming read), its time going to decode, fp32 FMAs and the reduction. fp8 is
-the slowest format (E4M3 decode costs 7 ops per 16 values). Chunked prefill (512 queries after
-3.5k cached tokens) runs at 0.65-0.75 of torch SDPA over bf16. Peak memory of a 32k decode step:
-no measurable growth of the resident set (the reference's gather-and-decode adds ~49 MB).
+The bar of issue 8 (turbo3 / turbo4 <= 1.0 at 16k and 32k) holds with margin (0.60-0.69); the
+goal (<= 0.5) does not: the kernel is compute-bound (~3.5 GB/s of compressed bytes against a
+measured 27-39 GB/s streaming read), its time going to decode, fp32 FMAs and the reduction.
+E4M3 values were the slowest format until they were decoded through fp16 bits and vcvtph2ps
+(exact): the earlier bit trick multiplied fp32 denormals (E4M3 subnormals) by 2^120, which costs
+a microcode assist per multiply (fp8 at 32k: 79 -> 46 ms/step). Chunked prefill (512 queries
+after 3.5k cached tokens) runs at 0.70-0.77 of torch SDPA over bf16. Peak memory of a 32k decode
+step: no measurable growth of the resident set (the reference's gather-and-decode adds ~49 MB).
 
 Sparse V (threshold t > 0): a V row is skipped when exp(s - m_run) < t * Z_run for every query of
 the tile, where m_run / Z_run are the running max / denominator (sinks included). Since the final

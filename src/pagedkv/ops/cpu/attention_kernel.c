@@ -240,6 +240,16 @@ static void lut_ctx_init(lut_ctx *c, const pkv_side *sd) {
 #define PKV_INLINE static inline __attribute__((always_inline))
 PKV_INLINE int imin4(int a, int b) { return a < b ? a : b; }
 
+/* 16 E4M3 bytes -> fp32 values times 2^-8: the bits move into an fp16 (sign to bit 15, exponent and
+   mantissa to bits 7..13), which vcvtph2ps converts exactly, subnormals included, whatever MXCSR
+   says (no denormal arithmetic: multiplying fp32 denormals costs a microcode assist each). */
+PKV_INLINE __m512 e4m3x16(__m128i bytes) {
+    __m256i w = _mm256_cvtepu8_epi16(bytes);
+    __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
+    __m256i sgn = _mm256_slli_epi16(w, 8);
+    return _mm512_cvtph_ps(_mm256_ternarylogic_epi32(mag, sgn, _mm256_set1_epi16((short)0x8000), 0xD8));
+}
+
 /* 16 values (chunk c of a row) for a compile-time (kind, bits): see the file comment. */
 PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
                            const uint8_t *drow, int c) {
@@ -247,16 +257,7 @@ PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, c
         __m256i h = _mm256_loadu_si256((const __m256i *)(drow + 32 * c));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
-    if (kind == EK_E4M3) {
-        /* E4M3 -> fp16 bits (sign to bit 15, exponent + mantissa to bits 7..13): the fp16 value is
-           the E4M3 value times 2^-8, subnormals included; vcvtph2ps is exact. The 2^8 is folded
-           into q, the output scale or the group scales (value_mult). */
-        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
-        __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
-        __m256i sgn = _mm256_slli_epi16(w, 8);
-        __m256i h = _mm256_ternarylogic_epi32(mag, sgn, _mm256_set1_epi16((short)0x8000), 0xD8);
-        return _mm512_cvtph_ps(h);
-    }
+    if (kind == EK_E4M3) return e4m3x16(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
     if (kind == EK_I8) {
         __m512i u = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
         return _mm512_cvtepi32_ps(u);
@@ -273,14 +274,6 @@ PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, c
     return _mm512_permutexvar_ps(w, lc->table);
 }
 
-/* E4M3 bytes (one per 32-bit lane) -> fp32; exact with DAZ off (the kernel clears it). */
-PKV_INLINE __m512 e4m3_lanes(__m512i u) {
-    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20);
-    __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
-    __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
-}
-
 /* Decode the scales of every kv head of `nt` tokens into rows->scl (vectorised per token). */
 static void decode_scales(const pkv_side *sd, pkv_rows *rows, int nt, int H, int D) {
     if (!sd->group) return;
@@ -295,7 +288,7 @@ static void decode_scales(const pkv_side *sd, pkv_rows *rows, int nt, int H, int
                 __mmask16 k = (__mmask16)(n - e >= 16 ? 0xffff : ((1u << (n - e)) - 1u));
                 __m512 v;
                 if (sd->scale_kind == SC_E4M3) {
-                    v = e4m3_lanes(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, s + e)));
+                    v = _mm512_mul_ps(e4m3x16(_mm_maskz_loadu_epi8(k, s + e)), _mm512_set1_ps(256.0f));
                 } else if (sd->scale_kind == SC_BF16) {
                     __m256i hbits = _mm256_maskz_loadu_epi16(k, s + 2 * e);
                     v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16));
@@ -899,7 +892,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
 #ifdef PKV_AVX512
     const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr & ~0x8040u);  /* DAZ and FTZ off: the E4M3 bit trick needs denormal inputs */
+    _mm_setcsr(csr & ~0x8040u);  /* DAZ and FTZ off: IEEE results whatever the caller set */
 #endif
     int cur = 0, jlo = 0, jhi = 0;
     int nt = fill_chunk(a, ks, vs, bt, t->blk0, t->blk1, NB, jmin, jmax, &jlo, &jhi, &krs[0], &vrs[0]);
