@@ -106,7 +106,8 @@ class _QDQLayer(transformers.cache_utils.DynamicLayer):
         cm = pl.paged.k_centre if pl.paged.k_centre is not None else torch.zeros_like(m)
         m4, cm4 = m[None, :, None, :], cm[None, :, None, :]
         kq = (_qdq((k.float() * m4 - cm4).transpose(1, 2), self.fmt.k).transpose(1, 2) + cm4) / m4
-        vq = _qdq(v.float().transpose(1, 2), self.fmt.v).transpose(1, 2)
+        vc = pl.v_centre[None, :, None, :] if pl.v_centre is not None else 0.0
+        vq = _qdq((v.float() - vc).transpose(1, 2), self.fmt.v).transpose(1, 2) + vc
         return super().update(kq.to(k.dtype), vq.to(v.dtype))
 
 
@@ -123,11 +124,12 @@ def test_compressed_cache_equals_dense_attention_on_decoded_kv(family, fmt, cent
     ids = _ids(20, seed=2)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     cache = PagedKVCache(model, fmt, high_precision_layers=0, key_centring=centring,
-                         key_scaling=scaling, block_size=8)
+                         value_centring=centring, key_scaling=scaling, block_size=8)
     # prefill 12 tokens, then decode 8 one by one
     out = torch.cat([_logits(model, ids[:, :12], cache)] +
                     [_logits(model, ids[:, t:t + 1], cache) for t in range(12, 20)], dim=1)
     assert all((layer.k_mult is not None) == (scaling and kvf.k.name != "bf16") for layer in cache.layers)
+    assert all((layer.v_centre is not None) == centring for layer in cache.layers)
     # the oracle stores decoded K/V densely, with the statistics the paged cache fixed
     model.set_attn_implementation("eager")
     oracle_cache = DynamicCache()
