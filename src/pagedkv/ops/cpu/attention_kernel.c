@@ -678,7 +678,7 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
             for (int i = 0; i < BSP; i++) sr[i] = 0.0f;
             continue;
         }
-        alpha[m] = st_m[m] == -INFINITY ? 0.0f : expf(st_m[m] - mx);
+        alpha[m] = st_m[m] == -INFINITY ? 0.0f : (st_m[m] == mx ? 1.0f : expf(st_m[m] - mx));
         float lsum = 0.0f;
 #ifdef PKV_AVX512
         __m512 vs = _mm512_setzero_ps();
