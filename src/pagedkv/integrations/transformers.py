@@ -26,7 +26,8 @@ out unless `max_tokens` fixes the capacity (then CacheFull). Rows share full blo
 reorder / repeat (reference counts); a shared block is copied before it is written.
 
 Key centring (on by default for non-bf16 K): on its first update a layer fixes
-`k_centre` = the mean key of that first chunk per KV head (float32 [H, D]); stored keys are
+`k_centre` = the per-channel median key of that first chunk per KV head (float32 [H, D]; the
+median, not the mean, because sink tokens like BOS have outlier keys); stored keys are
 k - k_centre and attention adds q . k_centre back, which softmax makes exact. It removes the
 large shared component of keys (the RoPE-rotated bias most models have) before quantization.
 
@@ -446,7 +447,11 @@ class PagedCacheLayer:
         p = self._make(self.cache.blocks.num_blocks)
         k32 = key_states.detach().float()
         changes: dict[str, Any] = {}
-        centre = k32.mean(dim=(0, 2)) if self.cache.key_centring and k32.shape[2] else None  # [H, D]
+        centre = None
+        if self.cache.key_centring and k32.shape[2]:
+            # per-channel median over the chunk's tokens (then over rows): robust to the few
+            # outlier "sink" tokens (BOS) that skew a mean; float32 [H, D]
+            centre = k32.median(dim=2).values.mean(dim=0)
         kc = k32 - centre[None, :, None, :] if centre is not None else k32
         mult = None
         if self.scale_keys and query_states is not None and k32.shape[2]:
