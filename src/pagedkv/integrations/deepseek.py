@@ -97,7 +97,9 @@ class PagedLatentCache(PagedKVCache):
             num_blocks=initial_blocks, latent=LatentLayout(dims[0], dims[1], rope_format),
             device=device or _model_device(model_or_config),
         )
-        self.key_centring = False
+        self.key_centring = False  # K/V-model quality options that do not apply to latents
+        self.key_scaling = False
+        self.value_centring = False
         self.backend = backend
         self.checks = bool(checks)
         self.blocks = _Blocks(block_size, initial_blocks, growable=max_tokens is None)
