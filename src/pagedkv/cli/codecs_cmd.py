@@ -10,12 +10,11 @@ the reference implementation (median of repeats, 1 thread).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from ..codecs import CODECS, decode, encode
+from ..timing import median_seconds
 from .output import print_json, print_table
 
 HEAD_DIM = 128
@@ -44,15 +43,6 @@ def nmse(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(((x - y) ** 2).sum() / (x**2).sum())
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def bench(vectors: int, repeats: int) -> list[dict]:
     rows = []
     prev = torch.get_num_threads()
@@ -64,8 +54,8 @@ def bench(vectors: int, repeats: int) -> list[dict]:
             for codec in CODECS.values():
                 data, scales = encode(codec, x, ts)  # first call also fits codebooks
                 y = decode(codec, data, scales, HEAD_DIM, ts)
-                enc = _median_seconds(lambda: encode(codec, x, ts), repeats)
-                dec = _median_seconds(lambda: decode(codec, data, scales, HEAD_DIM, ts), repeats)
+                enc = median_seconds(lambda: encode(codec, x, ts), repeats)
+                dec = median_seconds(lambda: decode(codec, data, scales, HEAD_DIM, ts), repeats)
                 rows.append({
                     "codec": codec.name,
                     "distribution": dist,

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 from typing import Callable, Optional
 
 import torch
@@ -33,6 +31,7 @@ import torch
 from ..cache import CacheConfig, PagedCache
 from ..errors import ConfigError
 from ..ops import api as ops
+from ..timing import median_seconds
 from .disk import DiskTier
 from .record import (BlockLayout, encode_record, header_bytes, read_block, section_offsets,
                      section_views, try_decode_record, write_block)
@@ -85,18 +84,7 @@ def _model_recompute(name: str, tokens: int, repeats: int) -> tuple[dict, float,
         with torch.no_grad():
             lm.model(ids, use_cache=False)
 
-    return dims, _median(fwd, repeats), lm.label
-
-
-def _median(fn: Callable[[], None], repeats: int) -> float:
-    """Median seconds of `repeats` timed calls after one untimed warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return dims, median_seconds(fwd, repeats), lm.label
 
 
 def _fill(cache: PagedCache, tokens: int, seed: int = 0) -> tuple[list[int], list]:
@@ -126,7 +114,7 @@ def measure_tier(tier: Tier, cache: PagedCache, blocks: list[int], repeats: int)
             tier.put(key, rec)
             recs[key] = len(rec)
 
-    write_s = _median(write, repeats)
+    write_s = median_seconds(write, repeats)
     scratch = cache.pool.allocate_one()  # a pool block to load into
     want = [read_block(layers, b) for b in blocks]
 
@@ -138,7 +126,7 @@ def measure_tier(tier: Tier, cache: PagedCache, blocks: list[int], repeats: int)
             write_block(layers, scratch, sections)
         assert read_block(layers, scratch) == want[-1]
 
-    load_s = _median(load, repeats)
+    load_s = median_seconds(load, repeats)
 
     heads = [header_bytes(layout, k.encode()) for k in keys]
     offsets = section_offsets(layout)
@@ -154,7 +142,7 @@ def measure_tier(tier: Tier, cache: PagedCache, blocks: list[int], repeats: int)
                 if section_views(raw, h[-16:], li, lay.k_bytes, lay.v_bytes) is None:
                     raise RuntimeError(f"bench: {tier.name} returned a bad section")
 
-    swap_s = _median(swap_read, repeats)
+    swap_s = median_seconds(swap_read, repeats)
     cache.pool.release(scratch)
     for key in keys:
         tier.delete(key)
@@ -217,7 +205,7 @@ def run_bench(formats: list[str], *, tokens: int = 512, layers: int = 30, kv_hea
                 for li, (k, v) in enumerate(kv):
                     ops.store(cache.layers[li], k[:n_blocks * bs], v[:n_blocks * bs], slots)
 
-            store_s = _median(restore, repeats)
+            store_s = median_seconds(restore, repeats)
             toy_cache = PagedCache(cfg)
             model = ToyLM(toy_cache)
             prompt = [i % model.vocab for i in range(n_blocks * bs)]
@@ -229,7 +217,7 @@ def run_bench(formats: list[str], *, tokens: int = 512, layers: int = 30, kv_hea
                               torch.tensor([0, len(prompt)], dtype=torch.int32))
 
             toy_prefill()
-            toy_s = _median(toy_prefill, repeats)
+            toy_s = median_seconds(toy_prefill, repeats)
             for tier_name, make in tiers:
                 tier = make()
                 try:
