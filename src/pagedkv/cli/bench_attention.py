@@ -35,7 +35,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..codecs.catalogue import ScaleType
 from ..errors import ConfigError
 from ..formats import KVFormat, parse_format
 from ..ops import AttentionParams, PagedLayer, make_layer

@@ -20,8 +20,6 @@ Semantics (the fast paths must match):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ...codecs import reference as codec_ref
