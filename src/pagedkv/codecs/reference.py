@@ -27,27 +27,34 @@ SCALE_SEARCH = range(-5, 5)  # E4M3 code offsets tried around amax / max|level|
 _HALF = {ScaleType.BF16: torch.bfloat16, ScaleType.FP16: torch.float16}
 
 
+SEARCH_SLICE = 1024  # groups searched at a time: bounds the encoder's working set to ~2 MB
+
+
 def search_group_scales(x: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Best E4M3 scale per group and the nearest-level indices.
 
     x: float32 [N, G]; levels: float32 [L] ascending. Returns (scale float32 [N] exactly
-    representable in E4M3, idx int64 [N, G] into `levels`).
+    representable in E4M3, idx int64 [N, G] into `levels`). Groups are searched in slices of
+    SEARCH_SLICE so that the temporaries stay small whatever N is.
     """
     levels = levels.to(x.device)
     mids = (levels[1:] + levels[:-1]) / 2
-    amax = x.abs().amax(-1)
-    base = to_e4m3_bytes(amax / levels.abs().max()).to(torch.int32)  # [N]
     offsets = torch.tensor(list(SCALE_SEARCH), dtype=torch.int32, device=x.device)
-    cand_bytes = (base[:, None] + offsets).clamp(1, 0x7E).to(torch.uint8)
-    cand = from_e4m3_bytes(cand_bytes)  # [N, K]
-    idx = nearest_level(x[:, None, :] / cand[..., None], mids)  # [N, K, G]
-    err = (x[:, None, :] - levels[idx] * cand[..., None]).square_().sum(-1)  # [N, K]
-    best = err.argmin(-1)
-    scale = cand.gather(1, best[:, None]).squeeze(1)
-    idx = idx.gather(1, best[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
-    zero = amax == 0
-    scale = torch.where(zero, torch.zeros_like(scale), scale)
-    return scale, idx
+    top = levels.abs().max()
+    scales, indices = [], []
+    for part in x.split(SEARCH_SLICE):
+        amax = part.abs().amax(-1)
+        base = to_e4m3_bytes(amax / top).to(torch.int32)  # [n]
+        cand = from_e4m3_bytes((base[:, None] + offsets).clamp(1, 0x7E).to(torch.uint8))  # [n, K]
+        idx = nearest_level(part[:, None, :] / cand[..., None], mids)  # [n, K, G]
+        err = (part[:, None, :] - levels[idx] * cand[..., None]).square_().sum(-1)  # [n, K]
+        best = err.argmin(-1)
+        scale = cand.gather(1, best[:, None]).squeeze(1)
+        scales.append(torch.where(amax == 0, torch.zeros_like(scale), scale))
+        indices.append(idx.gather(1, best[:, None, None].expand(-1, 1, part.shape[-1])).squeeze(1))
+    if not scales:
+        return x.new_zeros(0), torch.zeros(x.shape, dtype=torch.long, device=x.device)
+    return torch.cat(scales), torch.cat(indices)
 
 
 def nearest_level(y: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
