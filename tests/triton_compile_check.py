@@ -30,6 +30,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 
 SPILL_LIMIT = 128  # bytes of spill stack per thread tolerated (a few registers' worth)
+LATENT_DIMS = ((64, 32), (128, 64))  # (latent, rope) rows compiled as latent (MLA) MQA (<= 256 dims)
 
 
 def main(argv=None) -> int:
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     def compile_only(self, *a, grid, warmup, **kw):
         kernel = real_run(self, *a, grid=grid, warmup=True, **kw)
         key = (self.fn.__name__, kw.get("DOT"), kw.get("K_BITS"), kw.get("V_BITS"), kw.get("BITS"), kw.get("D"),
-               kw.get("PASS"), kw.get("MODE"), kw.get("NORM"))
+               kw.get("PASS"), kw.get("MODE"), kw.get("NORM"), kw.get("V_IS_K"))
         if key not in seen:
             seen.add(key)
             with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -110,14 +111,28 @@ def main(argv=None) -> int:
                                                                   case.seq_lens, p))
         attempt(f"prefill {cc.label}", lambda: tr.prefill_attention(case.q_prefill, case.layer, case.block_tables,
                                                                     case.seq_lens, case.query_start_loc, p))
+    # latent (MLA) rows [latent | rope] as MQA with V = K (V_IS_K): 16 query heads on the one row
+    from pagedkv.codecs import get_codec
+    from pagedkv.ops import AttentionParams
+    from pagedkv.ops.latent import LatentSpec, make_latent_layer
+
+    for name in codecs:
+        for lat, rope in LATENT_DIMS:
+            sec = make_latent_layer(LatentSpec(lat, rope, get_codec(name), get_codec(name)), 8, 16).sections()[0]
+            tables, lens = torch.arange(8, dtype=torch.int32).view(2, 4), torch.tensor([40, 9], dtype=torch.int32)
+            lp = AttentionParams(scale=0.1)
+            attempt(f"latent decode {name} {lat}+{rope}", lambda: tr.decode_attention(
+                torch.randn(2, 16, lat + rope), sec, tables, lens, lp))
+            attempt(f"latent prefill {name} {lat}+{rope}", lambda: tr.prefill_attention(
+                torch.randn(6, 16, lat + rope), sec, tables, lens, torch.tensor([0, 4, 6], dtype=torch.int32), lp))
     cc = CheckCase("turbo3", "fp8", seq_lens=(40,), head_dim=128)
     case = cc.build()
     attempt("fused norm+rope+store", lambda: tr.store_k_fused(
         case.layer, torch.randn(5, 2, 128), torch.arange(5), torch.arange(5),
         norm=NormSpec(torch.ones(128)), rope=RopeSpec(rotary_dim=64)))
 
-    print(f"target sm_{args.arch}: kernel (name, DOT, K_BITS, V_BITS, BITS, D, PASS, MODE, NORM) "
-          f"-> registers, spill stack bytes, shared bytes, warps")
+    print(f"target sm_{args.arch}: kernel (name, DOT, K_BITS, V_BITS, BITS, D, PASS, MODE, NORM, "
+          f"V_IS_K) -> registers, spill stack bytes, shared bytes, warps")
     for key, regs, stack, shared, warps in rows:
         print(f"  {key} -> regs {regs}, stack {stack}, shared {shared}, warps {warps}")
     spills = [r for r in rows if r[2] > SPILL_LIMIT]

@@ -18,6 +18,9 @@ reduce, so it runs the same kernels twice: PASS 1 reads only K to get the partia
 the reduce merges them (MODE 1), PASS 2 recomputes the logits, keeps p_j >= t and reads V only
 for tokens that some head of the group keeps (masked loads: skipped rows cost no bandwidth),
 and the reduce sums (MODE 2). The kept weights are not renormalised (reference semantics).
+
+V_IS_K (`values_are_keys`: V is read from K's very bytes, as in a latent (MLA) layer's one-codec
+rows `[latent | rope]`): the decoded K tile serves as V, so no row is read or decoded twice.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_p
                    V_BLOCK_BYTES: tl.constexpr,
                    HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
                    PASS: tl.constexpr, DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, V_IS_K: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -119,19 +122,25 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_p
         if PASS == 2:
             p = tl.exp(s - gm[:, None]) / gz[:, None]
             p = tl.where((p >= threshold) & g_ok[:, None], p, 0.0)
-            need = tl.max(p, axis=0) > 0  # [BLOCK_N]: some head of the group keeps the token
-            v = load_rows(v_pool, v_tab, v_ts, v_off, v_soff, need, D, BLOCK_D,
-                          V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
-            acc += _pv(p, v, DOT)
+            if V_IS_K:  # the values are the keys already in registers (dropped weights are 0)
+                acc += _pv(p, k, DOT)
+            else:
+                need = tl.max(p, axis=0) > 0  # [BLOCK_N]: some head of the group keeps the token
+                v = load_rows(v_pool, v_tab, v_ts, v_off, v_soff, need, D, BLOCK_D,
+                              V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
+                acc += _pv(p, v, DOT)
         else:
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PASS == 0:
-                v = load_rows(v_pool, v_tab, v_ts, v_off, v_soff, p_ok, D, BLOCK_D,
-                              V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
-                acc = acc * alpha[:, None] + _pv(p, v, DOT)
+                if V_IS_K:
+                    acc = acc * alpha[:, None] + _pv(p, k, DOT)
+                else:
+                    v = load_rows(v_pool, v_tab, v_ts, v_off, v_soff, p_ok, D, BLOCK_D,
+                                  V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
+                    acc = acc * alpha[:, None] + _pv(p, v, DOT)
             m_i = m_new
 
     part_row = row * NUM_SPLITS + split
@@ -227,6 +236,16 @@ def prepare_query(q: torch.Tensor, layer: PagedLayer):
     return qk.contiguous(), qc
 
 
+def values_are_keys(layer: PagedLayer) -> bool:
+    """True when V is read from the very bytes K is (same pool view, codec and tensor scale), as
+    in a latent (MLA) layer whose one-codec rows `[latent | rope]` serve as keys and values: the
+    kernels then reuse the decoded K tile as V (constexpr V_IS_K) instead of reading it again."""
+    k, v = layer.k_pool, layer.v_pool
+    return (layer.k_codec.name == layer.v_codec.name and k.data_ptr() == v.data_ptr()
+            and k.shape == v.shape and k.stride() == v.stride()
+            and (layer.k_scale is layer.v_scale or bool(torch.equal(layer.k_scale, layer.v_scale))))
+
+
 def side_args(layer: PagedLayer, device: torch.device):
     """Value tables and constexprs of the K and V sides. A block's pitch in its pool is the pool's
     row stride (a pool may be a view with padded rows; elements within a row are contiguous)."""
@@ -267,7 +286,8 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     block_g = triton.next_power_of_2(g) if fma else max(16, triton.next_power_of_2(g))
     block_d = max(16, triton.next_power_of_2(d))
     if block_n is None:
-        block_n = max(16, min(64, 8192 // (block_g * block_d))) if fma else 32
+        # 16+ heads on one KV head (MQA, latent rows): 8 keys a tile, else [16, 16, 256] spills
+        block_n = max(8 if block_g >= 16 else 16, min(64, 8192 // (block_g * block_d))) if fma else 32
     splits = num_splits or num_splits_for(bsz, h, max_ctx, block_n, dev)
     m = torch.empty(bsz, hq, splits, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
@@ -278,7 +298,8 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     common = dict(
         NUM_SPLITS=splits, H=h, G=g, D=d, BS=layer.block_size, HAS_QC=qc is not None,
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, DOT="fma" if fma else dot_kind, **consts,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, DOT="fma" if fma else dot_kind,
+        V_IS_K=values_are_keys(layer), **consts,
     )
     common["num_warps"] = 8 if fma and block_g * block_n * block_d >= 8192 else 4  # no spills at sm_90
     args = (qk, qc if qc is not None else gm, layer.k_pool, layer.v_pool, k_tab, v_tab,

@@ -20,7 +20,7 @@ import triton.language as tl
 from ...codecs import wht
 from ..batch import AttentionParams, PagedLayer
 from .common import dot, load_rows, soft_cap_logits
-from .decode import check_precision, prepare_query, side_args
+from .decode import check_precision, prepare_query, side_args, values_are_keys
 
 
 @triton.jit
@@ -32,7 +32,8 @@ def _scores(q, qc, k_pool, k_tab, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, 
             K_BLOCK_BYTES: tl.constexpr, HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr,
             WINDOW: tl.constexpr, DOT: tl.constexpr):
     """Masked logits [BLOCK_M, BLOCK_N] of the tile's queries against keys at `kpos`, and the
-    keys' page ids / slot rows (for the V read)."""
+    keys' page ids / slot rows (for the V read), the decoded keys [BLOCK_N, BLOCK_D] and the
+    keys' mask."""
     k_ok = kpos <= tl.max(tl.where(row_ok, qpos, -1), axis=0)
     page = tl.load(bt_row_ptr + kpos // BS, mask=k_ok, other=0).to(tl.int64)
     srow = (kpos % BS) * H + kvh
@@ -49,7 +50,7 @@ def _scores(q, qc, k_pool, k_tab, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, 
     if WINDOW:
         visible = visible & (kpos[None, :] > qpos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
-    return s, page, srow, k_ok
+    return s, page, srow, k, k_ok
 
 
 @triton.jit
@@ -66,7 +67,8 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_
                     V_BLOCK_BYTES: tl.constexpr,
                     HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
                     HAS_SINKS: tl.constexpr, SPARSE: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    V_IS_K: tl.constexpr):
     tid = tl.program_id(0)
     kvh = tl.program_id(1)
     HQ: tl.constexpr = H * G
@@ -118,19 +120,22 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(k_start, k_end, BLOCK_N):
         kpos = t + offs_n
-        s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, kpos, qpos, row_ok,
-                                      offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
-                                      K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
-                                      K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
+        s, page, srow, k, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, kpos, qpos, row_ok,
+                                         offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
+                                         K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
+                                         K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not SPARSE:
-            v = load_rows(v_pool, v_tab, v_ts, page * V_BLOCK_BYTES + srow * V_ROW_DATA,
-                          page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE, k_ok,
-                          D, BLOCK_D, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
+            if V_IS_K:  # the values are the keys already in registers (latent rows)
+                v = k
+            else:
+                v = load_rows(v_pool, v_tab, v_ts, page * V_BLOCK_BYTES + srow * V_ROW_DATA,
+                              page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE, k_ok,
+                              D, BLOCK_D, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
             acc = acc * alpha[:, None] + dot(p, v, DOT)
         m_i = m_new
     if SPARSE:  # second pass: exact weights, keep p >= threshold, read only the kept V rows
@@ -138,16 +143,19 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_
         z = tl.where(l_i > 0, l_i, 1.0)
         for t in range(k_start, k_end, BLOCK_N):
             kpos = t + offs_n
-            s, page, srow, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, kpos, qpos, row_ok,
-                                          offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
-                                          K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
-                                          K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
+            s, page, srow, k, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, kpos, qpos, row_ok,
+                                             offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
+                                             K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
+                                             K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
             p = tl.exp(s - m_fin[:, None]) / z[:, None]
             p = tl.where(p >= threshold, p, 0.0)
-            need = (tl.max(p, axis=0) > 0) & k_ok
-            v = load_rows(v_pool, v_tab, v_ts, page * V_BLOCK_BYTES + srow * V_ROW_DATA,
-                          page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE, need,
-                          D, BLOCK_D, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
+            if V_IS_K:
+                v = k
+            else:
+                need = (tl.max(p, axis=0) > 0) & k_ok
+                v = load_rows(v_pool, v_tab, v_ts, page * V_BLOCK_BYTES + srow * V_ROW_DATA,
+                              page * V_BLOCK_BYTES + V_DATA_END + srow * V_ROW_SCALE, need,
+                              D, BLOCK_D, V_BITS, V_GROUP, V_SCALE_KIND, V_VALUES)
             acc += dot(p, v, DOT)
         out = acc
     else:
@@ -183,8 +191,14 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     gp = triton.next_power_of_2(g)
     if block_m is None:
         block_m = 16 if d > 128 or params.sparse_v_threshold > 0 else 32 if precision == "fp32" else 64
+    # V read from K's bytes (latent rows): reuse the decoded K tile up to 128 dims; wider, keeping
+    # it live through the softmax spills registers at sm_90 (tests/triton_compile_check.py), so
+    # V is read again (the same bytes, just read: a cache hit) with half-size key tiles, which
+    # keep the shared memory of 192-dim rows with 16 heads per row under the sm_90 limit
+    v_same = values_are_keys(layer)
+    v_is_k = v_same and d <= 128
     if block_n is None:
-        block_n = 16 if params.sparse_v_threshold > 0 else 32
+        block_n = 16 if params.sparse_v_threshold > 0 or (v_same and d > 128) else 32
     block_m = max(block_m, gp, 16)
     block_q = block_m // gp
     block_d = max(16, triton.next_power_of_2(d))
@@ -202,7 +216,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
         HAS_SINKS=params.sinks is not None, SPARSE=params.sparse_v_threshold > 0,
         SEARCH_STEPS=max(1, bsz.bit_length()), DOT=dot_kind, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_D=block_d, **consts, num_warps=8 if block_m * block_d >= 2048 else 4,
+        BLOCK_D=block_d, V_IS_K=v_is_k, **consts, num_warps=8 if block_m * block_d >= 2048 else 4,
     )
     if layer.v_codec.rotated:
         out = wht.unrotate(out)
