@@ -29,7 +29,7 @@ def test_config_parses_formats_once_and_applies_high_precision_layers():
     cfg = CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="turbo3", num_blocks=4)
     assert cfg.num_high_precision_layers == 3  # auto: 3-bit K
     names = [f.name for f in cfg.layer_formats]
-    assert names == ["bf16"] * 3 + ["turbo3"] * 2 + ["bf16"] * 3
+    assert names == ["q8_0"] * 3 + ["turbo3"] * 2 + ["q8_0"] * 3  # default hp_format q8_0
     assert all(not isinstance(f, str) for f in cfg.layer_formats)
     assert CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="fp8",
                        num_blocks=4).num_high_precision_layers == 0

@@ -100,7 +100,7 @@ def test_evaluate_tiny_model_and_plot(tmp_path):
     assert by["turbo3"]["kl"] > 0 and by["turbo3"]["bits_per_element"] == 3.5
     assert by["bf16"]["bytes_per_token"] == 2 * 2 * 32 * 2  # 2 layers x K,V x 32 dims x 2 bytes
     assert by["turbo2+hp1"]["high_precision_layers"] == 1
-    assert by["turbo2+hp1"]["bits_per_element"] == 16  # both layers are high precision
+    assert by["turbo2+hp1"]["bits_per_element"] == 8.5  # both layers are high precision (q8_0)
     assert by["turbo3"]["max_context_tokens"] == (2**20 // (56 * 16)) * 16  # 2 layers x K,V x 32 x 3.5 bits = 56 B
     assert all(r["decode_tok_s"] > 0 and r["tokens"] == 94 for r in rows)
     # bf16 cache perplexity equals the DynamicCache perplexity (fp32 K/V) closely

@@ -131,7 +131,8 @@ def test_plan_counts_latent_bytes_per_token():
     assert rows["bf16"]["bits_per_element"] == 16
     hp = rows["turbo4+hp"]["high_precision_layers"]
     assert hp == 2
-    assert rows["turbo4+hp"]["bytes_per_token"] == 2 * hp * 1152 + (61 - 2 * hp) * (288 + 36)
+    # hp layers in q8_0 (576 x 8.5 bits = 612 B), the others turbo4 latent + rope
+    assert rows["turbo4+hp"]["bytes_per_token"] == 2 * hp * 612 + (61 - 2 * hp) * (288 + 36)
 
 
 @torch.no_grad()

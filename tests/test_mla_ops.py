@@ -174,7 +174,8 @@ def test_layout_arithmetic_and_rope_choice():
     assert LatentLayout(512, 16).spec(parse_format("fp8")).name == "fp8"  # q8_0 needs 32 | rope_dim
     assert LatentLayout(512, 64, "same").spec(parse_format("fp8")).name == "fp8"
     cfg = CacheConfig(num_layers=4, num_kv_heads=1, head_dim=1, kv_format="turbo4",
-                      high_precision_layers=1, latent=LatentLayout(512, 64), num_blocks=1)
+                      high_precision_layers=1, hp_format="bf16", latent=LatentLayout(512, 64),
+                      num_blocks=1)
     per_block = [s.k_block_bytes for s in cfg.layers]
     assert per_block == [16 * 1152, get_codec("turbo4").block_bytes(16, 1, 576),
                          get_codec("turbo4").block_bytes(16, 1, 576), 16 * 1152]

@@ -32,8 +32,8 @@ def test_bf16_and_turbo3_sizes_match_hand_arithmetic():
 
 def test_high_precision_layers_and_sliding_layers():
     rows = {r["format"]: r for r in plan(_llama(layers=10), 2**30, ["turbo3+hp1", "turbo3+hp"], seq_len=1000)}
-    # one bf16 layer at each end, 8 turbo3 layers: (2*16 + 8*3.5) / 10 bits per element
-    assert rows["turbo3+hp1"]["bits_per_element"] == pytest.approx((2 * 16 + 8 * 3.5) / 10)
+    # one q8_0 layer (the default hp format) at each end, 8 turbo3 layers
+    assert rows["turbo3+hp1"]["bits_per_element"] == pytest.approx((2 * 8.5 + 8 * 3.5) / 10)
     assert rows["turbo3+hp1"]["sequences"] == rows["turbo3+hp1"]["blocks"] // 63  # ceil(1000 / 16)
     assert rows["turbo3+hp"]["high_precision_layers"] >= 1
     g3 = transformers.Gemma3TextConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,

@@ -4,7 +4,9 @@ Layers here are the model's *attention* layers, numbered 0..num_layers-1 (a hybr
 recurrent or MLP-only layers hold no KV and are not counted; the integration maps model layer
 indices to these). Format names are parsed once, here; everything below sees `KVFormat` objects.
 
-High-precision layers: the first and last N layers use `hp_format` (default bf16) instead of the
+High-precision layers: the first and last N layers use `hp_format` (default q8_0: on SmolLM2
+turbo3 with 3+3 q8_0 layers measured KL 0.0886 at 4.5 bits/element against 0.0924 at 6 with
+bf16, 2 eval windows) instead of the
 base format; per side, the more precise of the two codecs is kept, so hp never lowers precision.
 `high_precision_layers="auto"` picks N from the most aggressive K codec among the layers:
 K >= 8 bits: 0, 4 bits: 2, 3 bits: 3, 2 bits: 4 (low-bit keys shift attention scores; the first
@@ -89,7 +91,7 @@ class CacheConfig:
     kv_format: Union[FormatSpec, Sequence[FormatSpec]] = "bf16"
     layer_dims: Optional[Sequence[tuple[int, int]]] = None
     high_precision_layers: Union[int, str] = "auto"
-    hp_format: FormatSpec = "bf16"
+    hp_format: FormatSpec = "q8_0"
     block_size: int = 16
     num_blocks: Optional[int] = None
     memory_bytes: Optional[int] = None

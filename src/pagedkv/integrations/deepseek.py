@@ -74,7 +74,7 @@ class PagedLatentCache(PagedKVCache):
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "bf16", *,
                  rope_format: Optional[str] = None, high_precision_layers: Union[int, str] = "auto",
-                 hp_format: Union[str, KVFormat] = "bf16", block_size: int = 16,
+                 hp_format: Union[str, KVFormat] = "q8_0", block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
                  checks: bool = True):
         config = getattr(model_or_config, "config", model_or_config)
