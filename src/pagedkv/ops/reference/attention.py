@@ -124,6 +124,25 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     return out.to(q.dtype)
 
 
+def varlen_query_chunks(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_heads: int,
+                        device: torch.device):
+    """The packed varlen prefill walk of the reference ops.
+
+    Yields (b, n, chunks) for every sequence b with queries, n = seq_lens[b]; chunks lists
+    (a, e, positions): q rows a:e and their positions int64 [e - a] (bottom-right causal, the
+    last query at n - 1), cut so that the [Hq, rows, n] fp32 logits stay near LOGIT_BUDGET.
+    """
+    starts = query_start_loc.tolist()
+    for b, n in enumerate(seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        pos = torch.arange(n - (hi - lo), n, device=device)
+        step = max(1, LOGIT_BUDGET // max(1, num_q_heads * n))
+        bounds = [(a, min(hi, a + step)) for a in range(lo, hi, step)]
+        yield b, n, [(a, e, pos[a - lo : e - lo]) for a, e in bounds]
+
+
 def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       params: AttentionParams) -> torch.Tensor:
@@ -135,16 +154,8 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     seq_lens[b] - q_len_b + j. Returns [Tq, Hq, D] in q's dtype.
     """
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    starts = query_start_loc.tolist()
-    for b, n in enumerate(seq_lens.tolist()):
-        lo, hi = starts[b], starts[b + 1]
-        if hi == lo:
-            continue
+    for b, n, chunks in varlen_query_chunks(seq_lens, query_start_loc, q.shape[1], q.device):
         k, v = _sequence_kv(layer, block_tables[b], n)
-        q_pos = torch.arange(n - (hi - lo), n, device=q.device)
-        # Query chunks keep the [Hq, chunk, n] fp32 logits near LOGIT_BUDGET elements.
-        step = max(1, LOGIT_BUDGET // max(1, q.shape[1] * n))
-        for c in range(lo, hi, step):
-            e = min(hi, c + step)
-            out[c:e] = attend(q[c:e], k, v, q_pos[c - lo : e - lo], layer, params)
+        for a, e, q_pos in chunks:
+            out[a:e] = attend(q[a:e], k, v, q_pos, layer, params)
     return out.to(q.dtype)

@@ -19,10 +19,9 @@ from ...codecs import reference as codec_ref
 from ...codecs.layout import block_views
 from ..batch import AttentionParams, PagedLayer
 from ..latent_layer import LatentLayer
+from .attention import varlen_query_chunks
 from .store import store as _store
 from .store import tensor_scale
-
-LOGIT_BUDGET = 1 << 24
 
 
 def store(layer: LatentLayer, latent: torch.Tensor, rope: torch.Tensor,
@@ -109,15 +108,8 @@ def prefill_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: LatentLa
     """Packed varlen queries q_lat [Tq, Hq, L], q_rope [Tq, Hq, R], bottom-right causal (query j
     of sequence b at seq_lens[b] - q_len_b + j) -> [Tq, Hq, L] in q_lat's dtype."""
     out = torch.zeros(q_lat.shape, dtype=torch.float32, device=q_lat.device)
-    starts = query_start_loc.tolist()
-    for b, n in enumerate(seq_lens.tolist()):
-        lo, hi = starts[b], starts[b + 1]
-        if hi == lo:
-            continue
+    for b, n, chunks in varlen_query_chunks(seq_lens, query_start_loc, q_lat.shape[1], q_lat.device):
         c, r = sequence_rows(layer, block_tables[b], n)
-        pos = torch.arange(n - (hi - lo), n, device=q_lat.device)
-        step = max(1, LOGIT_BUDGET // max(1, q_lat.shape[1] * n))
-        for a in range(lo, hi, step):
-            e = min(hi, a + step)
-            out[a:e] = attend(q_lat[a:e], q_rope[a:e], c, r, pos[a - lo:e - lo], params)
+        for a, e, pos in chunks:
+            out[a:e] = attend(q_lat[a:e], q_rope[a:e], c, r, pos, params)
     return out.to(q_lat.dtype)
