@@ -56,24 +56,35 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, lay
     q_pos: int64 [Tq] positions of the queries.
     """
     tq, hq, d = q.shape
-    n, h = k.shape[0], layer.num_kv_heads
+    h = layer.num_kv_heads
     qf = q.float().reshape(tq, h, hq // h, d)
     qk = wht.rotate(qf) if layer.k_codec.rotated else qf
     s = torch.einsum("thgd,nhd->hgtn", qk, k)
     if layer.k_centre is not None:
         centre = layer.k_centre.to(qf.device, torch.float32)
         s = s + torch.einsum("thgd,hd->hgt", qf, centre)[..., None]
+    return masked_softmax(s, q_pos, params, sink_shape=(h, hq // h, 1, 1))
+
+
+def masked_softmax(s: torch.Tensor, q_pos: torch.Tensor, params: AttentionParams,
+                   sink_shape: tuple) -> torch.Tensor:
+    """Raw logits float32 [..., Tq, n] of one sequence -> softmax weights, same shape.
+
+    Applies the scale, the soft-cap, the causal and sliding-window mask (keys at positions
+    0..n-1, queries at q_pos int64 [Tq]) and the sinks (reshaped to `sink_shape`, broadcast
+    against [..., Tq, 1]) in the denominator. Shared by the K/V and the latent oracle.
+    """
     s = s * params.scale
     if params.soft_cap is not None:
         s = params.soft_cap * torch.tanh(s / params.soft_cap)
-    key_pos = torch.arange(n, device=q.device)
+    key_pos = torch.arange(s.shape[-1], device=s.device)
     visible = key_pos[None, :] <= q_pos[:, None]
     if params.sliding_window is not None:
         visible &= key_pos[None, :] > q_pos[:, None] - params.sliding_window
     s = s.masked_fill(~visible, float("-inf"))
-    m = s.amax(-1, keepdim=True)  # [h, g, tq, 1]
+    m = s.amax(-1, keepdim=True)
     if params.sinks is not None:
-        sink = params.sinks.to(q.device, torch.float32).reshape(h, hq // h, 1, 1)
+        sink = params.sinks.to(s.device, torch.float32).reshape(sink_shape)
         m = torch.maximum(m, sink)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)

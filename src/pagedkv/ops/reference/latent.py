@@ -19,7 +19,7 @@ from ...codecs import reference as codec_ref
 from ...codecs.layout import block_views
 from ..batch import AttentionParams, PagedLayer
 from ..latent_layer import LatentLayer
-from .attention import varlen_query_chunks
+from .attention import masked_softmax, varlen_query_chunks
 from .store import store as _store
 from .store import tensor_scale
 
@@ -63,24 +63,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, r: torch.
     q_pos int64 [Tq]. Returns float32 [Tq, Hq, L].
     """
     s = (torch.einsum("thl,nl->htn", q_lat.float(), c) + torch.einsum("thr,nr->htn", q_rope.float(), r))
-    s = s * params.scale
-    if params.soft_cap is not None:
-        s = params.soft_cap * torch.tanh(s / params.soft_cap)
-    key_pos = torch.arange(c.shape[0], device=c.device)
-    visible = key_pos[None, :] <= q_pos[:, None]
-    if params.sliding_window is not None:
-        visible &= key_pos[None, :] > q_pos[:, None] - params.sliding_window
-    s = s.masked_fill(~visible, float("-inf"))
-    m = s.amax(-1, keepdim=True)  # [Hq, Tq, 1]
-    if params.sinks is not None:
-        sink = params.sinks.to(c.device, torch.float32).reshape(-1, 1, 1)
-        m = torch.maximum(m, sink)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)
-    z = e.sum(-1, keepdim=True)
-    if params.sinks is not None:
-        z = z + torch.exp(sink - m)
-    p = e / z
+    p = masked_softmax(s, q_pos, params, sink_shape=(-1, 1, 1))  # [Hq, Tq, n]
     if params.sparse_v_threshold > 0:
         p = torch.where(p < params.sparse_v_threshold, torch.zeros_like(p), p)
     return torch.einsum("htn,nl->thl", p, c)
