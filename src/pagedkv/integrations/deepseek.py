@@ -42,8 +42,8 @@ from ..formats import KVFormat
 from ..ops import AttentionParams
 from ..ops.latent import (LatentLayer, latent_decode_attention, latent_prefill_attention,
                           latent_store, make_latent_layer)
-from .transformers import (FP8_HEADROOM, FP8_MAX, PagedCacheLayer, PagedKVCache, _Blocks,
-                           _model_device, _transformers)
+from .calibration import fp8_tensor_scale
+from .transformers import PagedCacheLayer, PagedKVCache, _Blocks, _model_device, _transformers
 
 _ORIGINAL = "_pagedkv_original_forward"
 
@@ -142,9 +142,9 @@ class LatentCacheLayer(PagedCacheLayer):
         changes = {}
         if spec.latent_codec.name == "fp8":
             x = torch.cat([latent.flatten(), rope.flatten()]) if spec.uniform else latent
-            changes["latent_scale"] = _scale(x, p.device)
+            changes["latent_scale"] = fp8_tensor_scale(x, p.device)
         if not spec.uniform and spec.rope_codec.name == "fp8":
-            changes["rope_scale"] = _scale(rope, p.device)
+            changes["rope_scale"] = fp8_tensor_scale(rope, p.device)
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True
 
@@ -166,12 +166,6 @@ class LatentCacheLayer(PagedCacheLayer):
             latent_store(self.paged, latent.reshape(b * t, -1), rope.reshape(b * t, -1), slots,
                          backend=self.cache.backend, checks=self.cache.checks)
             self.length += t
-
-
-def _scale(x: torch.Tensor, device) -> torch.Tensor:
-    amax = float(x.abs().amax()) if x.numel() else 0.0
-    return torch.tensor([FP8_HEADROOM * amax / FP8_MAX if amax > 0 else 1.0], dtype=torch.float32,
-                        device=device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ out unless `max_tokens` fixes the capacity (then CacheFull). Rows share full blo
 reorder / repeat (reference counts); a shared block is copied before it is written.
 
 Key centring (on by default for non-bf16 K): on its first update a layer fixes
-`k_centre` from that first chunk per KV head (float32 [H, D], see `key_centre`: for fp8 K a
+`k_centre` from that first chunk per KV head (float32 [H, D], see `calibration.key_centre`: for fp8 K a
 per-channel mean of the chunk's keys without the ~3% farthest from the median (the sink/BOS
 tokens), else the per-channel median, robust to the sinks' outlier keys); stored keys are
 k - k_centre and attention adds q . k_centre back, which softmax makes exact. It removes the
@@ -39,7 +39,7 @@ attention_mask raises InvalidInput); `torch.compile` is not supported.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -47,11 +47,10 @@ from ..cache.config import CacheConfig
 from ..errors import CacheFull, ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..ops import AttentionParams, PagedLayer, decode_attention, prefill_attention, store
+from .calibration import CalibrationOptions, calibrate
 
 ATTN_IMPLEMENTATION = "pagedkv"
 _TAG = "_pagedkv_layer"
-FP8_MAX = 448.0
-FP8_HEADROOM = 2.0  # fp8 tensor scale = headroom * amax(first chunk) / 448
 
 
 def _transformers():
@@ -153,7 +152,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     attention sinks). Off by default: on SmolLM2 it raised KL (bf16k_turbo2v 0.174 vs 0.107,
     q4_0 0.073 vs 0.055 on the first eval window): the mean is skewed by outlier (sink) tokens.
     key_scaling: per-channel key multipliers fitted to the first chunk's keys and queries (see
-    `channel_multipliers`). Off by default: exact, but on SmolLM2 it did not lower KL (turbo3
+    `calibration.channel_multipliers`). Off by default: exact, but on SmolLM2 it did not lower KL (turbo3
     0.106 vs 0.107, turbo4 0.029 vs 0.026, q4_0 0.062 vs 0.055 on the first eval window).
     block_size: tokens per block. max_tokens: None grows the pools on demand; an int fixes the
     capacity to that many tokens summed over rows (CacheFull beyond).
@@ -446,27 +445,13 @@ class PagedCacheLayer:
                 f"{s.num_kv_heads} KV heads x head_dim {s.head_dim}"
             )
         p = self._make(self.cache.blocks.num_blocks)
-        k32 = key_states.detach().float()
-        changes: dict[str, Any] = {}
-        centre = None
-        if self.cache.key_centring and k32.shape[2]:
-            centre = key_centre(k32, p.k_codec.name)
-        kc = k32 - centre[None, :, None, :] if centre is not None else k32
-        mult = None
-        if self.scale_keys and query_states is not None and k32.shape[2]:
-            mult = channel_multipliers(kc, query_states.detach().float())
-            kc = kc * mult[None, :, None, :]
-        self.k_mult = mult
-        if centre is not None:
-            changes["k_centre"] = (centre * mult if mult is not None else centre).contiguous()
-        if p.k_codec.name == "fp8":
-            changes["k_scale"] = _fp8_scale(kc, p.device)
-        v32 = value_states.detach().float()
-        if self.centre_values and v32.shape[2]:
-            self.v_centre = v32.mean(dim=(0, 2)).contiguous()
-            v32 = v32 - self.v_centre[None, :, None, :]
-        if p.v_codec.name == "fp8":
-            changes["v_scale"] = _fp8_scale(v32, p.device)
+        options = CalibrationOptions(key_centring=self.cache.key_centring, key_scaling=self.scale_keys,
+                                     value_centring=self.centre_values)
+        cal = calibrate(key_states, value_states, query_states, p.k_codec.name, p.v_codec.name,
+                        options, p.device)
+        self.k_mult, self.v_centre = cal.k_mult, cal.v_centre
+        changes = {name: getattr(cal, name) for name in ("k_centre", "k_scale", "v_scale")
+                   if getattr(cal, name) is not None}
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True
 
@@ -549,64 +534,6 @@ class PagedCacheLayer:
 
     def prefetch(self):
         pass
-
-
-MULT_RANGE = 8.0  # channel multipliers are clamped to [1/8, 8] (geometric mean 1 per head)
-
-
-def channel_multipliers(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Per-channel key multipliers m (float32 [H, D]) that minimise the expected logit error of
-    quantized keys: attention uses (q / m) . (k * m) == q . k exactly, and with a quantization
-    error proportional to the stored keys' energy, E[(q' . e)^2] ~ sum_i m_i^2 K_i *
-    sum_i Q_i / m_i^2, minimised (Cauchy-Schwarz) at m_i = (Q_i / K_i)^(1/4), where K_i, Q_i are
-    the mean squares of (centred) keys and of the group's queries in channel i. Channels i and
-    i + D/2 (a RoPE pair) share one multiplier.
-
-    keys: float32 [B, H, T, D] (already centred); queries: float32 [B, Hq, T, D].
-    """
-    b, h, t, d = keys.shape
-    g = queries.shape[1] // h
-    K = keys.pow(2).mean(dim=(0, 2))  # [H, D]
-    Q = queries.reshape(b, h, g, -1, d).pow(2).mean(dim=(0, 2, 3))  # [H, D]
-    if d % 2 == 0:
-        half = d // 2
-        K = ((K[:, :half] + K[:, half:]) / 2).repeat(1, 2)
-        Q = ((Q[:, :half] + Q[:, half:]) / 2).repeat(1, 2)
-    tiny = torch.finfo(torch.float32).tiny
-    log_m = 0.25 * (torch.log(Q + tiny) - torch.log(K + tiny))
-    log_m = log_m - log_m.mean(dim=-1, keepdim=True)
-    bound = float(torch.log(torch.tensor(MULT_RANGE)))
-    return torch.exp(log_m.clamp(-bound, bound)).contiguous()
-
-
-def key_centre(keys: torch.Tensor, k_codec: str) -> torch.Tensor:
-    """The key centre c (float32 [H, D]) from the first chunk's keys (float32 [B, H, T, D]).
-
-    Every codec but fp8 (rotated, group scales) gets the per-channel median over tokens,
-    averaged over rows: robust to the attention-sink tokens' (BOS) outlier keys.
-    fp8 K (E4M3: a relative error per element, unrotated) adds an error to q . k of about
-    sum_i q_i^2 (k_i - c_i)^2, which a mean minimises; so for fp8 c is the per-channel mean over
-    the chunk's tokens after dropping, per row and KV head, the 1 + floor(3% of T) tokens whose keys
-    are farthest (L2) from the median centre (the sinks), then averaged over rows. Deterministic.
-    Measured on SmolLM2, 8 eval windows, fp8 KL: median 0.00833, plain mean 0.00824, mean
-    without token 0 0.00842, trimmed 1% 0.00841, 2% 0.00798, 3% 0.00780 (sensitive to the cut:
-    tuned on the eval text). On 2 windows a trimmed mean raised turbo3/turbo4 KL, hence the split.
-    """
-    med = keys.median(dim=2).values.mean(dim=0)
-    t = keys.shape[2]
-    if k_codec != "fp8" or t < 2:
-        return med
-    dist = (keys - med[None, :, None, :]).norm(dim=-1)  # [B, H, T]
-    keep = max(1, t - int(0.03 * t) - 1)
-    idx = dist.argsort(dim=2, stable=True)[..., :keep]
-    sel = torch.gather(keys, 2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
-    return sel.mean(dim=(0, 2))
-
-
-def _fp8_scale(x: torch.Tensor, device) -> torch.Tensor:
-    amax = float(x.abs().amax()) if x.numel() else 0.0
-    scale = FP8_HEADROOM * amax / FP8_MAX if amax > 0 else 1.0
-    return torch.tensor([scale], dtype=torch.float32, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
