@@ -225,10 +225,29 @@ def test_errors():
     with pytest.raises(ConfigError, match="max_tokens"):
         PagedKVCache(model, "turbo3", max_tokens=0)
     ids = torch.cat([_ids(6), _ids(6, seed=9)])
+    cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=4)
+    # a mask wider than the columns (fresh cache: 6 new tokens), or with the wrong batch size
+    with pytest.raises(InvalidInput, match=r"attention_mask has shape \[2, 8\]; expected \[2, 6\]"):
+        model(ids, attention_mask=torch.ones(2, 8, dtype=torch.long), cache=cache, use_cache=True)
+    with pytest.raises(InvalidInput, match=r"expected \[2, 6\]"):
+        model(ids, attention_mask=torch.ones(3, 6, dtype=torch.long), cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and cache.blocks.used == 0 and not cache.layers[0].is_initialized
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    with pytest.raises(InvalidInput, match="padded"):
-        model(ids, attention_mask=mask, cache=PagedKVCache(model, "bf16"), use_cache=True)
+    model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    assert cache.row_lengths(6) == [6, 4] and cache.blocks.used == 2 + 1
+    # a mask that forgets the stored padding, or covers only the new token: refused, nothing changes
+    before = (cache.get_seq_length(), [list(t) for t in cache.blocks.tables], cache.blocks.used)
+    with pytest.raises(InvalidInput, match=r"marks \[6, 6\] valid past tokens per row but the "
+                                           r"cache stored \[6, 4\]"):
+        model(ids[:, :1], attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache, use_cache=True)
+    with pytest.raises(InvalidInput, match=r"cache holds 6 columns"):
+        model(ids[:, :1], attention_mask=torch.ones(2, 1, dtype=torch.long), cache=cache, use_cache=True)
+    four_d = torch.zeros(2, 1, 1, 7)
+    with pytest.raises(InvalidInput, match="2D attention_mask"):
+        model(ids[:, :1], attention_mask=four_d, cache=cache, use_cache=True)
+    assert (cache.get_seq_length(), [list(t) for t in cache.blocks.tables], cache.blocks.used) == before
+    assert all(layer.pending is None and layer.length == 6 for layer in cache.layers)
 
 
 def test_plain_forward_without_cache_is_exact_attention():
@@ -255,3 +274,156 @@ def test_key_centre_estimator_per_codec():
     torch.testing.assert_close(key_centre(k, "turbo3"), want_med)
     one = k[:, :, :1]
     torch.testing.assert_close(key_centre(one, "fp8"), one[:, :, 0].mean(dim=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# padded batches (left padding for generation, right padding for plain forwards)
+
+
+def _left_padded(lengths, seed=11):
+    """ids [B, max], mask [B, max] (left padding, pad id 0), positions from the mask as generate
+    makes them."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, width - n:] = _ids(n, seed=seed + r)[0]
+        mask[r, width - n:] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def _padded_run(model, cache, ids, mask, pos, steps):
+    """Prefill the padded batch, then `steps` decode tokens per row (greedy from the logits);
+    returns the logits [B, T + steps, V] (pad positions included)."""
+    outs = []
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        outs.append(out.logits.float())
+        for _ in range(steps):
+            nxt = outs[-1][:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            pos = pos[:, -1:] + 1
+            out = model(nxt, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+            outs.append(out.logits.float())
+    return torch.cat(outs, dim=1), mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padded_batch_matches_dynamic_cache(family):
+    """Rows of 13, 9 and 4 tokens (longer and shorter than the Gemma window of 8), left padded,
+    then 5 decode steps: every valid position's logits match eager attention on DynamicCache."""
+    model = _model(family)
+    ids, mask, pos = _left_padded([13, 9, 4])
+    ref, full_mask = _padded_run(model, DynamicCache(config=model.config), ids, mask, pos, 5)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=4)
+    out, _ = _padded_run(model, cache, ids, mask, pos, 5)
+    valid = full_mask.bool()
+    assert cache.get_seq_length() == 13 + 5  # columns, as transformers counts them
+    assert cache.row_lengths(cache.get_seq_length()) == [18, 14, 9]
+    assert [len(t) for t in cache.blocks.tables] == [5, 4, 3]  # pads take no blocks
+    scale = ref[valid].abs().max()
+    assert (out[valid] - ref[valid]).abs().max() <= 2e-2 * scale, (out[valid] - ref[valid]).abs().max()
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_right_padded_forward_matches_each_row_alone(family):
+    """A plain forward over a right-padded batch (perplexity style): valid positions equal each
+    row run alone, with the cache (bf16) and without one (exact dense attention)."""
+    model = _model(family, ATTN_IMPLEMENTATION)
+    lengths = [12, 7, 3]
+    ids = torch.zeros(3, 12, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, :n], mask[r, :n] = _ids(n, seed=20 + r)[0], 1
+    with torch.no_grad():
+        cached = model(ids, attention_mask=mask, cache=PagedKVCache(model, "bf16", high_precision_layers=0,
+                                                                    block_size=4), use_cache=True).logits
+        dense = model(ids, attention_mask=mask, use_cache=False).logits
+        for r, n in enumerate(lengths):
+            alone = model(ids[r:r + 1, :n], cache=PagedKVCache(model, "bf16", high_precision_layers=0,
+                                                               block_size=4), use_cache=True).logits[0]
+            alone_dense = model(ids[r:r + 1, :n], use_cache=False).logits[0]
+            torch.testing.assert_close(cached[r, :n], alone, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(dense[r, :n], alone_dense, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,fmt,centring,scaling", [
+    ("llama", "turbo3", True, True), ("gemma2", "q4_0", True, False), ("qwen3", "turbo4", True, False),
+])
+def test_padded_compressed_cache_equals_dense_attention_on_decoded_kv(family, fmt, centring, scaling):
+    """Left-padded prefill + decode on compressed pages == dense attention on the decoded K/V
+    (same statistics, fitted from the valid tokens only) at every valid position."""
+    from pagedkv.formats import parse_format
+
+    kvf = parse_format(fmt)
+    model = _model(family)
+    ids, mask, pos = _left_padded([11, 6, 2], seed=30)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, fmt, high_precision_layers=0, key_centring=centring,
+                         value_centring=centring, key_scaling=scaling, block_size=4)
+    out, full_mask = _padded_run(model, cache, ids, mask, pos, 4)
+    model.set_attn_implementation("eager")
+    oracle_cache = DynamicCache()
+    oracle_cache.layers = [_QDQLayer(kvf, layer) for layer in cache.layers]
+    oracle_cache.layer_class_to_replicate = None
+    ref, _ = _padded_run(model, oracle_cache, ids, mask, pos, 4)
+    valid = full_mask.bool()
+    assert (out[valid] - ref[valid]).abs().max() <= 1e-3 * ref[valid].abs().max()
+
+
+def test_padded_statistics_use_valid_tokens_only():
+    """The first chunk's statistics ignore pads: a batch whose pads hold huge keys gets the same
+    key centre as its valid tokens alone."""
+    model = _model("llama", ATTN_IMPLEMENTATION)
+    ids, mask, pos = _left_padded([8, 8], seed=40)
+    padded_ids = torch.cat([torch.full((2, 3), 5), ids], dim=1)
+    padded_mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), mask], dim=1)
+    padded_pos = torch.cat([torch.zeros(2, 3, dtype=torch.long), pos], dim=1)
+    a = PagedKVCache(model, "turbo3", high_precision_layers=0, key_scaling=True)
+    b = PagedKVCache(model, "turbo3", high_precision_layers=0, key_scaling=True)
+    with torch.no_grad():
+        la = model(ids, attention_mask=mask, position_ids=pos, cache=a, use_cache=True).logits
+        lb = model(padded_ids, attention_mask=padded_mask, position_ids=padded_pos, cache=b,
+                   use_cache=True).logits[:, 3:]
+    for x, y in zip(a.layers, b.layers):
+        torch.testing.assert_close(x.paged.k_centre, y.paged.k_centre)
+        torch.testing.assert_close(x.k_mult, y.k_mult)
+    torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
+    assert b.row_lengths(11) == [8, 8] and b.get_seq_length() == 11
+
+
+def test_padded_crop_reorder_and_beam():
+    """crop counts columns and keeps each row's valid tokens; beam search on a padded batch
+    matches eager DynamicCache beam search."""
+    model = _model("qwen2")
+    ids, mask, pos = _left_padded([10, 5], seed=50)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref_beam = model.generate(ids, attention_mask=mask, num_beams=2, **kw)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=4)
+        out_beam = model.generate(ids, attention_mask=mask, cache=cache, num_beams=2, **kw)
+    assert out_beam.tolist() == ref_beam.tolist()
+    refs = [0] * cache.blocks.num_blocks
+    for table in cache.blocks.tables:
+        for b in table:
+            refs[b] += 1
+    assert refs == cache.blocks.ref
+    # crop: prefill + 4 decode steps, remove 3 columns, re-feed them: same logits
+    cache = PagedKVCache(model, "turbo4", high_precision_layers=0, block_size=4)
+    full, full_mask = _padded_run(model, cache, ids, mask, pos, 4)
+    assert cache.row_lengths(14) == [14, 9]
+    cache.crop(-3)
+    assert cache.get_seq_length() == 11 and cache.row_lengths(11) == [11, 6]
+    assert [len(t) for t in cache.blocks.tables] == [3, 2]
+    tokens = full[:, 10:13].argmax(-1)  # the tokens fed at columns 11..13
+    fpos = (full_mask.cumsum(-1) - 1)[:, 11:14]
+    with torch.no_grad():
+        again = model(tokens, attention_mask=full_mask, position_ids=fpos, cache=cache, use_cache=True).logits
+    torch.testing.assert_close(again.float(), full[:, 11:14], atol=1e-4, rtol=1e-4)
+    # reorder rows (as beam search does): each row keeps its own length
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert cache.row_lengths(14) == [9, 9]

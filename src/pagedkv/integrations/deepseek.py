@@ -174,6 +174,11 @@ class LatentCacheLayer(PagedCacheLayer):
 
 def _check_mask(attention_mask, length: int) -> None:
     """Refuse padded batches: the last query row must see every cached position."""
+    if getattr(attention_mask, "all_valid", True) is False:  # a "pagedkv" PaddingMask with pads
+        raise InvalidInput(
+            "the pagedkv latent cache does not support padded batches yet (the attention_mask has "
+            "zeros); run rows of equal length or one row at a time"
+        )
     if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         return
     last = attention_mask[:, :, -1, :length]

@@ -9,15 +9,27 @@ Usage:
     cache = PagedKVCache(model, "turbo3")
     out = model.generate(ids, past_key_values=cache, max_new_tokens=64)   # or cache=cache
 
-How it works. transformers calls `cache.update(k, v, layer_idx)` with the new tokens' K/V
-(float [B, H, T, D]) and then the registered attention function with what `update` returned.
-`update` encodes the new rows into the layer's pools (`pagedkv.ops.store`; nothing already stored
-is touched) and returns the new K/V tagged with the layer; the attention function then runs
-`pagedkv.ops.prefill_attention` (T > 1) or `decode_attention` (T == 1), which read the codes
-through the block tables. Every query, including those of a prompt, attends to compressed K/V,
-exactly as in decoding. Without a PagedKVCache (plain forward, or transformers' own cache), the
-function computes exact fp32 attention on the K/V it is given, so a model switched to "pagedkv"
-still runs everywhere.
+How it works. transformers builds the mask first: the mask function registered for "pagedkv"
+turns a 2D attention_mask into a small `PaddingMask` (no dense mask: causality and windows are
+applied inside the ops). Each layer then calls `cache.update(k, v, layer_idx)` with the new
+tokens' K/V (float [B, H, T, D]); `update` only takes them (tagged with the layer), and the
+registered attention function, which receives the mask, stores the chunk's valid tokens
+(`pagedkv.ops.store`; nothing already stored is touched) and runs `pagedkv.ops.prefill_attention`
+(varlen: each row's valid queries) or `decode_attention` (T == 1), which read the codes through
+the block tables. Every query, including those of a prompt, attends to compressed K/V, exactly as
+in decoding. Without a PagedKVCache (plain forward, or transformers' own cache), the function
+computes exact fp32 attention on the K/V it is given (pads masked), so a model switched to
+"pagedkv" still runs everywhere.
+
+Padded batches (left padding for `generate`, right padding for a plain forward): pad columns
+(attention_mask 0) are never stored, so row r holds only its valid tokens, packed, and its
+queries attend to its own tokens (bottom-right causal over what it stored; pad queries output
+zeros, which transformers discards). `get_seq_length()` stays the column count transformers
+expects (pads included); `row_lengths(columns)` gives each row's stored count. Positions come
+from transformers (from the mask in `generate`; pass `position_ids` for a left-padded plain
+forward, as with any attention). A batch shares one set of first-chunk statistics, fitted from
+the valid tokens of all its rows. Sliding windows count stored tokens, which equals
+transformers' column windows whenever pads only lead or trail a row (left / right padding).
 
 Storage: one block table per batch row; one block id addresses the same slots of every layer
 (K and V pools per layer, sized from the catalogue, per-layer formats from `CacheConfig`:
@@ -25,15 +37,17 @@ high-precision first/last layers, sliding windows). The pools grow by doubling w
 out unless `max_tokens` fixes the capacity (then CacheFull). Rows share full blocks after a beam
 reorder / repeat (reference counts); a shared block is copied before it is written.
 
-Key centring (on by default for non-bf16 K): on its first update a layer fixes
-`k_centre` from that first chunk per KV head (float32 [H, D], see `calibration.key_centre`: for fp8 K a
-per-channel mean of the chunk's keys without the ~3% farthest from the median (the sink/BOS
-tokens), else the per-channel median, robust to the sinks' outlier keys); stored keys are
-k - k_centre and attention adds q . k_centre back, which softmax makes exact. It removes the
-large shared component of keys (the RoPE-rotated bias most models have) before quantization.
+Key centring (on by default for non-bf16 K): on its first stored chunk a layer fixes
+`k_centre` from that chunk's valid tokens per KV head (float32 [H, D], see
+`calibration.key_centre`: for fp8 K a per-channel mean of the chunk's keys without the ~3%
+farthest from the median (the sink/BOS tokens), else the per-channel median, robust to the
+sinks' outlier keys); stored keys are k - k_centre and attention adds q . k_centre back, which
+softmax makes exact. It removes the large shared component of keys (the RoPE-rotated bias most models have) before quantization.
 
-Limitations: rows of a batch must have the same length (no padding mask: a padded 2D
-attention_mask raises InvalidInput); `torch.compile` is not supported.
+Limitations: `torch.compile` is not supported; a prepared 4D attention mask is refused (pass
+the 2D padding mask); the mask must cover every column seen so far ([B, past + new], as
+`generate` passes it; a mask that disagrees with what the cache stored raises InvalidInput);
+custom mask functions (bidirectional image-token masks, packed sequences) are not applied.
 """
 
 from __future__ import annotations
@@ -159,7 +173,14 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     device: where the pools live (default: the model's device, else cpu).
     backend: ops backend name (None = automatic). checks: the ops' value checks (NaN/Inf in K/V,
     slot ranges); False skips those scans (shape/dtype checks always run).
+
+    Padded batches: `get_seq_length()` counts columns (pads included, what transformers'
+    generate expects); row r stores only its valid tokens, `row_lengths(columns)[r]` of them.
     """
+
+    # bool [rows, columns] on cpu: which columns each row stored; None while every column was valid
+    _valid: Optional[torch.Tensor] = None
+    _lens_memo: Optional[tuple] = None  # (columns, row_lengths(columns))
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[int, str] = "auto", hp_format: Union[str, KVFormat] = "q8_0",
@@ -230,21 +251,58 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             )
 
     def _slots(self, start: int, count: int, device) -> torch.Tensor:
-        """Slots for positions start..start+count of every row (row-major), allocating blocks and
-        copying shared blocks about to be written. int64 [rows * count]."""
+        """Slots for positions start..start+count of every row (row-major). int64 [rows * count]."""
+        return self._slots_rows([start] * self.batch_rows, [count] * self.batch_rows, device)
+
+    def _slots_rows(self, starts: Sequence[int], counts: Sequence[int], device) -> torch.Tensor:
+        """Slots for positions starts[r]..starts[r]+counts[r] of each row r, row-major, allocating
+        blocks and copying shared blocks about to be written. int64 [sum(counts)]."""
         bs = self.blocks.block_size
-        need = -(-(start + count) // bs)
-        first_written = start // bs
-        for row, table in enumerate(self.blocks.tables):
+        for row, (table, start, count) in enumerate(zip(self.blocks.tables, starts, counts)):
+            if not count:
+                continue
+            need = -(-(start + count) // bs)
+            first_written = start // bs
             if start % bs and first_written < len(table) and self.blocks.ref[table[first_written]] > 1:
                 self._copy_on_write(row, first_written)
             if need > len(table):
                 table.extend(self.blocks.take(need - len(table), self._grow))
                 self.blocks.version += 1
-        pos = torch.arange(start, start + count)
+        n = torch.tensor(list(counts), dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(counts)), n)
+        first = torch.cumsum(n, 0) - n  # index of each row's first new token
+        pos = torch.arange(int(n.sum())) - first[rows] + torch.tensor(list(starts), dtype=torch.long)[rows]
         tables = self.block_table_tensor(torch.device("cpu")).long()
-        slots = tables[:, pos // bs] * bs + (pos % bs)[None, :]
-        return slots.reshape(-1).to(device)
+        slots = tables[rows, pos // bs] * bs + pos % bs
+        return slots.to(device)
+
+    # ---- per-row lengths (padded batches) -----------------------------------------------------
+    def row_lengths(self, columns: int) -> list[int]:
+        """Tokens each row has stored once the first `columns` columns of the batch are processed:
+        pad columns (attention_mask 0) are never stored, so a row holds only its valid tokens."""
+        if self._valid is None:
+            return [columns] * self.batch_rows
+        memo = self._lens_memo
+        if memo is None or memo[0] != columns:
+            memo = (columns, self._valid[:, :columns].sum(dim=1).tolist())
+            self._lens_memo = memo
+        return memo[1]
+
+    def _record(self, start: int, valid: Optional[torch.Tensor], rows: int, count: int) -> None:
+        """Note which of the columns start..start+count each row stored (valid: bool [rows, count],
+        None = all). The first layer to store a chunk records it; the others find it there."""
+        if self._valid is None:
+            if valid is None:
+                return
+            self._valid = torch.ones(rows, start, dtype=torch.bool)
+        width = self._valid.shape[1]
+        if start + count <= width:
+            return
+        assert start <= width, (start, width)
+        new = (torch.ones(rows, count, dtype=torch.bool) if valid is None
+               else valid.detach().to("cpu", torch.bool))
+        self._valid = torch.cat([self._valid[:, :start], new], dim=1)
+        self._lens_memo = None
 
     def _copy_on_write(self, row: int, index: int) -> None:
         old = self.blocks.tables[row][index]
@@ -275,6 +333,9 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         """New row i = old row sources[i]; full blocks are shared (refcounted), a shared partial
         block is copied when it is next written."""
         self._flush()
+        if self._valid is not None:
+            self._valid = self._valid[torch.tensor(list(sources), dtype=torch.long)]
+            self._lens_memo = None
         old = self.blocks.tables
         new = []
         for s in sources:
@@ -288,9 +349,11 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self.blocks.tables = new
         self.blocks.version += 1
 
-    def _truncate(self, length: int) -> None:
-        need = -(-length // self.blocks.block_size)
-        for table in self.blocks.tables:
+    def _truncate(self, length: Union[int, Sequence[int]]) -> None:
+        """Release the blocks past `length` tokens (one int for every row, or one per row)."""
+        lengths = [length] * self.batch_rows if isinstance(length, int) else list(length)
+        for table, n in zip(self.blocks.tables, lengths):
+            need = -(-n // self.blocks.block_size)
             while len(table) > need:
                 self.blocks.release(table.pop())
         self.blocks.version += 1
@@ -306,17 +369,24 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self._rearrange_rows([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Negative n removes -n tokens; n >= 0 keeps the first n tokens (legacy form)."""
+        """Negative n removes the last -n columns; n >= 0 keeps the first n columns (legacy form).
+        Columns count pads as HF does (`get_seq_length`); each row keeps its valid tokens among
+        the kept columns."""
         self._flush()
         length = self.get_seq_length()
         keep = length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, length)
         keep = max(keep, 0)
         for layer in self.layers:
             layer.length = min(layer.length, keep)
-        self._truncate(keep)
+        if self._valid is not None:
+            self._valid = self._valid[:, :keep]
+            self._lens_memo = None
+        self._truncate(self.row_lengths(max((layer.length for layer in self.layers), default=0)))
 
     def reset(self) -> None:
         self._truncate(0)
+        self._valid = None
+        self._lens_memo = None
         self.blocks.tables = []
         self.blocks.version += 1
         for layer in self.layers:
@@ -365,8 +435,11 @@ def _model_device(model_or_config):
 class PagedCacheLayer:
     """One model layer's paged K/V (transformers CacheLayerMixin contract).
 
-    `length`: tokens stored (every row has the same length). `paged`: the ops' PagedLayer (pools,
-    codecs, fp8 scales, key centre), rebuilt when the pools grow or the centre is fixed.
+    `length`: columns processed (pads included, as transformers counts); row r holds
+    `cache.row_lengths(length)[r]` valid tokens. `pending`: (k, v, start column) of the chunk
+    `update` received, stored by the attention function once it knows the chunk's padding.
+    `paged`: the ops' PagedLayer (pools, codecs, fp8 scales, key centre), rebuilt when the pools
+    grow or the centre is fixed.
     """
 
     is_compileable = False
@@ -388,7 +461,7 @@ class PagedCacheLayer:
         self.length = 0
         self.paged: Optional[PagedLayer] = None
         self.k_mult: Optional[torch.Tensor] = None  # float32 [H, D]: stored keys are k * k_mult
-        self.pending = None  # (k, v, start) of a first chunk waiting for its queries
+        self.pending = None  # (k, v, start column) of the chunk waiting for the attention function
         self.scale_keys = cache.key_scaling and spec.format.k.name != "bf16"
         self.centre_values = cache.value_centring and spec.format.v.name != "bf16"
         self.v_centre: Optional[torch.Tensor] = None  # float32 [H, D]
@@ -455,47 +528,76 @@ class PagedCacheLayer:
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True
 
-    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+    def _store_chunk(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
+                     valid: Optional[torch.Tensor] = None,
+                     query_states: Optional[torch.Tensor] = None) -> None:
+        """Store the valid tokens of the chunk at columns start.. (keys/values float [B, H, T, D];
+        valid bool [B, T] or None = all), packed per row after the row's stored tokens. The
+        layer's first chunk with a valid token fixes its statistics from the valid tokens (and
+        the valid queries [B, Hq, T, D], when given) first."""
         b, h, t, d = key_states.shape
-        slots = self.cache._slots(start, t, self.paged.device)
-        k = key_states.transpose(1, 2).reshape(b * t, h, d)
-        if self.k_mult is not None:
-            k = k.float() * self.k_mult
-        v = value_states.transpose(1, 2).reshape(b * t, h, d)
-        if self.v_centre is not None:
-            v = v.float() - self.v_centre
-        store(self.paged, k, v, slots, backend=self.cache.backend, checks=self.cache.checks)
+        cache = self.cache
+        starts = cache.row_lengths(start)
+        counts = [t] * b if valid is None else valid.sum(dim=1).tolist()
+        if sum(counts):
+            if not self.is_initialized:
+                q = None if query_states is None else _valid_tokens(query_states, valid, counts)
+                self.lazy_initialization(_valid_tokens(key_states, valid, counts),
+                                         _valid_tokens(value_states, valid, counts), q)
+            k = key_states.transpose(1, 2)  # [B, T, H, D]
+            v = value_states.transpose(1, 2)
+            k = k.reshape(b * t, h, d) if valid is None else k[valid]
+            v = v.reshape(b * t, h, d) if valid is None else v[valid]
+            if self.k_mult is not None:
+                k = k.float() * self.k_mult
+            if self.v_centre is not None:
+                v = v.float() - self.v_centre
+            slots = cache._slots_rows(starts, counts, self.paged.device)
+            store(self.paged, k, v, slots, backend=cache.backend, checks=cache.checks)
+        cache._record(start, valid, b, t)
 
-    def flush(self, query_states: Optional[torch.Tensor] = None) -> None:
-        """Store the chunk held back for its queries' statistics (first chunk of a layer)."""
+    def flush(self, query_states: Optional[torch.Tensor] = None,
+              valid: Optional[torch.Tensor] = None) -> None:
+        """Store the chunk `update` left for the attention function (every token valid unless
+        `valid` bool [B, T] says otherwise; queries [B, Hq, T, D] for the key statistics)."""
         if self.pending is None:
             return
         k, v, start = self.pending
         self.pending = None
-        self.lazy_initialization(k, v, query_states)
-        self._store(k, v, start)
+        self._store_chunk(k, v, start, valid, query_states)
+
+    def _abort(self, pending, was_initialized: bool) -> None:
+        """Forget the chunk `pending` (k, v, start) that the attention function refused or failed
+        to store, so the layer is as it was before `update` (statistics a failed first chunk
+        fixed are dropped too)."""
+        if pending is None:
+            return
+        self.pending = None
+        self.length = pending[2]
+        if not was_initialized:
+            self.paged, self.k_mult, self.v_centre, self.is_initialized = None, None, None, False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens' K/V (float [B, H, T, D]) compressed; return them tagged with this
-        layer for the attention function (nothing stored is read back here).
-
-        With key scaling the layer's first chunk is held back until the attention function
-        has seen its queries (`flush`), then stored before any attention reads it."""
+        """Take the new tokens' K/V (float [B, H, T, D]); return them tagged with this layer for
+        the attention function. Nothing is stored here: the attention function receives the
+        chunk's padding mask, then stores the valid tokens compressed (`flush`) and attends
+        (a chunk the attention function never saw is stored whole by the next `update`)."""
+        s = self.spec
         if key_states.dim() != 4 or key_states.shape != value_states.shape:
             raise InvalidInput(
-                f"layer {self.spec.index}: expected keys and values [B, H, T, D] of one shape, got "
+                f"layer {s.index}: expected keys and values [B, H, T, D] of one shape, got "
                 f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        if key_states.shape[1] != s.num_kv_heads or key_states.shape[-1] != s.head_dim:
+            raise InvalidInput(
+                f"layer {s.index}: keys {tuple(key_states.shape)} do not match the cache's "
+                f"{s.num_kv_heads} KV heads x head_dim {s.head_dim}"
             )
         b, h, t, d = key_states.shape
         self.cache._ensure_rows(b)
-        self.flush()  # attention never ran for a held-back chunk: fix stats from keys alone
+        self.flush()  # attention never ran for the previous chunk: store it whole
         if t:
-            if not self.is_initialized and self.scale_keys:
-                self.pending = (key_states, value_states, self.length)
-            else:
-                if not self.is_initialized:
-                    self.lazy_initialization(key_states, value_states)
-                self._store(key_states, value_states, self.length)
+            self.pending = (key_states, value_states, self.length)
             self.length += t
         setattr(key_states, _TAG, self)
         return key_states, value_states
@@ -540,16 +642,114 @@ class PagedCacheLayer:
 # attention function
 
 
+class PaddingMask:
+    """What the "pagedkv" mask interface hands the attention function for a 2D attention_mask
+    (instead of a dense [B, 1, Tq, Tk] mask: causality and windows are applied inside the ops).
+
+    mask: bool [B, C], C = columns seen so far including the current chunk's Tq (1 = a token,
+    0 = a pad); kv_length / kv_offset: the key span transformers sized for the layer type
+    (used by the dense path only).
+    """
+
+    __slots__ = ("mask", "q_length", "kv_length", "kv_offset", "all_valid", "_chunk", "_past")
+
+    def __init__(self, mask: torch.Tensor, q_length: int, kv_length: int, kv_offset: int):
+        self.mask = mask
+        self.q_length = q_length
+        self.kv_length = kv_length
+        self.kv_offset = kv_offset
+        self.all_valid = bool(mask.all())
+        self._chunk = False  # not computed yet
+        self._past = None
+
+    @property
+    def columns(self) -> int:
+        return self.mask.shape[1]
+
+    def chunk(self) -> Optional[torch.Tensor]:
+        """bool [B, Tq]: which of the current chunk's tokens are real; None when all are."""
+        if self._chunk is False:
+            c = None if self.all_valid else self.mask[:, self.columns - self.q_length:]
+            self._chunk = None if c is None or bool(c.all()) else c
+        return self._chunk
+
+    def past_counts(self) -> list[int]:
+        """Valid columns before the current chunk, per row."""
+        if self._past is None:
+            past = self.columns - self.q_length
+            self._past = ([past] * self.mask.shape[0] if self.all_valid
+                          else self.mask[:, :past].sum(dim=1).tolist())
+        return self._past
+
+    def key_validity(self, tk: int) -> Optional[torch.Tensor]:
+        """bool [B, tk] for keys given densely (columns kv_offset.. as transformers sized them,
+        missing columns invalid as in transformers' own masks); None when all are valid."""
+        if self.all_valid and self.columns >= self.kv_offset + tk:
+            return None
+        m = self.mask
+        width = self.kv_offset + self.kv_length
+        if m.shape[1] < width:
+            m = torch.nn.functional.pad(m, (0, width - m.shape[1]))
+        m = m[:, self.kv_offset:width]
+        if m.shape[1] != tk:
+            raise InvalidInput(f"attention_mask spans {m.shape[1]} keys but the attention got {tk}")
+        return m
+
+
+def _valid_tokens(x: torch.Tensor, valid: Optional[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
+    """The valid tokens of x float [B, H, T, D] for the first-chunk statistics: x itself without
+    padding; [B, H, n, D] when every row has n valid tokens; else all rows' valid tokens as one
+    row [1, H, N, D] (the statistics then pool the rows' tokens instead of averaging per row)."""
+    if valid is None:
+        return x
+    b, h, t, d = x.shape
+    packed = x.transpose(1, 2)[valid]  # [N, H, D], row-major
+    if len(set(counts)) == 1:
+        return packed.reshape(b, counts[0], h, d).transpose(1, 2)
+    return packed.transpose(0, 1)[None]
+
+
+def _chunk_validity(mask, layer: "PagedCacheLayer", batch: int, tq: int) -> Optional[torch.Tensor]:
+    """Check the attention function's mask against the paged layer; return bool [B, Tq] (which
+    current tokens are real) or None (all). Raises InvalidInput on a mask that does not fit."""
+    if mask is None:
+        return None
+    if not isinstance(mask, PaddingMask):
+        raise InvalidInput(
+            f"attn_implementation='pagedkv' with a PagedKVCache takes a 2D attention_mask [B, "
+            f"past + new] (1 = token, 0 = pad), got a prepared {type(mask).__name__}"
+            f"{' of shape ' + str(list(mask.shape)) if hasattr(mask, 'shape') else ''}"
+        )
+    if mask.mask.shape[0] != batch or mask.q_length != tq or mask.columns != layer.length:
+        raise InvalidInput(
+            f"attention_mask has shape {list(mask.mask.shape)} but the cache holds "
+            f"{layer.length - tq} columns and the batch adds {tq} tokens to {batch} rows: pass "
+            f"a mask [{batch}, {layer.length}] covering every column seen so far"
+        )
+    start = layer.length - tq
+    if not (mask.all_valid and layer.cache._valid is None):
+        stored = layer.cache.row_lengths(start)
+        if mask.past_counts() != stored:
+            raise InvalidInput(
+                f"attention_mask marks {mask.past_counts()} valid past tokens per row but the cache "
+                f"stored {stored}: pass the mask of every column seen so far (as generate does)"
+            )
+    return mask.chunk()
+
+
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                            attention_mask=None, scaling: Optional[float] = None,
                             dropout: float = 0.0, sliding_window: Optional[int] = None,
                             softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None,
                             **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function ("pagedkv").
 
-    query float [B, Hq, Tq, D]; key/value float [B, H, Tk, D] as returned by the cache. With a
-    PagedKVCache layer, attention reads the compressed pages; otherwise it is exact fp32
-    attention over `key`/`value` (bottom-right causal). Returns ([B, Tq, Hq, D], None).
+    query float [B, Hq, Tq, D]; key/value float [B, H, Tk, D] as returned by the cache;
+    attention_mask: a `PaddingMask` (from `_pagedkv_mask`) or None. With a PagedKVCache layer,
+    the chunk's valid tokens are stored, then each row's valid queries attend to that row's
+    compressed pages (varlen, bottom-right causal); pad queries get zeros. Otherwise it is exact
+    fp32 attention over `key`/`value` (bottom-right causal, pads masked). Returns
+    ([B, Tq, Hq, D], None).
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -558,40 +758,68 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     sinks = s_aux.float() if s_aux is not None else None
     layer: Optional[PagedCacheLayer] = getattr(key, _TAG, None)
     if layer is None:
-        window = sliding_window
-        return _dense_attention(query, key, value, scaling, window, softcap, sinks), None
-    layer.flush(query)  # a first chunk held back for its queries' statistics is stored now
+        if attention_mask is not None and not isinstance(attention_mask, PaddingMask):
+            raise InvalidInput(f"attn_implementation='pagedkv' takes a 2D attention_mask, got a "
+                               f"prepared {type(attention_mask).__name__}")
+        key_valid = None if attention_mask is None else attention_mask.key_validity(key.shape[2])
+        return _dense_attention(query, key, value, scaling, sliding_window, softcap, sinks, key_valid), None
+    b, hq, tq, d = query.shape
+    pending = layer.pending if layer.pending is not None and layer.pending[0] is key else None
+    was_initialized = layer.is_initialized
+    try:
+        if layer.v_centre is not None and sinks is not None:
+            raise ConfigError("value centring is not exact with attention sinks (their weight takes no "
+                              "value); create the PagedKVCache with value_centring=False")
+        valid = _chunk_validity(attention_mask, layer, b, tq)
+        layer.flush(query, valid)  # store the chunk's valid tokens (the first fixes the statistics)
+    except Exception:
+        layer._abort(pending, was_initialized)
+        raise
     if layer.k_mult is not None:  # q . k == (q / m) . (k * m): stored keys are k * m
-        g = query.shape[1] // layer.k_mult.shape[0]
+        g = hq // layer.k_mult.shape[0]
         query = (query.float() / layer.k_mult.repeat_interleave(g, dim=0)[None, :, None, :]).to(query.dtype)
-    if layer.v_centre is not None and sinks is not None:
-        raise ConfigError("value centring is not exact with attention sinks (their weight takes no "
-                          "value); create the PagedKVCache with value_centring=False")
     window = sliding_window if sliding_window is not None else layer.sliding_window
     params = AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap, sinks=sinks)
-    b, hq, tq, d = query.shape
     cache = layer.cache
-    tables = cache.block_table_tensor(query.device)
-    seq_lens = torch.full((b,), layer.length, dtype=torch.int32, device=query.device)
+    dev = query.device
+    seq_lens = torch.tensor(cache.row_lengths(layer.length), dtype=torch.int32, device=dev)
     q = query.transpose(1, 2)  # [B, Tq, Hq, D]
-    if tq == 1:
-        out = decode_attention(q[:, 0].contiguous(), layer.paged, tables, seq_lens, params,
-                               backend=cache.backend, checks=cache.checks)
-        out = out[:, None]
+    if valid is None:
+        counts = None
+        q_rows = q.reshape(b * tq, hq, d)
     else:
-        qsl = torch.arange(b + 1, dtype=torch.int32, device=query.device) * tq
-        out = prefill_attention(q.reshape(b * tq, hq, d).contiguous(), layer.paged, tables, seq_lens,
+        counts = valid.sum(dim=1)
+        q_rows = q[valid.to(dev)]  # [N, Hq, D]: the valid queries, row-major
+    if q_rows.shape[0] == 0:
+        out = q_rows.float()
+    elif layer.paged is None:  # nothing stored yet (every token so far a pad)
+        out = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
+    elif tq == 1 and valid is None:
+        out = decode_attention(q_rows.contiguous(), layer.paged, cache.block_table_tensor(dev), seq_lens,
+                               params, backend=cache.backend, checks=cache.checks)
+    else:
+        if counts is None:
+            qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * tq
+        else:
+            qsl = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+            qsl[1:] = torch.cumsum(counts.to(dev), 0)
+        out = prefill_attention(q_rows.contiguous(), layer.paged, cache.block_table_tensor(dev), seq_lens,
                                 qsl, params, backend=cache.backend, checks=cache.checks)
-        out = out.reshape(b, tq, hq, d)
     if layer.v_centre is not None:  # sum_j p_j (v_j - c) + c, the weights summing to one
         g = hq // layer.v_centre.shape[0]
         out = out.float() + layer.v_centre.repeat_interleave(g, dim=0)
-    return out.to(query.dtype), None
+    out = out.to(query.dtype)
+    if valid is None:
+        return out.reshape(b, tq, hq, d), None
+    full = torch.zeros(b, tq, hq, d, dtype=query.dtype, device=dev)  # pad queries: zeros
+    full[valid.to(dev)] = out
+    return full, None
 
 
-def _dense_attention(query, key, value, scaling, window, softcap, sinks):
-    """Exact fp32 attention, bottom-right causal: query [B, Hq, Tq, D], key/value [B, H, Tk, D]
-    -> [B, Tq, Hq, D]."""
+def _dense_attention(query, key, value, scaling, window, softcap, sinks, key_valid=None):
+    """Exact fp32 attention, bottom-right causal: query [B, Hq, Tq, D], key/value [B, H, Tk, D],
+    key_valid bool [B, Tk] or None (pads are never attended; a query that sees no key gets
+    zeros) -> [B, Tq, Hq, D]."""
     b, hq, tq, d = query.shape
     h, tk = key.shape[1], key.shape[2]
     g = hq // h
@@ -604,6 +832,9 @@ def _dense_attention(query, key, value, scaling, window, softcap, sinks):
     visible = kpos <= qpos
     if window is not None:
         visible &= kpos > qpos - window
+    visible = visible[None, None, None]  # [1, 1, 1, Tq, Tk]
+    if key_valid is not None:
+        visible = visible & key_valid.to(query.device)[:, None, None, None, :]
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sk = sinks.reshape(1, h, g, 1, 1).expand(b, h, g, tq, 1)
@@ -611,19 +842,30 @@ def _dense_attention(query, key, value, scaling, window, softcap, sinks):
     p = torch.softmax(s, dim=-1)
     if sinks is not None:
         p = p[..., :-1]
+    if key_valid is not None:  # rows seeing no key: softmax of all -inf is NaN
+        p = torch.where(visible.any(dim=-1, keepdim=True), p, torch.zeros((), dtype=p.dtype, device=p.device))
     out = torch.einsum("bhgtn,bhnd->bhgtd", p, value.float())
     return out.reshape(b, hq, tq, d).transpose(1, 2).to(query.dtype)
 
 
-def _pagedkv_mask(batch_size: int, q_length: int, kv_length: int, attention_mask=None, **kwargs):
+def _pagedkv_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                  attention_mask=None, **kwargs) -> Optional[PaddingMask]:
     """Mask interface for "pagedkv": causal and sliding masks are applied inside the ops, so no
-    mask tensor is built; a padded 2D mask is refused (rows must have equal lengths)."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+    mask tensor is built. A 2D attention_mask (bool [B, columns seen + new]) becomes a
+    `PaddingMask`; its shape is checked here, before any layer runs."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
         raise InvalidInput(
-            "attn_implementation='pagedkv' does not support padded batches yet (the 2D "
-            "attention_mask has zeros); run rows of equal length or one row at a time"
+            f"attention_mask must be 2D [batch, columns], got shape {list(attention_mask.shape)}")
+    width = int(kv_offset) + int(kv_length)
+    rows, cols = attention_mask.shape
+    if rows != batch_size or cols > width or cols < q_length:
+        raise InvalidInput(
+            f"attention_mask has shape {[rows, cols]}; expected [{batch_size}, {width}] (batch rows x "
+            f"tokens already cached + the {q_length} new ones)"
         )
-    return None
+    return PaddingMask(attention_mask.to(torch.bool), int(q_length), int(kv_length), int(kv_offset))
 
 
 _registered = False

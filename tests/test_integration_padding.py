@@ -1,0 +1,188 @@
+"""Padded batches on the embedded SmolLM2 (real weights, offline): left-padded `generate` and
+right-padded plain forwards with the paged cache.
+
+Oracles: each prompt run alone with the same cache (pads must change nothing: only valid tokens
+are stored, each row attends to its own pages), and transformers' DynamicCache + sdpa on the same
+padded batch. For compressed formats the batch shares one set of first-chunk statistics (key
+centre, fp8 scales: fitted from all rows' valid tokens), so the rows-alone oracle is given the
+batch's statistics (`_replayed_calibration`); then the stored codes are byte-identical.
+Loading takes ~15-20 s; every test shares one model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+from pagedkv.eval.model import load_model, resolve_model_source  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a small village near the sea, there lived"]
+NEW = 12  # no prompt reaches EOS within 12 greedy tokens, so rows alone store as many tokens
+
+
+@pytest.fixture(scope="module")
+def lm():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        source = resolve_model_source(None)
+    except Exception as exc:  # pragma: no cover - depends on the install
+        pytest.skip(f"embedded model not installed: {exc}")
+    loaded = load_model(source, attn_implementation="pagedkv")
+    loaded.tokenizer.padding_side = "left"
+    return loaded
+
+
+def _kw(tok, **extra):
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return dict(max_new_tokens=NEW, do_sample=False, pad_token_id=pad, **extra)
+
+
+def _generate(model, enc, cache, **kw):
+    with torch.inference_mode():
+        return model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], cache=cache, **kw)
+
+
+class _replayed_calibration:
+    """Record the first-chunk statistics a run fits (one `calibrate` call per layer, in layer
+    order), then hand the same ones to later runs."""
+
+    def __init__(self, monkeypatch):
+        import pagedkv.integrations.transformers as integ
+
+        self.integ, self.monkeypatch, self.fitted = integ, monkeypatch, []
+        self.original = integ.calibrate
+
+    def record(self):
+        def fit(*args, **kwargs):
+            self.fitted.append(self.original(*args, **kwargs))
+            return self.fitted[-1]
+        self.monkeypatch.setattr(self.integ, "calibrate", fit)
+
+    def replay(self):
+        queue = list(self.fitted)
+        self.monkeypatch.setattr(self.integ, "calibrate", lambda *a, **k: queue.pop(0))
+
+
+def _row_bytes(cache, row: int) -> list[bytes]:
+    """Per layer: the bytes of row `row`'s blocks (K then V), in table order."""
+    ids = torch.tensor(cache.blocks.tables[row])
+    return [bytes(layer.paged.k_pool[ids].flatten().tolist()) +
+            bytes(layer.paged.v_pool[ids].flatten().tolist()) for layer in cache.layers]
+
+
+def test_left_padded_greedy_bf16_equals_rows_alone_and_sdpa(lm):
+    from transformers import DynamicCache
+
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    tok, model = lm.tokenizer, lm.model
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    lengths = enc["attention_mask"].sum(1).tolist()
+    width = enc["input_ids"].shape[1]
+    assert len(set(lengths)) == 3  # three different lengths: rows 0 and 1 are left padded
+    kw = _kw(tok)
+    cache = PagedKVCache(model, "bf16", high_precision_layers=0)
+    out = _generate(model, enc, cache, **kw)
+    assert cache.get_seq_length() == width + NEW - 1  # columns, pads included (what generate uses)
+    assert cache.row_lengths(width + NEW - 1) == [n + NEW - 1 for n in lengths]  # pads are not stored
+    for r, prompt in enumerate(PROMPTS):
+        alone = _generate(model, tok([prompt], return_tensors="pt"),
+                          PagedKVCache(model, "bf16", high_precision_layers=0), **kw)
+        assert out[r, width:].tolist() == alone[0, lengths[r]:].tolist(), r
+    model.set_attn_implementation("sdpa")
+    try:
+        ref = _generate(model, enc, DynamicCache(config=model.config), **kw)
+    finally:
+        model.set_attn_implementation("pagedkv")
+    assert out.tolist() == ref.tolist()
+
+
+def test_left_padded_turbo3_stores_the_same_codes_as_rows_alone(lm, monkeypatch):
+    """With the batch's statistics, each row alone stores byte-identical prompt pages and
+    generates the same tokens.
+
+    Decode steps' pages are not compared byte for byte: torch's fp32 matmul rounds a row
+    differently for 3 rows than for 1 (k_proj on identical inputs differs by ~1e-6), which can
+    flip an 8-bit code of the q8_0 first/last layers; the CPU kernel's split count also depends on
+    the batch when it runs on more than one thread (~1e-7). Neither comes from the padding."""
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    tok, model = lm.tokenizer, lm.model
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    lengths = enc["attention_mask"].sum(1).tolist()
+    width = enc["input_ids"].shape[1]
+    kw = _kw(tok)
+    stats = _replayed_calibration(monkeypatch)
+    stats.record()
+    prompt_cache = PagedKVCache(model, "turbo3")
+    _generate(model, enc, prompt_cache, **dict(kw, max_new_tokens=1))  # stores the prompts only
+    fitted = list(stats.fitted)
+    assert len(fitted) == len(prompt_cache.layers)
+    out = _generate(model, enc, PagedKVCache(model, "turbo3"), **kw)  # same statistics again
+    for r, prompt in enumerate(PROMPTS):
+        stats.fitted = list(fitted)
+        stats.replay()
+        alone_cache = PagedKVCache(model, "turbo3")
+        _generate(model, tok([prompt], return_tensors="pt"), alone_cache, **dict(kw, max_new_tokens=1))
+        assert _row_bytes(prompt_cache, r) == _row_bytes(alone_cache, 0), r
+        stats.fitted = list(fitted)
+        stats.replay()
+        alone = _generate(model, tok([prompt], return_tensors="pt"), PagedKVCache(model, "turbo3"), **kw)
+        assert out[r, width:].tolist() == alone[0, lengths[r]:].tolist(), r
+
+
+def test_right_padded_forward_logits_equal_rows_alone(lm, monkeypatch):
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    tok, model = lm.tokenizer, lm.model
+    tok.padding_side = "right"
+    try:
+        enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    finally:
+        tok.padding_side = "left"
+    lengths = enc["attention_mask"].sum(1).tolist()
+    stats = _replayed_calibration(monkeypatch)
+    with torch.inference_mode():
+        for fmt, kwargs, tol in [("bf16", dict(high_precision_layers=0), 1e-4), ("turbo3", {}, 1e-3)]:
+            if fmt == "turbo3":
+                stats.record()
+            batch = model(**enc, cache=PagedKVCache(model, fmt, **kwargs), use_cache=True).logits.float()
+            assert torch.isfinite(batch).all()
+            for r, n in enumerate(lengths):
+                if fmt == "turbo3":
+                    stats.replay()
+                alone = model(enc["input_ids"][r:r + 1, :n], cache=PagedKVCache(model, fmt, **kwargs),
+                              use_cache=True).logits.float()[0]
+                # same stored values, same attention: fp32 reduction order only
+                torch.testing.assert_close(batch[r, :n], alone, atol=tol, rtol=tol)
+
+
+def test_left_padded_beam_search_bf16_equals_sdpa(lm):
+    from transformers import DynamicCache
+
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    tok, model = lm.tokenizer, lm.model
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    kw = _kw(tok, num_beams=2)
+    kw["max_new_tokens"] = 8
+    cache = PagedKVCache(model, "bf16", high_precision_layers=0)
+    out = _generate(model, enc, cache, **kw)
+    model.set_attn_implementation("sdpa")
+    try:
+        ref = _generate(model, enc, DynamicCache(config=model.config), **kw)
+    finally:
+        model.set_attn_implementation("pagedkv")
+    assert out.tolist() == ref.tolist()
+    refs = [0] * cache.blocks.num_blocks
+    for table in cache.blocks.tables:
+        for b in table:
+            refs[b] += 1
+    assert refs == cache.blocks.ref
