@@ -76,7 +76,7 @@ import torch
 
 from ..batch import AttentionParams, PagedLayer
 from ..dispatch import Backend, Op, register_backend
-from ..reference import store as _reference_store
+from . import write as _store
 from .attention import _Args, _Side, run_attention
 from .build import KernelConfig, KernelUnavailable, LoadedKernel, build_and_load
 
@@ -94,6 +94,8 @@ def load(config: KernelConfig = KernelConfig()) -> LoadedKernel:
     k.lib.pkv_attention.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Side), ctypes.POINTER(_Side)]
     k.lib.pkv_stream_sum.restype = ctypes.c_double
     k.lib.pkv_stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
+    k.lib.pkv_store.restype = ctypes.c_int
+    k.lib.pkv_store.argtypes = [ctypes.POINTER(_store._StoreArgs)]
     _kernel, _error = k, None
     return k
 
@@ -157,8 +159,15 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     return attention(q, layer, block_tables, seq_lens, query_start_loc, params)
 
 
+def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+          slot_mapping: torch.Tensor) -> None:
+    """Write new K/V rows into the pools (reference signature and bytes; see `write.py`)."""
+    _store.store(_require().lib, layer, k, v, slot_mapping)
+
+
 def supports(op: Op, layer: PagedLayer, params: Optional[AttentionParams]) -> bool:
-    """The kernel runs CPU tensors with head_dim a multiple of 16 and byte-contiguous pools."""
+    """Attention: CPU tensors with head_dim a multiple of 16 and byte-contiguous pools. Store:
+    every case (the C store hands a side it does not cover to the reference store)."""
     if op is Op.STORE:
         return True
     return (_kernel is not None and layer.device.type == "cpu" and layer.head_dim % 16 == 0
@@ -172,7 +181,7 @@ except KernelUnavailable as exc:
     log.warning("pagedkv: fast CPU attention unavailable (%s); using the reference ops", exc)
 
 if _kernel is not None:
-    BACKEND = Backend(name="cpu", device_types=("cpu",), store=_reference_store,
+    BACKEND = Backend(name="cpu", device_types=("cpu",), store=store,
                       decode_attention=decode_attention, prefill_attention=prefill_attention,
                       supports=supports, priority=10)
     register_backend(BACKEND)

@@ -1,7 +1,7 @@
 """Compile and load the C attention kernel with the machine's C compiler, once, cached on disk.
 
-The kernel source (`attention_kernel.c`) ships with the package. On first use it is compiled
-into `<cache_dir>/<variant>-<hash>.so`, the hash covering the source, the compiler, the flags and
+The kernel sources (`attention_kernel.c`, `store_kernel.c`) ship with the package. On first use
+they are compiled into one `<cache_dir>/attention-<variant>-<hash>.so`, the hash covering the sources, the compiler, the flags and
 the CPU feature flags, so a changed source or a different machine never loads a stale build. The
 write is atomic (compile to a temporary name, then rename), so concurrent processes (pytest-xdist)
 are safe.
@@ -34,7 +34,10 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention_kernel.c")
+STORE_SOURCE = Path(__file__).with_name("store_kernel.c")
+SOURCES = (SOURCE, STORE_SOURCE)
 ABI_VERSION = 3  # must match PKV_ABI_VERSION in the C source
+STORE_ABI_VERSION = 1  # must match pkv_store_abi() in store_kernel.c
 
 VARIANT_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi", "-mfma", "-mf16c"],
@@ -123,7 +126,7 @@ def _writable_dir(preferred: Optional[str]) -> Path:
 
 def _compile(cc: str, flags: list, out: Path) -> tuple[bool, str]:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"]
+    cmd = [cc, *flags, *(str(src) for src in SOURCES), "-o", str(tmp), "-lm"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -152,7 +155,7 @@ def build_and_load(config: KernelConfig = KernelConfig()) -> LoadedKernel:
     if variant not in VARIANT_FLAGS:
         raise KernelUnavailable(f"unknown kernel variant {variant!r}; valid: {', '.join(VARIANT_FLAGS)}")
     cc = find_compiler(config.compiler)
-    source = SOURCE.read_bytes()
+    source = b"\0".join(src.read_bytes() for src in SOURCES)
     directory = _writable_dir(config.cache_dir)
     last_err = ""
     for openmp in (True, False):
@@ -174,5 +177,7 @@ def build_and_load(config: KernelConfig = KernelConfig()) -> LoadedKernel:
             continue
         if lib.pkv_abi_version() != ABI_VERSION:
             raise KernelUnavailable(f"kernel ABI {lib.pkv_abi_version()} != expected {ABI_VERSION}")
+        if lib.pkv_store_abi() != STORE_ABI_VERSION:
+            raise KernelUnavailable(f"store kernel ABI {lib.pkv_store_abi()} != expected {STORE_ABI_VERSION}")
         return LoadedKernel(lib, str(out), variant, bool(lib.pkv_has_openmp()), cc)
     raise KernelUnavailable(f"could not build the CPU attention kernel ({variant}): {last_err}")

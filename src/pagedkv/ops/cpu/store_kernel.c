@@ -1,0 +1,453 @@
+/* pagedkv fast CPU cache write: encode K/V rows and write them straight into their pool slots.
+ *
+ * One entry point (pkv_store) for one side (K or V) of a layer. The codec is described by its
+ * properties (store kind, code bits, group, scale kind, sorted value table), not by its name, and
+ * every rule is the reference encoder's (pagedkv/codecs/reference.py), computed in the same fp32
+ * operations in the same order, so the bytes written equal the reference store's:
+ *   SK_BF16         bf16 round-to-nearest-even;
+ *   SK_E4M3_TENSOR  E4M3 of x / tensor_scale, saturating at +-448 (fp8);
+ *   SK_E4M3_GROUP   half scale = half(amax / top), codes E4M3 of x / scale (turbo8);
+ *   SK_INT8         half d = half(amax / top), q = rint(x / d) clamped to +-top (q8_0);
+ *   SK_INT4         m = first element of largest |x|, half d = half(m / -lo),
+ *                   u = floor(x / d + lo + 0.5) clamped to [0, 2^bits - 1] (q4_0);
+ *   SK_TABLE        E4M3 group scale searched over 10 candidates around amax / top (least squared
+ *                   error of the group, ties keep the smaller scale), each element the nearest
+ *                   level (ties go down) (nvfp4, turbo2/3/4).
+ * The squared error of a group of 16 is summed in the order of torch's CPU sum over a
+ * contiguous row of 16 floats (8 lanes: lane l = e[l] + e[l + 8], then the lanes in order), so
+ * the scale choice is the reference's even at exact ties.
+ *
+ * SK_TABLE works on tiles of 16 groups held transposed (tile[element][group]): every candidate,
+ * division, level search and error sum is then a plain loop over 16 lanes (one AVX-512 vector;
+ * with AVX-512 the level search is a binary search through vpermps, otherwise a compare chain the
+ * compiler vectorises). Nothing is allocated: the tile and the row buffer live on the stack.
+ *
+ * Input rows: float32, bfloat16 or float16 (converted exactly), optional centre [H, D] subtracted
+ * in fp32 (keys), rows with a negative slot skipped. Every kept value is checked finite before
+ * anything is written (the reference raises on NaN/Inf before its write).
+ */
+
+/* d = x - level * scale must round twice, as torch does: no FMA contraction (GCC's ISO C mode
+ * -std=c11 already contracts nothing; clang needs the pragma) */
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PKV_STORE_AVX512 1
+#include <immintrin.h>
+#endif
+
+enum { SK_BF16 = 0, SK_E4M3_TENSOR = 1, SK_E4M3_GROUP = 2, SK_INT8 = 3, SK_INT4 = 4, SK_TABLE = 5 };
+enum { SS_NONE = 0, SS_E4M3 = 1, SS_BF16 = 2, SS_FP16 = 3 };
+enum { XT_F32 = 0, XT_BF16 = 1, XT_F16 = 2 };
+enum { PKV_STORE_OK = 0, PKV_STORE_NONFINITE = 1, PKV_STORE_BAD_ARGS = 2 };
+
+#define MAX_HEAD_DIM 4096
+#define TL 16 /* groups per tile (lanes) */
+#define TG 16 /* elements per group in the table search */
+
+typedef struct {
+    const void *x;          /* [T, H, D] rows, element strides below (last dim contiguous) */
+    const float *centre;    /* [H, D] subtracted first, or NULL */
+    const int64_t *slots;   /* [T], negative = skip */
+    uint8_t *pool;          /* [num_blocks, block_stride] bytes */
+    const float *levels;    /* SK_TABLE: ascending levels [num_levels] */
+    const float *mids;      /* SK_TABLE: (levels[i] + levels[i+1]) / 2, [num_levels - 1] */
+    const uint8_t *order;   /* SK_TABLE: code of each ascending level [num_levels] */
+    int64_t x_stride_t, x_stride_h, num_tokens, block_stride, scale_offset;
+    int32_t x_dtype, block_size, num_heads, head_dim;
+    int32_t kind, bits, group, scale_kind;
+    int32_t row_data_bytes, row_scale_bytes, num_levels, pad;
+    float top;              /* SK_TABLE / E4M3_GROUP / INT8: max |level|; SK_INT4: -min level */
+    float tensor_scale;     /* SK_E4M3_TENSOR */
+} pkv_store_args;
+
+/* ---- bit helpers (exact conversions, the rules of c10 / torch) ---------------------------- */
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = u2f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = u2f((two_w >> 17) | (126u << 23)) - 0.5f;
+    return u2f(sign | (two_w < (1u << 27) ? f2u(denormalized) : f2u(normalized)));
+}
+
+static inline uint16_t f32_to_f16(float f) { /* round to nearest even, overflow -> inf */
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = f2u(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = u2f((bias >> 1) + 0x07800000u) + base;
+    const uint32_t b = f2u(base);
+    const uint32_t nonsign = ((b >> 13) & 0x7C00u) + (b & 0x0FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (inputs are finite) */
+    const uint32_t u = f2u(f);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+/* E4M3 (fn) byte of f, round to nearest even; |f| must be <= 448 (callers clamp first). */
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t b = f2u(f);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    const uint32_t den = f2u(u2f(b) + u2f(141u << 23)) - (141u << 23);
+    const uint32_t nrm = (b + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
+    const uint32_t r = b < (121u << 23) ? den : nrm;
+    return (uint8_t)(r | (sign >> 24));
+}
+
+static inline float clamp448(float v) { return v < -448.0f ? -448.0f : (v > 448.0f ? 448.0f : v); }
+
+/* Value of a positive E4M3 byte c in 1..126. */
+static inline float e4m3_pos_value(uint32_t c) {
+    const uint32_t e = c >> 3, m = c & 7u;
+    return e ? u2f(((e + 120u) << 23) | (m << 20)) : (float)m * 0x1.0p-9f;
+}
+
+/* half (bf16 / fp16) bits of v and its value */
+static inline uint16_t half_round(float v, int scale_kind, float *value) {
+    if (scale_kind == SS_BF16) {
+        const uint16_t h = f32_to_bf16(v);
+        *value = bf16_to_f32(h);
+        return h;
+    }
+    const uint16_t h = f32_to_f16(v);
+    *value = f16_to_f32(h);
+    return h;
+}
+
+static inline void put_u16(uint8_t *dst, uint16_t v) { dst[0] = (uint8_t)v; dst[1] = (uint8_t)(v >> 8); }
+
+/* Pack n codes (n a multiple of 8, each < 2^bits) in the catalogue's bit order. */
+static inline void pack_codes(uint8_t *dst, const uint8_t *c, int n, int bits) {
+    if (bits == 8) {
+        memcpy(dst, c, (size_t)n);
+    } else if (bits == 4) {
+        for (int i = 0; i < n / 2; i++) dst[i] = (uint8_t)(c[2 * i] | (c[2 * i + 1] << 4));
+    } else if (bits == 2) {
+        for (int i = 0; i < n / 4; i++)
+            dst[i] = (uint8_t)(c[4 * i] | (c[4 * i + 1] << 2) | (c[4 * i + 2] << 4) | (c[4 * i + 3] << 6));
+    } else { /* 3 */
+        for (int i = 0; i < n / 8; i++) {
+            uint32_t w = 0;
+            for (int j = 0; j < 8; j++) w |= (uint32_t)c[8 * i + j] << (3 * j);
+            dst[3 * i] = (uint8_t)w;
+            dst[3 * i + 1] = (uint8_t)(w >> 8);
+            dst[3 * i + 2] = (uint8_t)(w >> 16);
+        }
+    }
+}
+
+/* ---- input rows ---------------------------------------------------------------------------- */
+
+/* Row (t, h) as fp32 minus the centre into out[D]; returns nonzero if a value is not finite. */
+static int load_row(const pkv_store_args *a, int64_t t, int h, float *out) {
+    const int D = a->head_dim;
+    const int64_t off = t * a->x_stride_t + (int64_t)h * a->x_stride_h;
+    if (a->x_dtype == XT_F32) {
+        const float *p = (const float *)a->x + off;
+        for (int i = 0; i < D; i++) out[i] = p[i];
+    } else if (a->x_dtype == XT_BF16) {
+        const uint16_t *p = (const uint16_t *)a->x + off;
+        for (int i = 0; i < D; i++) out[i] = bf16_to_f32(p[i]);
+    } else {
+        const uint16_t *p = (const uint16_t *)a->x + off;
+        for (int i = 0; i < D; i++) out[i] = f16_to_f32(p[i]);
+    }
+    if (a->centre) {
+        const float *c = a->centre + (int64_t)h * D;
+        for (int i = 0; i < D; i++) out[i] = out[i] - c[i];
+    }
+    uint32_t bad = 0;
+    for (int i = 0; i < D; i++) bad |= (f2u(out[i]) & 0x7F800000u) == 0x7F800000u;
+    return (int)bad;
+}
+
+/* ---- the table codecs: E4M3 scale search on tiles of 16 groups ---------------------------- */
+
+typedef struct {
+    float x[TG][TL];        /* x[element][group] */
+    uint8_t *data[TL];      /* where each group's packed codes go */
+    uint8_t *scale[TL];     /* where each group's scale byte goes */
+    int n;
+} tile_t;
+
+#ifdef PKV_STORE_AVX512
+typedef struct { __m512 mids, levels; int nsteps; } lut_t;
+
+static inline void lut_init(lut_t *L, const pkv_store_args *a) {
+    float m[16], l[16];
+    for (int i = 0; i < 16; i++) {
+        m[i] = i < a->num_levels - 1 ? a->mids[i] : INFINITY;
+        l[i] = i < a->num_levels ? a->levels[i] : 0.0f;
+    }
+    L->mids = _mm512_loadu_ps(m);
+    L->levels = _mm512_loadu_ps(l);
+    L->nsteps = 0;
+    while ((1 << L->nsteps) < a->num_levels) L->nsteps++;
+}
+#endif
+
+/* Nearest level of y (count of mids below y: ties go down) for 16 lanes: index and value. */
+#ifdef PKV_STORE_AVX512
+static inline __m512i nearest_level(__m512 y, const lut_t *L, __m512 *value) {
+    __m512i k = _mm512_setzero_si512();
+    for (int s = L->nsteps - 1; s >= 0; s--) {
+        const __m512 m = _mm512_permutexvar_ps(_mm512_add_epi32(k, _mm512_set1_epi32((1 << s) - 1)), L->mids);
+        k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(y, m, _CMP_GT_OQ), k, _mm512_set1_epi32(1 << s));
+    }
+    *value = _mm512_permutexvar_ps(k, L->levels);
+    return k;
+}
+#else
+static inline void nearest_level(const float *y, const pkv_store_args *a, uint8_t *k, float *value) {
+    const int nm = a->num_levels - 1;
+    for (int l = 0; l < TL; l++) {
+        k[l] = 0;
+        value[l] = a->levels[0];
+    }
+    for (int m = 0; m < nm; m++) {
+        const float mv = a->mids[m], nv = a->levels[m + 1];
+        for (int l = 0; l < TL; l++) {
+            const int gt = y[l] > mv;
+            k[l] = gt ? (uint8_t)(m + 1) : k[l];
+            value[l] = gt ? nv : value[l];
+        }
+    }
+}
+#endif
+
+/* The squared error of each lane's group for the scales cand[16] (torch's summation order). */
+static inline void group_errors(const tile_t *tl, const float *cand, float *err
+#ifdef PKV_STORE_AVX512
+                                , const lut_t *L
+#else
+                                , const pkv_store_args *a
+#endif
+) {
+#ifdef PKV_STORE_AVX512
+    const __m512 vc = _mm512_loadu_ps(cand);
+    __m512 verr = _mm512_setzero_ps();
+    for (int j = 0; j < TG / 2; j++) {
+        __m512 sq[2];
+        for (int half = 0; half < 2; half++) {
+            const __m512 xv = _mm512_loadu_ps(tl->x[j + half * (TG / 2)]);
+            __m512 lv;
+            (void)nearest_level(_mm512_div_ps(xv, vc), L, &lv);
+            const __m512 d = _mm512_sub_ps(xv, _mm512_mul_ps(lv, vc));
+            sq[half] = _mm512_mul_ps(d, d);
+        }
+        verr = _mm512_add_ps(verr, _mm512_add_ps(sq[0], sq[1]));
+    }
+    _mm512_storeu_ps(err, verr);
+#else
+    for (int l = 0; l < TL; l++) err[l] = 0.0f;
+    for (int j = 0; j < TG / 2; j++) {
+        float sq[2][TL];
+        for (int half = 0; half < 2; half++) {
+            const float *xe = tl->x[j + half * (TG / 2)];
+            float y[TL], lv[TL];
+            uint8_t k[TL];
+            for (int l = 0; l < TL; l++) y[l] = xe[l] / cand[l];
+            nearest_level(y, a, k, lv);
+            for (int l = 0; l < TL; l++) {
+                const float q = lv[l] * cand[l];
+                const float d = xe[l] - q;
+                sq[half][l] = d * d;
+            }
+        }
+        for (int l = 0; l < TL; l++) err[l] = err[l] + (sq[0][l] + sq[1][l]);
+    }
+#endif
+}
+
+static void search_tile(const pkv_store_args *a, tile_t *tl
+#ifdef PKV_STORE_AVX512
+                        , const lut_t *L
+#endif
+) {
+    float amax[TL], best_err[TL], best_scale[TL], cand[TL], err[TL];
+    int base[TL], best_c[TL];
+
+    for (int l = 0; l < TL; l++) amax[l] = 0.0f;
+    for (int j = 0; j < TG; j++)
+        for (int l = 0; l < TL; l++) amax[l] = fmaxf(amax[l], fabsf(tl->x[j][l]));
+    for (int l = 0; l < TL; l++) {
+        base[l] = f32_to_e4m3(clamp448(amax[l] / a->top));
+        best_err[l] = INFINITY;
+        best_c[l] = 0;
+        best_scale[l] = 1.0f; /* any value: lanes never improved keep code index 0 (below) */
+    }
+    for (int off = -5; off < 5; off++) {
+        int c[TL];
+        for (int l = 0; l < TL; l++) {
+            c[l] = base[l] + off < 1 ? 1 : (base[l] + off > 0x7E ? 0x7E : base[l] + off);
+            cand[l] = e4m3_pos_value((uint32_t)c[l]);
+        }
+#ifdef PKV_STORE_AVX512
+        group_errors(tl, cand, err, L);
+#else
+        group_errors(tl, cand, err, a);
+#endif
+        for (int l = 0; l < TL; l++)
+            if (err[l] < best_err[l]) { /* strict: ties keep the smaller scale */
+                best_err[l] = err[l];
+                best_c[l] = c[l];
+                best_scale[l] = cand[l];
+            }
+    }
+
+    /* the codes of the winning scale: the same division and search again (deterministic) */
+    uint8_t codes[TG][TL];
+    for (int j = 0; j < TG; j++) {
+#ifdef PKV_STORE_AVX512
+        __m512 lv;
+        const __m512i k = nearest_level(_mm512_div_ps(_mm512_loadu_ps(tl->x[j]), _mm512_loadu_ps(best_scale)), L, &lv);
+        _mm_storeu_si128((__m128i *)codes[j], _mm512_cvtepi32_epi8(k));
+#else
+        float y[TL], lv[TL];
+        for (int l = 0; l < TL; l++) y[l] = tl->x[j][l] / best_scale[l];
+        nearest_level(y, a, codes[j], lv);
+#endif
+        for (int l = 0; l < TL; l++) codes[j][l] = best_c[l] ? codes[j][l] : 0;
+    }
+    for (int l = 0; l < tl->n; l++) {
+        uint8_t g[TG];
+        for (int j = 0; j < TG; j++) g[j] = a->order[codes[j][l]];
+        pack_codes(tl->data[l], g, TG, a->bits);
+        *tl->scale[l] = amax[l] == 0.0f ? 0 : (uint8_t)best_c[l];
+    }
+    tl->n = 0;
+}
+
+/* ---- the other kinds: one row at a time --------------------------------------------------- */
+
+static void encode_row(const pkv_store_args *a, const float *x, uint8_t *data, uint8_t *sdst) {
+    const int D = a->head_dim;
+    if (a->kind == SK_BF16) {
+        for (int i = 0; i < D; i++) put_u16(data + 2 * i, f32_to_bf16(x[i]));
+        return;
+    }
+    if (a->kind == SK_E4M3_TENSOR) {
+        const float s = a->tensor_scale;
+        for (int i = 0; i < D; i++) data[i] = f32_to_e4m3(clamp448(x[i] / s));
+        return;
+    }
+    const int G = a->group;
+    uint8_t codes[64];
+    for (int g0 = 0; g0 < D; g0 += G) {
+        const float *xg = x + g0;
+        float amax = 0.0f;
+        for (int j = 0; j < G; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        float dq;
+        uint16_t hb;
+        if (a->kind == SK_E4M3_GROUP) {
+            hb = half_round(amax / a->top, a->scale_kind, &dq);
+            const float safe = dq > 0.0f ? dq : 1.0f;
+            for (int j = 0; j < G; j++) codes[j] = f32_to_e4m3(clamp448(xg[j] / safe));
+        } else if (a->kind == SK_INT8) {
+            hb = half_round(amax / a->top, a->scale_kind, &dq);
+            const float safe = dq > 0.0f ? dq : 1.0f, hi = a->top;
+            for (int j = 0; j < G; j++) {
+                float q = rintf(xg[j] / safe);
+                q = q < -hi ? -hi : (q > hi ? hi : q);
+                codes[j] = (uint8_t)(int8_t)q;
+            }
+        } else { /* SK_INT4 */
+            int pos = 0;
+            float best = fabsf(xg[0]);
+            for (int j = 1; j < G; j++)
+                if (fabsf(xg[j]) > best) { best = fabsf(xg[j]); pos = j; }
+            hb = half_round(xg[pos] / -a->top, a->scale_kind, &dq);
+            const float safe = dq != 0.0f ? dq : 1.0f, off = a->top + 0.5f;
+            const float hi = (float)((1 << a->bits) - 1);
+            for (int j = 0; j < G; j++) {
+                float u = floorf(xg[j] / safe + off);
+                u = u < 0.0f ? 0.0f : (u > hi ? hi : u);
+                codes[j] = (uint8_t)u;
+            }
+        }
+        pack_codes(data + (int64_t)g0 * a->bits / 8, codes, G, a->bits);
+        put_u16(sdst + (g0 / G) * 2, hb);
+    }
+}
+
+/* ---- entry point --------------------------------------------------------------------------- */
+
+int pkv_store_abi(void) { return 1; }
+
+int pkv_store(const pkv_store_args *a) {
+    const int D = a->head_dim, H = a->num_heads, bs = a->block_size;
+    if (D <= 0 || D > MAX_HEAD_DIM || H <= 0 || bs <= 0) return PKV_STORE_BAD_ARGS;
+    if (a->kind < SK_BF16 || a->kind > SK_TABLE) return PKV_STORE_BAD_ARGS;
+    if (a->kind != SK_BF16 && a->kind != SK_E4M3_TENSOR) {
+        if (a->group <= 0 || a->group > 64 || D % a->group || a->group % 8) return PKV_STORE_BAD_ARGS;
+    }
+    if (a->kind == SK_TABLE && (a->group != TG || a->num_levels < 2 || a->num_levels > 16)) return PKV_STORE_BAD_ARGS;
+    float row[MAX_HEAD_DIM];
+
+    /* every kept value finite before the first write */
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        if (a->slots[t] < 0) continue;
+        for (int h = 0; h < H; h++)
+            if (load_row(a, t, h, row)) return PKV_STORE_NONFINITE;
+    }
+
+#ifdef PKV_STORE_AVX512
+    lut_t lut;
+    if (a->kind == SK_TABLE) lut_init(&lut, a);
+#endif
+    tile_t tile;
+    tile.n = 0;
+    if (a->kind == SK_TABLE) memset(tile.x, 0, sizeof tile.x);
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        const int64_t slot = a->slots[t];
+        if (slot < 0) continue;
+        uint8_t *block = a->pool + (slot / bs) * a->block_stride;
+        const int64_t row0 = (slot % bs) * H;
+        for (int h = 0; h < H; h++) {
+            load_row(a, t, h, row);
+            uint8_t *data = block + (row0 + h) * a->row_data_bytes;
+            uint8_t *sdst = block + a->scale_offset + (row0 + h) * a->row_scale_bytes;
+            if (a->kind != SK_TABLE) {
+                encode_row(a, row, data, sdst);
+                continue;
+            }
+            for (int g0 = 0; g0 < D; g0 += TG) {
+                const int l = tile.n++;
+                for (int j = 0; j < TG; j++) tile.x[j][l] = row[g0 + j];
+                tile.data[l] = data + g0 * a->bits / 8;
+                tile.scale[l] = sdst + g0 / TG;
+                if (tile.n == TL) {
+#ifdef PKV_STORE_AVX512
+                    search_tile(a, &tile, &lut);
+#else
+                    search_tile(a, &tile);
+#endif
+                }
+            }
+        }
+    }
+    if (tile.n) {
+        for (int l = tile.n; l < TL; l++)
+            for (int j = 0; j < TG; j++) tile.x[j][l] = 0.0f;
+#ifdef PKV_STORE_AVX512
+        search_tile(a, &tile, &lut);
+#else
+        search_tile(a, &tile);
+#endif
+    }
+    return PKV_STORE_OK;
+}

@@ -1,0 +1,182 @@
+"""Python side of the fast CPU cache write: describe the codec, rotate if needed, call the C store.
+
+`store(layer, k, v, slot_mapping)` has the reference signature (`pagedkv.ops.reference.store`)
+and writes the same bytes: per side, keys centred by `layer.k_centre`, fp8 divided by its tensor
+scale, rows with a negative slot skipped. For a rotated codec the rows are centred and rotated
+here in torch exactly as the reference does (same ops on the same kept rows, so the rotated
+values are bit-identical); everything else happens in one C call per side (`store_kernel.c`):
+dtype conversion, centring, the codec's scale rule and rounding, bit packing, and the write into
+the pool block at each slot. No code or scale tensor is built, so a call allocates nothing
+besides the rotated copy (and the small slot mask when some slots are negative).
+
+A codec is described to the C store by its catalogue row (`store_desc`): store kind (bf16,
+E4M3 with a tensor scale, E4M3 / int8 / int4 with a half group scale, or a table with an E4M3
+group scale), code bits, group, scale kind, and for table codecs the ascending levels, their
+midpoints and the code of each level (torch's own `sort` of the value table, as the reference).
+A case the C store does not cover (a pool without contiguous rows, a table codec whose group is
+not 16, a future value kind) runs the reference store for that side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...codecs import wht
+from ...codecs.catalogue import Codec, ScaleType, ValueKind
+from ...errors import InvalidInput
+from ..batch import PagedLayer
+from ..reference.store import store_side as reference_store_side
+
+SK_BF16, SK_E4M3_TENSOR, SK_E4M3_GROUP, SK_INT8, SK_INT4, SK_TABLE = range(6)
+_SCALE_KIND = {ScaleType.NONE: 0, ScaleType.TENSOR_FP32: 0, ScaleType.FP8_E4M3: 1,
+               ScaleType.BF16: 2, ScaleType.FP16: 3}
+_X_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+TABLE_GROUP = 16  # the table search works on groups of 16 (every table codec of the catalogue)
+MAX_HEAD_DIM = 4096  # MAX_HEAD_DIM in store_kernel.c
+
+_p = ctypes.c_void_p
+_i32 = ctypes.c_int32
+_i64 = ctypes.c_int64
+_f32 = ctypes.c_float
+
+
+class _StoreArgs(ctypes.Structure):
+    """Mirror of pkv_store_args in store_kernel.c."""
+
+    _fields_ = [("x", _p), ("centre", _p), ("slots", _p), ("pool", _p), ("levels", _p), ("mids", _p),
+                ("order", _p), ("x_stride_t", _i64), ("x_stride_h", _i64), ("num_tokens", _i64),
+                ("block_stride", _i64), ("scale_offset", _i64), ("x_dtype", _i32),
+                ("block_size", _i32), ("num_heads", _i32), ("head_dim", _i32), ("kind", _i32),
+                ("bits", _i32), ("group", _i32), ("scale_kind", _i32), ("row_data_bytes", _i32),
+                ("row_scale_bytes", _i32), ("num_levels", _i32), ("pad", _i32), ("top", _f32),
+                ("tensor_scale", _f32)]
+
+
+@dataclass(frozen=True)
+class StoreDesc:
+    """How the C store encodes one codec (derived from its catalogue row).
+
+    top: the divisor of the scale rule: max |level| (table codecs, turbo8's 448, q8_0's 127),
+    or -min level for int4 (q4_0's 8). levels / mids float32 [L] / [L-1] ascending and order
+    uint8 [L] (code of each level) for table codecs, else empty.
+    """
+
+    kind: int
+    bits: int
+    group: int
+    scale_kind: int
+    top: float
+    levels: torch.Tensor
+    mids: torch.Tensor
+    order: torch.Tensor
+
+
+def _empty(dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(1, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def store_desc(codec: Codec) -> Optional[StoreDesc]:
+    """The C store's description of `codec`, or None when only the reference store handles it."""
+    kind_of, bits, scale = codec.values, codec.code_bits, codec.scale_type
+    half_scale = scale in (ScaleType.BF16, ScaleType.FP16)
+    sk = _SCALE_KIND[scale]
+    if kind_of is ValueKind.BF16:
+        return StoreDesc(SK_BF16, bits, 0, sk, 1.0, _empty(), _empty(), _empty(torch.uint8))
+    if scale is ScaleType.TENSOR_FP32:
+        if kind_of is not ValueKind.FP8_E4M3 or bits != 8:
+            return None
+        return StoreDesc(SK_E4M3_TENSOR, bits, 0, sk, 1.0, _empty(), _empty(), _empty(torch.uint8))
+    table = codec.value_table()
+    g = codec.group_size
+    if not g or g % 8 or g > 64:
+        return None
+    if kind_of is ValueKind.FP8_E4M3 and bits == 8 and half_scale:
+        return StoreDesc(SK_E4M3_GROUP, bits, g, sk, float(table.max()), _empty(), _empty(), _empty(torch.uint8))
+    if kind_of is ValueKind.INT and half_scale:
+        if bits == 8:
+            return StoreDesc(SK_INT8, bits, g, sk, float(table.max()), _empty(), _empty(), _empty(torch.uint8))
+        return StoreDesc(SK_INT4, bits, g, sk, float(-table.min()), _empty(), _empty(), _empty(torch.uint8))
+    if scale is ScaleType.FP8_E4M3 and g == TABLE_GROUP and bits in (2, 3, 4) and kind_of in (ValueKind.E2M1, ValueKind.LLOYD_MAX):
+        levels, order = table.sort()  # the reference's own call: equal levels (E2M1 +-0) in its order
+        mids = (levels[1:] + levels[:-1]) / 2
+        return StoreDesc(SK_TABLE, bits, g, sk, float(levels.abs().max()), levels.contiguous(),
+                         mids.contiguous(), order.to(torch.uint8).contiguous())
+    return None
+
+
+def _can_run(layer: PagedLayer, codec: Codec, pool: torch.Tensor) -> bool:
+    return (store_desc(codec) is not None and pool.device.type == "cpu" and pool.stride(1) == 1
+            and layer.head_dim <= MAX_HEAD_DIM)
+
+
+def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torch.Tensor,
+               x: torch.Tensor, centre: Optional[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """Encode x float [T, H, D] (minus `centre` [H, D] if given) into `pool` at `slot_mapping`."""
+    if not _can_run(layer, codec, pool):
+        xf = x.float()
+        if centre is not None:
+            xf = xf - centre.to(xf.device, torch.float32)
+        reference_store_side(layer, codec, pool, scale, xf, slot_mapping)
+        return
+    d = store_desc(codec)
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    slots = slots.contiguous()
+    if slots.numel() == 0:
+        return
+    tensor_scale = 1.0
+    if codec.scale_type is ScaleType.TENSOR_FP32:
+        tensor_scale = float(scale.reshape(-1)[0])
+    if codec.rotated:  # exactly the reference's ops: centre, keep, rotate
+        xf = x.float()
+        if centre is not None:
+            xf = xf - centre.to(xf.device, torch.float32)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots = slots[keep]
+            if slots.numel() == 0:
+                return
+            xf = xf[keep]
+        x, centre = wht.rotate(xf), None
+    elif not bool((slots >= 0).any()):
+        return
+    if codec.scale_type is ScaleType.TENSOR_FP32 and not tensor_scale > 0:
+        raise InvalidInput(f"fp8 tensor_scale must be > 0, got {tensor_scale!r}")
+    if x.dtype not in _X_DTYPE or x.stride(-1) != 1:
+        x = x.float().contiguous()
+    if centre is not None:
+        centre = centre.to(torch.float32).contiguous()
+
+    a = _StoreArgs()
+    a.x, a.centre, a.slots, a.pool = x.data_ptr(), (centre.data_ptr() if centre is not None else None), slots.data_ptr(), pool.data_ptr()
+    a.levels, a.mids, a.order = d.levels.data_ptr(), d.mids.data_ptr(), d.order.data_ptr()
+    a.x_stride_t, a.x_stride_h, a.num_tokens = x.stride(0), x.stride(1), slots.shape[0]
+    a.block_stride = pool.stride(0)
+    a.scale_offset = codec.data_bytes(layer.block_size * layer.num_kv_heads * layer.head_dim)
+    a.x_dtype = _X_DTYPE[x.dtype]
+    a.block_size, a.num_heads, a.head_dim = layer.block_size, layer.num_kv_heads, layer.head_dim
+    a.kind, a.bits, a.group, a.scale_kind = d.kind, d.bits, d.group, d.scale_kind
+    a.row_data_bytes = codec.row_data_bytes(layer.head_dim)
+    a.row_scale_bytes = codec.row_scale_bytes(layer.head_dim)
+    a.num_levels = d.levels.numel() if d.kind == SK_TABLE else 0
+    a.top, a.tensor_scale = d.top, tensor_scale
+    rc = lib.pkv_store(ctypes.byref(a))
+    if rc == 1:
+        raise InvalidInput(f"{codec.name} encode got NaN or Inf values")
+    if rc != 0:
+        raise InvalidInput(f"pagedkv CPU store kernel rejected the arguments (code {rc}): codec={codec.name}, "
+                           f"H={layer.num_kv_heads}, head_dim={layer.head_dim}, block_size={layer.block_size}")
+
+
+def store(lib, layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+          slot_mapping: torch.Tensor) -> None:
+    """Reference-signature store (plus the loaded library): K side first, then V."""
+    if k is not None:
+        store_side(lib, layer, layer.k_codec, layer.k_pool, layer.k_scale, k, layer.k_centre, slot_mapping)
+    if v is not None:
+        store_side(lib, layer, layer.v_codec, layer.v_pool, layer.v_scale, v, None, slot_mapping)

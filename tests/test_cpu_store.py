@@ -1,0 +1,303 @@
+"""The C cache write of the "cpu" backend (pagedkv.ops.cpu.write) against the reference store.
+
+Oracle: `pagedkv.ops.reference.store.store` on a twin layer; the pools must hold the same bytes.
+Every codec of the catalogue, head dims 64 / 128 and one valid non-power-of-two, random slots with
+negatives (skipped), k_centre, fp8 tensor scales, float32 / bfloat16 / float16 and strided
+inputs, and values that stress the rules: zero rows, huge and tiny (fp32 subnormal) values,
+rows made of exact levels times an E4M3 scale (exact ties between scale candidates).
+
+Tolerance (table codecs only: nvfp4, turbo2/3/4). Both stores compute each candidate scale's
+per-element squared terms with the same fp32 operations, but a group's error is a sum of G = 16
+fp32 terms, and a different summation order rounds differently. The C store sums in the order of
+torch's CPU kernel (8 lanes: e[l] + e[l+8], then the lanes in order), so here nothing should
+differ; on a machine whose torch sums in another order (other SIMD width) two candidates whose
+errors agree to within rounding may swap. Any order of n nonnegative fp32 terms is within
+(n-1) * 2^-24 * S of the exact sum S (recursive summation bound), so when the C store prefers
+candidate a over the reference's b, the exact sums obey S(a) <= S(b) * (1 + 2 * 15 * 2^-24),
+i.e. 1.8e-6 relative (the exact S computed in fp64 from the same fp32 terms). A flipped group
+must satisfy that and flips must stay rare (<= 0.1% of groups); every other byte must be equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from pagedkv.codecs import wht
+from pagedkv.codecs.catalogue import CODECS, ScaleType, ValueKind
+from pagedkv.codecs.floats import from_e4m3_bytes
+from pagedkv.codecs.layout import block_views
+from pagedkv.codecs.packing import unpack
+from pagedkv.errors import InvalidInput
+from pagedkv.ops import api, make_layer
+from pagedkv.ops.dispatch import Op, get_backend, select_backend
+
+ref_store = importlib.import_module("pagedkv.ops.reference.store")
+cpu = pytest.importorskip("pagedkv.ops.cpu")
+from pagedkv.ops.cpu import build as kbuild  # noqa: E402
+from pagedkv.ops.cpu import write as cstore  # noqa: E402
+
+if not cpu.available():
+    pytestmark = pytest.mark.skip(reason=f"CPU kernel unavailable: {cpu.kernel_info()}")
+
+SUM_REL_TOL = 2 * 15 * 2.0**-24  # see the module docstring
+MAX_FLIP_FRACTION = 1e-3
+BLOCK_SIZE, NUM_BLOCKS = 16, 12
+
+
+def odd_head_dim(codec) -> int:
+    """A valid head_dim that is not a power of two (80 for group-16 codecs, 96 for group-32)."""
+    for d in (80, 96):
+        try:
+            codec.check_head_dim(d)
+            return d
+        except Exception:
+            continue
+    raise AssertionError(codec)
+
+
+def make_values(t: int, h: int, d: int, codec, gen: torch.Generator) -> torch.Tensor:
+    """float32 [t, h, d]: Gaussian rows of spread magnitudes plus the awkward cases."""
+    x = torch.randn(t, h, d, generator=gen) * torch.exp(torch.randn(t, h, 1, generator=gen) * 2)
+    x[0] = 0.0  # zero rows: scale 0
+    x[1, 0, :5] = 0.0  # a zero run inside a row
+    x[2] *= 3e3  # large (E4M3 scales saturate at 448 for the table codecs)
+    x[3, :, : d // 2] = 1e-41  # fp32 subnormals
+    x[4] *= 1e-20  # tiny groups
+    table = codec.value_table()
+    if table is not None and t > 6:  # exact levels times an E4M3 scale: candidates tie exactly
+        idx = torch.randint(0, table.numel(), (h, d), generator=gen)
+        x[5] = table[idx].nan_to_num() * float(from_e4m3_bytes(torch.tensor([0x38], dtype=torch.uint8)))
+        x[6, :, :] = 1.5
+        x[6, :, 1::3] = -1.5  # equal magnitudes: q4_0 takes the first of the largest
+    return x
+
+
+def twin_layers(codec, h, d, centre, k_scale, v_scale):
+    base = make_layer(codec, codec, NUM_BLOCKS, BLOCK_SIZE, h, d)
+    base = dataclasses.replace(base, k_centre=centre, k_scale=torch.tensor([k_scale]),
+                               v_scale=torch.tensor([v_scale]))
+    other = dataclasses.replace(base, k_pool=base.k_pool.clone(), v_pool=base.v_pool.clone())
+    return base, other
+
+
+def random_slots(t: int, gen: torch.Generator) -> torch.Tensor:
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:t].long()
+    neg = torch.rand(t, generator=gen) < 0.2
+    slots[neg] = -1 - torch.randint(0, 5, (int(neg.sum()),), generator=gen)
+    return slots
+
+
+def _group_terms(codec, x_groups, data_groups, scale_groups):
+    """The reference's fp32 squared terms of each group [N, G] for the stored codes and scale."""
+    codes = unpack(data_groups, codec.code_bits, codec.group_size).long()
+    vals = codec.value_table()[codes]
+    s = from_e4m3_bytes(scale_groups.reshape(-1))[:, None]
+    return (x_groups - vals * s).square()
+
+
+def compare_side(codec, want_pool, got_pool, layer, x_stored, slots):
+    """Assert the pools agree (see the module doc for the table codecs' tolerance).
+
+    x_stored: float32 [T, H, D], the values the codec encodes (centred, rotated if it rotates)."""
+    if torch.equal(want_pool, got_pool):
+        return 0
+    table_search = codec.scale_type is ScaleType.FP8_E4M3
+    assert table_search, f"{codec.name}: bytes differ where no summation is involved"
+    h, d, g = layer.num_kv_heads, layer.head_dim, codec.group_size
+    wd, ws = block_views(codec, want_pool, layer.block_size, h, d)
+    gd, gs = block_views(codec, got_pool, layer.block_size, h, d)
+    keep = slots >= 0
+    blocks, offs = slots[keep] // layer.block_size, slots[keep] % layer.block_size
+    gbytes = g * codec.code_bits // 8
+    want_d = wd[blocks, offs].reshape(-1, gbytes)
+    got_d = gd[blocks, offs].reshape(-1, gbytes)
+    want_s = ws[blocks, offs].reshape(-1, 1)
+    got_s = gs[blocks, offs].reshape(-1, 1)
+    # every byte outside the written rows is untouched by both stores
+    assert int((want_pool != got_pool).sum()) == int((want_d != got_d).sum() + (want_s != got_s).sum())
+    flipped = ((want_d != got_d).any(-1) | (want_s != got_s).any(-1))
+    n_flip = int(flipped.sum())
+    assert n_flip <= max(1, MAX_FLIP_FRACTION * flipped.numel()), (codec.name, n_flip, flipped.numel())
+    xg = x_stored[keep].reshape(-1, g)[flipped]
+    err_want = _group_terms(codec, xg, want_d[flipped], want_s[flipped]).double().sum(-1)
+    err_got = _group_terms(codec, xg, got_d[flipped], got_s[flipped]).double().sum(-1)
+    assert bool((err_got <= err_want * (1 + SUM_REL_TOL)).all()), (codec.name, err_got, err_want)
+    return n_flip
+
+
+def run_case(codec, d, *, h=3, t=40, dtype=torch.float32, centre=True, strided=False, seed=0):
+    gen = torch.Generator().manual_seed(seed * 1000 + d)
+    x = make_values(t, h, d, codec, gen)
+    v = make_values(t, h, d, codec, gen).flip(0) * 0.5
+    c = torch.randn(h, d, generator=gen) * 0.3 if centre else None
+    slots = random_slots(t, gen)
+    k_in, v_in = x.to(dtype), v.to(dtype)
+    if strided:  # last dim contiguous, the others not
+        k_in = k_in.transpose(0, 1).contiguous().transpose(0, 1)
+        v_in = torch.cat([v_in, v_in], -1)[..., :d]
+    want, got = twin_layers(codec, h, d, c, 0.37, 0.011)
+    ref_store.store(want, k_in, v_in, slots)
+    cpu.store(got, k_in, v_in, slots)
+    k_enc = k_in.float() - (c if c is not None else 0.0)
+    v_enc = v_in.float()
+    if codec.rotated:
+        k_enc, v_enc = wht.rotate(k_enc), wht.rotate(v_enc)
+    flips = compare_side(codec, want.k_pool, got.k_pool, want, k_enc, slots)
+    flips += compare_side(codec, want.v_pool, got.v_pool, want, v_enc, slots)
+    return flips
+
+
+CASES = [(name, d) for name, c in CODECS.items() for d in (64, 128, odd_head_dim(c))]
+
+
+@pytest.mark.parametrize("name,d", CASES)
+def test_store_bytes_equal_reference(name, d):
+    codec = CODECS[name]
+    flips = sum(run_case(codec, d, seed=s) for s in range(2))
+    assert flips == 0 or codec.scale_type is ScaleType.FP8_E4M3
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_and_strided_rows(name, dtype):
+    run_case(CODECS[name], 64, dtype=dtype, strided=True, seed=3)
+
+
+def test_no_centre_all_slots_negative_and_empty():
+    codec = CODECS["turbo3"]
+    run_case(codec, 64, centre=False)
+    want, got = twin_layers(codec, 2, 64, None, 1.0, 1.0)
+    x = torch.randn(5, 2, 64)
+    cpu.store(got, x, x, torch.full((5,), -1, dtype=torch.int64))
+    cpu.store(got, x[:0], x[:0], torch.zeros(0, dtype=torch.int64))
+    assert torch.equal(got.k_pool, want.k_pool) and torch.equal(got.v_pool, want.v_pool)
+
+
+def test_one_side_only_and_block_size_not_16():
+    codec = CODECS["nvfp4"]
+    layer = make_layer(CODECS["turbo2"], codec, 6, 24, 2, 64)
+    twin = dataclasses.replace(layer, k_pool=layer.k_pool.clone(), v_pool=layer.v_pool.clone())
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(30, 2, 64, generator=gen)
+    slots = torch.randperm(6 * 24, generator=gen)[:30].long()
+    ref_store.store(layer, None, x, slots)
+    cpu.store(twin, None, x, slots)
+    ref_store.store(layer, x, None, slots)
+    cpu.store(twin, x, None, slots)
+    assert torch.equal(layer.k_pool, twin.k_pool) and torch.equal(layer.v_pool, twin.v_pool)
+
+
+def test_every_codec_is_served_by_the_c_store():
+    """The description is derived for every catalogue row (no row falls back to the reference)."""
+    for codec in CODECS.values():
+        desc = cstore.store_desc(codec)
+        assert desc is not None, codec.name
+        if codec.values in (ValueKind.E2M1, ValueKind.LLOYD_MAX):
+            assert desc.kind == cstore.SK_TABLE and desc.levels.numel() == 2**codec.code_bits
+
+
+def test_dispatcher_picks_the_c_store_for_cpu_layers():
+    layer = make_layer(CODECS["turbo3"], CODECS["q4_0"], 4, 16, 2, 64)
+    chosen = select_backend(Op.STORE, layer.device, layer, None)
+    assert chosen.name == "cpu" and chosen.store is cpu.store
+    assert get_backend("reference").store is ref_store.store
+    assert select_backend(Op.STORE, layer.device, layer, None, "reference").name == "reference"
+    # public op, automatic vs reference backend: same bytes
+    twin = dataclasses.replace(layer, k_pool=layer.k_pool.clone(), v_pool=layer.v_pool.clone())
+    x = torch.randn(20, 2, 64)
+    slots = torch.arange(20, dtype=torch.int64) * 3 % 64
+    api.store(layer, x, x, slots)
+    api.store(twin, x, x, slots, backend="reference")
+    assert torch.equal(layer.k_pool, twin.k_pool) and torch.equal(layer.v_pool, twin.v_pool)
+
+
+def test_reference_backend_still_runs_the_reference(monkeypatch):
+    calls = []
+    real = ref_store.store_side
+    monkeypatch.setattr(ref_store, "store_side", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    layer = make_layer(CODECS["turbo4"], CODECS["turbo4"], 4, 16, 1, 64)
+    x = torch.randn(3, 1, 64)
+    api.store(layer, x, x, torch.arange(3, dtype=torch.int64), backend="reference")
+    assert len(calls) == 2
+    api.store(layer, x, x, torch.arange(3, 6, dtype=torch.int64))
+    assert len(calls) == 2  # the automatic choice on CPU is the C store
+
+
+@pytest.mark.parametrize("checks", [True, False])
+def test_bad_values_raise_before_any_write(checks):
+    layer = make_layer(CODECS["turbo3"], CODECS["fp8"], 4, 16, 2, 64)
+    x = torch.randn(6, 2, 64)
+    x[4, 1, 7] = float("nan")
+    slots = torch.arange(6, dtype=torch.int64)
+    with pytest.raises(InvalidInput) as got:
+        api.store(layer, x, None, slots, checks=checks)
+    with pytest.raises(InvalidInput) as want:
+        api.store(layer, x, None, slots, checks=checks, backend="reference")
+    assert str(got.value) == str(want.value)
+    assert not layer.k_pool.any() and not layer.v_pool.any()
+    # an infinite value in V with checks off: K is written (as the reference does), V is not
+    v = torch.randn(6, 2, 64)
+    v[0, 0, 0] = float("inf")
+    if not checks:
+        with pytest.raises(InvalidInput, match="fp8 encode got NaN or Inf"):
+            api.store(layer, torch.randn(6, 2, 64), v, slots, checks=False)
+        assert not layer.v_pool.any()
+    # shape errors come from validation, unchanged
+    with pytest.raises(InvalidInput, match="k must have shape"):
+        api.store(layer, x[:, :1], None, slots)
+
+
+def test_nan_in_a_skipped_row_is_ignored_like_the_reference():
+    codec = CODECS["q8_0"]
+    want, got = twin_layers(codec, 1, 64, None, 1.0, 1.0)
+    x = torch.randn(4, 1, 64)
+    x[2] = float("nan")
+    slots = torch.tensor([0, 1, -1, 3])
+    ref_store.store(want, x, x, slots)
+    cpu.store(got, x, x, slots)
+    assert torch.equal(want.k_pool, got.k_pool) and torch.equal(want.v_pool, got.v_pool)
+
+
+def test_pool_without_contiguous_rows_falls_back_to_the_reference():
+    codec = CODECS["turbo2"]
+    layer = make_layer(codec, codec, 4, 16, 1, 64)
+    wide = torch.zeros(4, layer.k_pool.shape[1] * 2, dtype=torch.uint8)
+    odd = dataclasses.replace(layer, k_pool=wide[:, ::2], v_pool=torch.zeros_like(layer.v_pool))
+    x = torch.randn(5, 1, 64)
+    slots = torch.arange(5, dtype=torch.int64) * 7
+    cpu.store(odd, x, x, slots)
+    ref_store.store(layer, x, x, slots)
+    assert torch.equal(odd.k_pool, layer.k_pool) and torch.equal(odd.v_pool, layer.v_pool)
+
+
+@pytest.mark.parametrize("variant", ["scalar", "avx2"])
+def test_portable_variants_write_the_same_bytes(tmp_path, variant):
+    """The portable C path (no SIMD intrinsics; compiler-vectorised with AVX2) is exact too."""
+    if variant == "avx2" and kbuild.detect_variant() == "scalar":
+        pytest.skip("no AVX2 here")
+    try:
+        cpu.load(kbuild.KernelConfig(cache_dir=str(tmp_path), variant=variant))
+        for name in ("turbo3", "turbo4", "turbo2", "nvfp4", "turbo8", "q4_0", "fp8"):
+            run_case(CODECS[name], 64, t=24, seed=7)
+    finally:
+        cpu.load()
+
+
+def test_tolerance_rejects_a_worse_scale_choice():
+    """The near-tie allowance is no blanket pass: a group stored with another scale fails it."""
+    codec = CODECS["turbo3"]
+    want, _ = twin_layers(codec, 2, 64, None, 1.0, 1.0)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(8, 2, 64, generator=gen)
+    slots = torch.arange(8, dtype=torch.int64)
+    ref_store.store(want, x, None, slots)
+    bad = want.k_pool.clone()
+    _, scales = block_views(codec, bad, BLOCK_SIZE, 2, 64)
+    scales[0, 3, 1, 2] += 1  # one group, the next E4M3 scale up
+    with pytest.raises(AssertionError):
+        compare_side(codec, want.k_pool, bad, want, wht.rotate(x), slots)
+    assert compare_side(codec, want.k_pool, want.k_pool.clone(), want, wht.rotate(x), slots) == 0
