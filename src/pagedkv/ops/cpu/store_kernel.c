@@ -108,7 +108,36 @@ static inline uint8_t f32_to_e4m3(float f) {
     return (uint8_t)(r | (sign >> 24));
 }
 
+/* max of two non-NaN floats (fmaxf is a libm call when NaN semantics must hold) */
+static inline float max_f(float a, float b) { return a > b ? a : b; }
+
 static inline float clamp448(float v) { return v < -448.0f ? -448.0f : (v > 448.0f ? 448.0f : v); }
+
+/* E4M3 bytes of clamp448(x[i] / s), i < n: the rule of f32_to_e4m3, 16 lanes at a time. */
+static inline void e4m3_div_array(const float *x, float s, uint8_t *out, int n) {
+    int i = 0;
+#ifdef PKV_STORE_AVX512
+    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-448.0f), hi = _mm512_set1_ps(448.0f);
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u), one = _mm512_set1_epi32(1);
+    const __m512i den_bits = _mm512_set1_epi32((int)(141u << 23)), small = _mm512_set1_epi32((int)(121u << 23));
+    const __m512i bias = _mm512_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7FFFFu));
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), vs);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        const __m512i raw = _mm512_castps_si512(v);
+        const __m512i sign = _mm512_and_si512(raw, sign_bit);
+        const __m512i b = _mm512_xor_si512(raw, sign);
+        const __m512i den = _mm512_sub_epi32(
+            _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(den_bits))), den_bits);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 20), one);
+        const __m512i nrm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, bias), odd), 20);
+        __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(b, small), nrm, den);
+        r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+        _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(r));
+    }
+#endif
+    for (; i < n; i++) out[i] = f32_to_e4m3(clamp448(x[i] / s));
+}
 
 /* Value of a positive E4M3 byte c in 1..126. */
 static inline float e4m3_pos_value(uint32_t c) {
@@ -283,7 +312,7 @@ static void search_tile(const pkv_store_args *a, tile_t *tl
 
     for (int l = 0; l < TL; l++) amax[l] = 0.0f;
     for (int j = 0; j < TG; j++)
-        for (int l = 0; l < TL; l++) amax[l] = fmaxf(amax[l], fabsf(tl->x[j][l]));
+        for (int l = 0; l < TL; l++) amax[l] = max_f(amax[l], fabsf(tl->x[j][l]));
     for (int l = 0; l < TL; l++) {
         base[l] = f32_to_e4m3(clamp448(amax[l] / a->top));
         best_err[l] = INFINITY;
@@ -341,8 +370,7 @@ static void encode_row(const pkv_store_args *a, const float *x, uint8_t *data, u
         return;
     }
     if (a->kind == SK_E4M3_TENSOR) {
-        const float s = a->tensor_scale;
-        for (int i = 0; i < D; i++) data[i] = f32_to_e4m3(clamp448(x[i] / s));
+        e4m3_div_array(x, a->tensor_scale, data, D);
         return;
     }
     const int G = a->group;
@@ -350,13 +378,13 @@ static void encode_row(const pkv_store_args *a, const float *x, uint8_t *data, u
     for (int g0 = 0; g0 < D; g0 += G) {
         const float *xg = x + g0;
         float amax = 0.0f;
-        for (int j = 0; j < G; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        for (int j = 0; j < G; j++) amax = max_f(amax, fabsf(xg[j]));
         float dq;
         uint16_t hb;
         if (a->kind == SK_E4M3_GROUP) {
             hb = half_round(amax / a->top, a->scale_kind, &dq);
             const float safe = dq > 0.0f ? dq : 1.0f;
-            for (int j = 0; j < G; j++) codes[j] = f32_to_e4m3(clamp448(xg[j] / safe));
+            e4m3_div_array(xg, safe, codes, G);
         } else if (a->kind == SK_INT8) {
             hb = half_round(amax / a->top, a->scale_kind, &dq);
             const float safe = dq > 0.0f ? dq : 1.0f, hi = a->top;
