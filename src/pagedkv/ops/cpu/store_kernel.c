@@ -231,9 +231,10 @@ static inline void lut_init(lut_t *L, const pkv_store_args *a) {
 
 /* Nearest level of y (count of mids below y: ties go down) for 16 lanes: index and value. */
 #ifdef PKV_STORE_AVX512
-static inline __m512i nearest_level(__m512 y, const lut_t *L, __m512 *value) {
+#define PKV_ALWAYS_INLINE static inline __attribute__((always_inline))
+PKV_ALWAYS_INLINE __m512i nearest_level(__m512 y, const lut_t *L, __m512 *value, const int nsteps) {
     __m512i k = _mm512_setzero_si512();
-    for (int s = L->nsteps - 1; s >= 0; s--) {
+    for (int s = nsteps - 1; s >= 0; s--) {
         const __m512 m = _mm512_permutexvar_ps(_mm512_add_epi32(k, _mm512_set1_epi32((1 << s) - 1)), L->mids);
         k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(y, m, _CMP_GT_OQ), k, _mm512_set1_epi32(1 << s));
     }
@@ -259,9 +260,12 @@ static inline void nearest_level(const float *y, const pkv_store_args *a, uint8_
 #endif
 
 /* The squared error of each lane's group for the scales cand[16] (torch's summation order). */
-static inline void group_errors(const tile_t *tl, const float *cand, float *err
+#ifndef PKV_ALWAYS_INLINE
+#define PKV_ALWAYS_INLINE static inline
+#endif
+PKV_ALWAYS_INLINE void group_errors(const tile_t *tl, const float *cand, float *err
 #ifdef PKV_STORE_AVX512
-                                , const lut_t *L
+                                , const lut_t *L, const int nsteps
 #else
                                 , const pkv_store_args *a
 #endif
@@ -274,7 +278,7 @@ static inline void group_errors(const tile_t *tl, const float *cand, float *err
         for (int half = 0; half < 2; half++) {
             const __m512 xv = _mm512_loadu_ps(tl->x[j + half * (TG / 2)]);
             __m512 lv;
-            (void)nearest_level(_mm512_div_ps(xv, vc), L, &lv);
+            (void)nearest_level(_mm512_div_ps(xv, vc), L, &lv, nsteps);
             const __m512 d = _mm512_sub_ps(xv, _mm512_mul_ps(lv, vc));
             sq[half] = _mm512_mul_ps(d, d);
         }
@@ -302,9 +306,9 @@ static inline void group_errors(const tile_t *tl, const float *cand, float *err
 #endif
 }
 
-static void search_tile(const pkv_store_args *a, tile_t *tl
+PKV_ALWAYS_INLINE void search_tile_n(const pkv_store_args *a, tile_t *tl
 #ifdef PKV_STORE_AVX512
-                        , const lut_t *L
+                        , const lut_t *L, const int nsteps
 #endif
 ) {
     float amax[TL], best_err[TL], best_scale[TL], cand[TL], err[TL];
@@ -326,7 +330,7 @@ static void search_tile(const pkv_store_args *a, tile_t *tl
             cand[l] = e4m3_pos_value((uint32_t)c[l]);
         }
 #ifdef PKV_STORE_AVX512
-        group_errors(tl, cand, err, L);
+        group_errors(tl, cand, err, L, nsteps);
 #else
         group_errors(tl, cand, err, a);
 #endif
@@ -343,7 +347,7 @@ static void search_tile(const pkv_store_args *a, tile_t *tl
     for (int j = 0; j < TG; j++) {
 #ifdef PKV_STORE_AVX512
         __m512 lv;
-        const __m512i k = nearest_level(_mm512_div_ps(_mm512_loadu_ps(tl->x[j]), _mm512_loadu_ps(best_scale)), L, &lv);
+        const __m512i k = nearest_level(_mm512_div_ps(_mm512_loadu_ps(tl->x[j]), _mm512_loadu_ps(best_scale)), L, &lv, nsteps);
         _mm_storeu_si128((__m128i *)codes[j], _mm512_cvtepi32_epi8(k));
 #else
         float y[TL], lv[TL];
@@ -359,6 +363,24 @@ static void search_tile(const pkv_store_args *a, tile_t *tl
         *tl->scale[l] = amax[l] == 0.0f ? 0 : (uint8_t)best_c[l];
     }
     tl->n = 0;
+}
+
+/* search_tile_n with the level search unrolled for the table's size (2 to 16 levels) */
+static void search_tile(const pkv_store_args *a, tile_t *tl
+#ifdef PKV_STORE_AVX512
+                        , const lut_t *L
+#endif
+) {
+#ifdef PKV_STORE_AVX512
+    switch (L->nsteps) {
+    case 1: search_tile_n(a, tl, L, 1); break;
+    case 2: search_tile_n(a, tl, L, 2); break;
+    case 3: search_tile_n(a, tl, L, 3); break;
+    default: search_tile_n(a, tl, L, 4); break;
+    }
+#else
+    search_tile_n(a, tl);
+#endif
 }
 
 /* ---- the other kinds: one row at a time --------------------------------------------------- */
