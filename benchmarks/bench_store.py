@@ -3,14 +3,20 @@
 Per codec, one process, one thread:
 - speed: M elements/s (K and V elements written per second) of `pagedkv.ops.reference.store`
   and `pagedkv.ops.cpu.store` on the same chunk, calls interleaved (ref, C, ref, C, ...),
-  medians of --repeats;
+  medians of --repeats, timed as the thread's CPU time (the machine may be shared);
 - memory: a fresh child process per (store, codec) allocates the pools of --layers layers, warms
   up with one call, then makes --calls store calls interleaved over the layers (chunk c goes to
   every layer in turn, fresh slots each time, as a chunked prefill does) and reports the growth
   of the resident set (VmRSS) and glibc's free-but-held heap (mallinfo2 fordblks) over them.
+- decode-shaped calls: microseconds per store call of one token (K and V), as each layer of a
+  decode step makes;
+- with --model-prefill: end to end on the embedded SmolLM2 (30 layers, 3 KV heads, head_dim 64),
+  a --prompt-tokens prefill in chunks of --tokens and --decode-steps greedy steps, with the
+  "cpu" backend's store set to the reference store or the C store (attention is the C kernel in
+  both), seconds and tokens/s side by side.
 The default shape is one SmolLM2 prefill chunk: 256 tokens x 3 KV heads x head_dim 64.
 
-    .venv/bin/python benchmarks/bench_store.py [--codecs turbo3,q8_0] [--no-memory]
+    .venv/bin/python benchmarks/bench_store.py [--codecs turbo3,q8_0] [--no-memory] [--model-prefill]
 """
 
 from __future__ import annotations
@@ -61,11 +67,89 @@ def speed(codec_name: str, tokens: int, heads: int, head_dim: int, repeats: int)
         fn(layer, k, v, slots)  # warm-up (compiles, caches tables)
     for _ in range(repeats):
         for name, fn in impls.items():
-            t = time.perf_counter()
+            t = time.thread_time()  # this thread's CPU time: robust on a shared machine
             fn(layer, k, v, slots)
-            times[name].append(time.perf_counter() - t)
+            times[name].append(time.thread_time() - t)
     elements = 2 * k.numel()
     return {name: elements / statistics.median(ts) / 1e6 for name, ts in times.items()}
+
+
+def per_call_us(codec_name: str, heads: int, head_dim: int, repeats: int = 200) -> dict:
+    """Median microseconds (thread CPU time) of a one-token store call (K and V) of both stores."""
+    layer = _layer(codec_name, 64, heads, head_dim)
+    x = torch.randn(1, heads, head_dim, generator=torch.Generator().manual_seed(2))
+    slot = torch.tensor([17], dtype=torch.int64)
+    out = {}
+    for name, fn in (("reference", _ref_store()), ("cpu", _cpu_store())):
+        for _ in range(5):
+            fn(layer, x, x, slot)
+        ts = []
+        for _ in range(repeats):
+            t = time.thread_time_ns()
+            fn(layer, x, x, slot)
+            ts.append(time.thread_time_ns() - t)
+        out[name] = statistics.median(ts) / 1e3
+    return out
+
+
+def model_prefill(formats: list[str], prompt_tokens: int, chunk: int, decode_steps: int,
+                  repeats: int = 2) -> list[dict]:
+    """Embedded SmolLM2: chunked prefill + greedy decode with the reference vs the C store.
+
+    The runs alternate (ref, C, ref, C, ...) and the fastest of `repeats` is kept (the machine is
+    shared); the time spent inside the store calls is measured too (a timing wrapper)."""
+    import dataclasses
+
+    import pagedkv.ops.cpu as cpu
+    from pagedkv.eval.model import load_model, resolve_model_source
+    from pagedkv.eval.runner import cache_for, parse_choice
+    from pagedkv.ops.dispatch import register_backend
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    lm = load_model(resolve_model_source(None), attn_implementation="pagedkv", device="cpu")
+    model = lm.model
+    ids = torch.randint(100, model.config.vocab_size - 100, (1, prompt_tokens),
+                        generator=torch.Generator().manual_seed(3))
+    spent = [0.0]
+
+    def timed(fn):
+        def wrapper(*args):
+            t = time.perf_counter()
+            fn(*args)
+            spent[0] += time.perf_counter() - t
+        return wrapper
+
+    stores = {"reference": _ref_store(), "cpu": cpu.store}
+    rows = []
+    try:
+        for fmt in formats:
+            best: dict = {}
+            for _ in range(repeats):
+                for name, fn in stores.items():
+                    register_backend(dataclasses.replace(cpu.BACKEND, store=timed(fn)))
+                    cache = cache_for(model, parse_choice(fmt))
+                    with torch.inference_mode():
+                        spent[0], t = 0.0, time.perf_counter()
+                        for start in range(0, prompt_tokens, chunk):
+                            out = model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True)
+                        prefill, prefill_store = time.perf_counter() - t, spent[0]
+                        nxt = out.logits[:, -1:].argmax(-1)
+                        spent[0], t = 0.0, time.perf_counter()
+                        for _ in range(decode_steps):
+                            out = model(nxt, past_key_values=cache, use_cache=True)
+                            nxt = out.logits[:, -1:].argmax(-1)
+                        decode, decode_store = time.perf_counter() - t, spent[0]
+                    run = {"prefill_s": prefill, "prefill_store_s": prefill_store,
+                           "decode_ms": 1e3 * decode / max(1, decode_steps),
+                           "decode_store_ms": 1e3 * decode_store / max(1, decode_steps)}
+                    if name not in best or run["prefill_s"] < best[name]["prefill_s"]:
+                        best[name] = {**best.get(name, {}), **{k: v for k, v in run.items() if "prefill" in k}}
+                    if "decode_ms" not in best[name] or run["decode_ms"] < best[name]["decode_ms"]:
+                        best[name].update({k: v for k, v in run.items() if "decode" in k})
+            rows.append({"format": fmt, **{f"{n}_{k}": v for n, r in best.items() for k, v in r.items()}})
+    finally:
+        register_backend(cpu.BACKEND)
+    return rows
 
 
 def _rss_bytes() -> int:
@@ -137,6 +221,10 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--no-memory", action="store_true", help="skip the per-process memory runs")
+    p.add_argument("--model-prefill", action="store_true", help="also run the embedded model end to end")
+    p.add_argument("--model-formats", default="turbo3,q8_0,bf16")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", choices=("reference", "cpu"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -151,6 +239,7 @@ def main(argv=None) -> int:
     for name in names:
         row = {"codec": name, **{f"{k}_meps": v for k, v in speed(name, args.tokens, args.heads,
                                                                    args.head_dim, args.repeats).items()}}
+        row.update({f"{k}_call_us": v for k, v in per_call_us(name, args.heads, args.head_dim).items()})
         if not args.no_memory:
             for impl in ("reference", "cpu"):
                 m = memory(impl, name, args)
@@ -159,13 +248,14 @@ def main(argv=None) -> int:
         rows.append(row)
         if not args.json:
             line = (f"| {name} | {row['reference_meps']:.1f} | {row['cpu_meps']:.1f} | "
-                    f"{row['cpu_meps'] / row['reference_meps']:.1f} |")
+                    f"{row['cpu_meps'] / row['reference_meps']:.1f} | {row['reference_call_us']:.0f} | "
+                    f"{row['cpu_call_us']:.0f} |")
             if not args.no_memory:
                 line += (f" {row['reference_rss_mb']:+.1f} | {row['cpu_rss_mb']:+.1f} | "
                          f"{row['reference_fordblks_mb']:.1f} | {row['cpu_fordblks_mb']:.1f} |")
             if len(rows) == 1:
-                head = "| codec | reference M el/s | C M el/s | speedup |"
-                sep = "|---|---|---|---|"
+                head = "| codec | reference M el/s | C M el/s | speedup | ref us/1-token call | C us/1-token call |"
+                sep = "|---|---|---|---|---|---|"
                 if not args.no_memory:
                     head += f" ref dRSS MB ({args.calls} calls) | C dRSS MB | ref heap free MB | C heap free MB |"
                     sep += "---|---|---|---|"
@@ -174,8 +264,24 @@ def main(argv=None) -> int:
                 print(head)
                 print(sep)
             print(line, flush=True)
+    model_rows = []
+    if args.model_prefill:
+        model_rows = model_prefill([f.strip() for f in args.model_formats.split(",") if f.strip()],
+                                   args.prompt_tokens, args.tokens, args.decode_steps)
+        if not args.json:
+            print(f"\nembedded SmolLM2, {args.prompt_tokens}-token prefill in chunks of {args.tokens}, "
+                  f"{args.decode_steps} decode steps, {torch.get_num_threads()} thread(s)")
+            print("| format | prefill s, ref store (in store) | prefill s, C store (in store) | ratio | "
+                  "decode ms/token, ref store (in store) | decode ms/token, C store (in store) |")
+            print("|---|---|---|---|---|---|")
+            for r in model_rows:
+                print(f"| {r['format']} | {r['reference_prefill_s']:.2f} ({r['reference_prefill_store_s']:.2f}) | "
+                      f"{r['cpu_prefill_s']:.2f} ({r['cpu_prefill_store_s']:.2f}) | "
+                      f"{r['cpu_prefill_s'] / r['reference_prefill_s']:.2f} | "
+                      f"{r['reference_decode_ms']:.1f} ({r['reference_decode_store_ms']:.1f}) | "
+                      f"{r['cpu_decode_ms']:.1f} ({r['cpu_decode_store_ms']:.1f}) |")
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"codecs": rows, "model": model_rows}, indent=1))
     return 0
 
 

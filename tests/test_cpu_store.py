@@ -301,3 +301,20 @@ def test_tolerance_rejects_a_worse_scale_choice():
     with pytest.raises(AssertionError):
         compare_side(codec, want.k_pool, bad, want, wht.rotate(x), slots)
     assert compare_side(codec, want.k_pool, want.k_pool.clone(), want, wht.rotate(x), slots) == 0
+
+
+def test_column_slice_pools_and_strided_last_dim():
+    """Pools that are column slices of a wider buffer (latent sections) and inputs whose last dim
+    is not contiguous write the reference's bytes."""
+    codec = CODECS["turbo4"]
+    layer = make_layer(codec, CODECS["q4_0"], 5, 16, 2, 64)
+    kw = torch.zeros(5, layer.k_pool.shape[1] + 40, dtype=torch.uint8)
+    vw = torch.zeros(5, layer.v_pool.shape[1] + 24, dtype=torch.uint8)
+    sliced = dataclasses.replace(layer, k_pool=kw[:, 40:], v_pool=vw[:, :layer.v_pool.shape[1]])
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(20, 2, 128, generator=gen)[..., ::2]  # stride 2 along head_dim
+    slots = torch.randperm(80, generator=gen)[:20].long()
+    ref_store.store(layer, x, x, slots)
+    cpu.store(sliced, x, x, slots)
+    assert torch.equal(sliced.k_pool, layer.k_pool) and torch.equal(sliced.v_pool, layer.v_pool)
+    assert not kw[:, :40].any() and not vw[:, layer.v_pool.shape[1]:].any()

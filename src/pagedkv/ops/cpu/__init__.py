@@ -62,8 +62,20 @@ the tile, where m_run / Z_run are the running max / denominator (sinks included)
 weight is at most exp(s - m_run) / Z_run, only positions whose final weight is < t are skipped;
 some positions below t may still be read (the reference skips all of them; docs/internals.md).
 
+Cache write (`store`, `write.py` + `store_kernel.c`, compiled into the same library): per side,
+one C call encodes the rows (rotated first in torch, exactly as the reference does, for rotated
+codecs), packs the codes and writes them straight into the pool blocks at their slots; bytes
+equal the reference store's (the E4M3 scale search of the table codecs sums each candidate's
+error in torch's order, so even exact ties resolve alike). The reference encoder built ~100
+short-lived temporaries per call (10 scale candidates x a few full-size tensors), ran at 7-18 M
+elements/s for the table codecs and fragmented glibc's heap; the C store allocates nothing but
+the rotated copy. Measured (`benchmarks/bench_store.py`, 1 thread, one 256-token SmolLM2 chunk,
+K and V, M elements/s reference -> C): turbo3 7 -> ~150, nvfp4 8 -> ~190, turbo8 140 -> ~300,
+q8_0 240 -> ~1000, bf16 280 -> ~2000; a one-token (decode) call of turbo3 1.4 ms -> 25 us.
+
 Public helpers: `available()`, `kernel_info()`, `attention(...)` (explicit thread count and
-stats), and the backend ops `decode_attention` / `prefill_attention` (reference signatures).
+stats), and the backend ops `store` / `decode_attention` / `prefill_attention` (reference
+signatures).
 """
 
 from __future__ import annotations
