@@ -22,9 +22,18 @@ from pagedkv.eval.model import load_model, resolve_model_source  # noqa: E402
 
 pytestmark = pytest.mark.model
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):",
-           "Once upon a time, in a small village near the sea, there lived"]
-NEW = 12  # no prompt reaches EOS within 12 greedy tokens, so rows alone store as many tokens
+# 5, 17 and 23 tokens. Greedy top-1 minus top-2 logit margins over the 12 new tokens are >= 0.2
+# for each (bf16 cache), far above the ~0.02 that bf16 K/V rounding or batch-shape matmul
+# rounding moves a logit, so exact token equality is a sound oracle (bf16: " Paris.\n\nThe answer
+# is: 201", " Berlin.\nB: The capital of Germany is Berlin.", " 9, 10, 11, ...").
+PROMPTS = ["The capital of France is", "Q: What is the capital of Germany?\nA: The capital of Germany is",
+           "1, 2, 3, 4, 5, 6, 7, 8,"]
+NEW = 12
+
+
+def _same_generation(batch_new: list[int], alone_new: list[int], pad: int) -> bool:
+    """A row of the batch continues with pads after its EOS where the row alone stops."""
+    return batch_new[:len(alone_new)] == alone_new and all(t == pad for t in batch_new[len(alone_new):])
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +104,8 @@ def test_left_padded_greedy_bf16_equals_rows_alone_and_sdpa(lm):
     for r, prompt in enumerate(PROMPTS):
         alone = _generate(model, tok([prompt], return_tensors="pt"),
                           PagedKVCache(model, "bf16", high_precision_layers=0), **kw)
-        assert out[r, width:].tolist() == alone[0, lengths[r]:].tolist(), r
+        new_alone = alone[0, lengths[r]:].tolist()
+        assert _same_generation(out[r, width:].tolist(), new_alone, kw["pad_token_id"]), r
     model.set_attn_implementation("sdpa")
     try:
         ref = _generate(model, enc, DynamicCache(config=model.config), **kw)
@@ -135,7 +145,8 @@ def test_left_padded_turbo3_stores_the_same_codes_as_rows_alone(lm, monkeypatch)
         stats.fitted = list(fitted)
         stats.replay()
         alone = _generate(model, tok([prompt], return_tensors="pt"), PagedKVCache(model, "turbo3"), **kw)
-        assert out[r, width:].tolist() == alone[0, lengths[r]:].tolist(), r
+        new_alone = alone[0, lengths[r]:].tolist()
+        assert _same_generation(out[r, width:].tolist(), new_alone, kw["pad_token_id"]), r
 
 
 def test_right_padded_forward_logits_equal_rows_alone(lm, monkeypatch):
@@ -150,7 +161,7 @@ def test_right_padded_forward_logits_equal_rows_alone(lm, monkeypatch):
     lengths = enc["attention_mask"].sum(1).tolist()
     stats = _replayed_calibration(monkeypatch)
     with torch.inference_mode():
-        for fmt, kwargs, tol in [("bf16", dict(high_precision_layers=0), 1e-4), ("turbo3", {}, 1e-3)]:
+        for fmt, kwargs in [("bf16", dict(high_precision_layers=0)), ("turbo3", {})]:
             if fmt == "turbo3":
                 stats.record()
             batch = model(**enc, cache=PagedKVCache(model, fmt, **kwargs), use_cache=True).logits.float()
@@ -160,8 +171,12 @@ def test_right_padded_forward_logits_equal_rows_alone(lm, monkeypatch):
                     stats.replay()
                 alone = model(enc["input_ids"][r:r + 1, :n], cache=PagedKVCache(model, fmt, **kwargs),
                               use_cache=True).logits.float()[0]
-                # same stored values, same attention: fp32 reduction order only
-                torch.testing.assert_close(batch[r, :n], alone, atol=tol, rtol=tol)
+                # Same computation, but torch's fp32 matmul rounds a row differently for 5 rows
+                # than for 45 (~1e-6 on k_proj with identical inputs), which can flip the rounding
+                # of a few stored K/V elements (one bf16 ulp, 2^-8 relative): measured up to
+                # 5e-4 x max|logit|. Attending to pads or to another row's tokens gives ~0.2.
+                err = float((batch[r, :n] - alone).abs().max())
+                assert err <= 2e-3 * float(alone.abs().max()), (fmt, r, err)
 
 
 def test_left_padded_beam_search_bf16_equals_sdpa(lm):

@@ -326,6 +326,26 @@ def test_left_padded_batch_matches_dynamic_cache(family):
     scale = ref[valid].abs().max()
     assert (out[valid] - ref[valid]).abs().max() <= 2e-2 * scale, (out[valid] - ref[valid]).abs().max()
     assert torch.isfinite(out).all()
+    # "pagedkv" with transformers' own cache: exact dense attention, pads masked (the Gemma
+    # sliding layers hand it a window of keys: the mask's kv_offset)
+    dense, _ = _padded_run(model, DynamicCache(config=model.config), ids, mask, pos, 5)
+    torch.testing.assert_close(dense[valid], ref[valid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_left_padded_generate_with_chunked_prefill(family):
+    """generate(prefill_chunk_size=4) on a left-padded batch: chunks made only of pads for some
+    rows, then decode; same tokens as eager attention on DynamicCache."""
+    model = _model(family)
+    ids, mask, _ = _left_padded([13, 9, 4], seed=60)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, **kw)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=4)
+        out = model.generate(ids, attention_mask=mask, cache=cache, prefill_chunk_size=4, **kw)
+    assert out.tolist() == ref.tolist()
+    assert cache.row_lengths(cache.get_seq_length()) == [13 + 5, 9 + 5, 4 + 5]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

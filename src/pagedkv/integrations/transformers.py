@@ -42,7 +42,8 @@ Key centring (on by default for non-bf16 K): on its first stored chunk a layer f
 `calibration.key_centre`: for fp8 K a per-channel mean of the chunk's keys without the ~3%
 farthest from the median (the sink/BOS tokens), else the per-channel median, robust to the
 sinks' outlier keys); stored keys are k - k_centre and attention adds q . k_centre back, which
-softmax makes exact. It removes the large shared component of keys (the RoPE-rotated bias most models have) before quantization.
+softmax makes exact. It removes the large shared component of keys (the RoPE-rotated bias most
+models have) before quantization.
 
 Limitations: `torch.compile` is not supported; a prepared 4D attention mask is refused (pass
 the 2D padding mask); the mask must cover every column seen so far ([B, past + new], as
