@@ -447,3 +447,26 @@ def test_padded_crop_reorder_and_beam():
     # reorder rows (as beam search does): each row keeps its own length
     cache.reorder_cache(torch.tensor([1, 1]))
     assert cache.row_lengths(14) == [9, 9]
+
+
+def test_left_padded_generate_continues_on_the_same_cache():
+    """A second generate on the same cache (the first output + new tokens, the mask extended
+    with ones) slices the inputs by get_seq_length (columns) and matches DynamicCache."""
+    model = _model("llama")
+    ids, mask, _ = _left_padded([9, 4, 6], seed=70)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    more = torch.randint(3, VOCAB, (3, 3), generator=torch.Generator().manual_seed(5))
+
+    def two_rounds(cache):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, cache=cache, **kw)
+            seq = torch.cat([out, more], dim=1)
+            m2 = torch.cat([mask, torch.ones(3, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+            return model.generate(seq, attention_mask=m2, cache=cache, **kw)
+
+    ref = two_rounds(DynamicCache(config=model.config))
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=4)
+    assert two_rounds(cache).tolist() == ref.tolist()
+    assert cache.get_seq_length() == 9 + 5 + 3 + 4
+    assert cache.row_lengths(21) == [21, 16, 18]

@@ -182,6 +182,8 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     # bool [rows, columns] on cpu: which columns each row stored; None while every column was valid
     _valid: Optional[torch.Tensor] = None
     _lens_memo: Optional[tuple] = None  # (columns, row_lengths(columns))
+    _valid_version = 0  # bumps whenever _valid changes
+    _seq_lens_memo: Optional[tuple] = None
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[int, str] = "auto", hp_format: Union[str, KVFormat] = "q8_0",
@@ -289,6 +291,14 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             self._lens_memo = memo
         return memo[1]
 
+    def seq_lens_tensor(self, columns: int, device) -> torch.Tensor:
+        """`row_lengths(columns)` as int32 [rows] on `device`, built once per step for all layers."""
+        key = (columns, self.batch_rows, self._valid_version, str(device))
+        if self._seq_lens_memo is None or self._seq_lens_memo[0] != key:
+            t = torch.tensor(self.row_lengths(columns), dtype=torch.int32, device=device)
+            self._seq_lens_memo = (key, t)
+        return self._seq_lens_memo[1]
+
     def _record(self, start: int, valid: Optional[torch.Tensor], rows: int, count: int) -> None:
         """Note which of the columns start..start+count each row stored (valid: bool [rows, count],
         None = all). The first layer to store a chunk records it; the others find it there."""
@@ -304,6 +314,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                else valid.detach().to("cpu", torch.bool))
         self._valid = torch.cat([self._valid[:, :start], new], dim=1)
         self._lens_memo = None
+        self._valid_version += 1
 
     def _copy_on_write(self, row: int, index: int) -> None:
         old = self.blocks.tables[row][index]
@@ -337,6 +348,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         if self._valid is not None:
             self._valid = self._valid[torch.tensor(list(sources), dtype=torch.long)]
             self._lens_memo = None
+            self._valid_version += 1
         old = self.blocks.tables
         new = []
         for s in sources:
@@ -382,12 +394,14 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         if self._valid is not None:
             self._valid = self._valid[:, :keep]
             self._lens_memo = None
+            self._valid_version += 1
         self._truncate(self.row_lengths(max((layer.length for layer in self.layers), default=0)))
 
     def reset(self) -> None:
         self._truncate(0)
         self._valid = None
         self._lens_memo = None
+        self._valid_version += 1
         self.blocks.tables = []
         self.blocks.version += 1
         for layer in self.layers:
@@ -783,7 +797,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     params = AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap, sinks=sinks)
     cache = layer.cache
     dev = query.device
-    seq_lens = torch.tensor(cache.row_lengths(layer.length), dtype=torch.int32, device=dev)
+    seq_lens = cache.seq_lens_tensor(layer.length, dev)
     q = query.transpose(1, 2)  # [B, Tq, Hq, D]
     if valid is None:
         counts = None
