@@ -14,9 +14,13 @@ Per codec, one process, one thread:
   a --prompt-tokens prefill in chunks of --tokens and --decode-steps greedy steps, with the
   "cpu" backend's store set to the reference store or the C store (attention is the C kernel in
   both), seconds and tokens/s side by side.
+- with --model-memory: one fresh process per (format, store) runs the embedded model over a
+  --memory-tokens prefill (chunks of --tokens) and --decode-steps decode steps, then reports the
+  resident set, the resident set less the cache pools, and glibc's free-but-held heap.
 The default shape is one SmolLM2 prefill chunk: 256 tokens x 3 KV heads x head_dim 64.
 
-    .venv/bin/python benchmarks/bench_store.py [--codecs turbo3,q8_0] [--no-memory] [--model-prefill]
+    .venv/bin/python benchmarks/bench_store.py [--codecs turbo3,q8_0] [--no-memory]
+        [--model-prefill] [--model-memory]
 """
 
 from __future__ import annotations
@@ -200,6 +204,38 @@ def memory_child(impl: str, codec_name: str, tokens: int, heads: int, head_dim: 
             "seconds": seconds}
 
 
+def model_memory_child(fmt: str, impl: str, tokens: int, chunk: int, decode_steps: int) -> dict:
+    """In a fresh process: memory after a chunked prefill + decode of the embedded model."""
+    import dataclasses
+
+    import pagedkv.ops.cpu as cpu
+    from pagedkv.eval.model import load_model, resolve_model_source
+    from pagedkv.eval.runner import cache_for, parse_choice
+    from pagedkv.ops.dispatch import register_backend
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    if impl == "reference":
+        register_backend(dataclasses.replace(cpu.BACKEND, store=_ref_store()))
+    lm = load_model(resolve_model_source(None), attn_implementation="pagedkv", device="cpu")
+    model = lm.model
+    ids = torch.randint(100, model.config.vocab_size - 100, (1, tokens), generator=torch.Generator().manual_seed(3))
+    cache = cache_for(model, parse_choice(fmt))
+    rss0 = _rss_bytes()
+    with torch.inference_mode():
+        for start in range(0, tokens, chunk):
+            out = model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(decode_steps):
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+    del out
+    pools = cache.pool_bytes()
+    rss = _rss_bytes()
+    return {"rss_mb": rss / 2**20, "growth_mb": (rss - rss0) / 2**20, "pools_mb": pools / 2**20,
+            "growth_less_pools_mb": (rss - rss0 - pools) / 2**20, "fordblks_mb": _fordblks() / 2**20}
+
+
 def memory(impl: str, codec_name: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", impl, "--codecs", codec_name, "--tokens", str(args.tokens),
            "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--calls", str(args.calls),
@@ -226,10 +262,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--model-memory", action="store_true", help="memory of a model run per (format, store)")
+    p.add_argument("--memory-tokens", type=int, default=4096)
     p.add_argument("--child", choices=("reference", "cpu"), help=argparse.SUPPRESS)
+    p.add_argument("--child-model", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     names = [n.strip() for n in args.codecs.split(",") if n.strip()]
+    if args.child and args.child_model:
+        print(json.dumps(model_memory_child(args.child_model, args.child, args.memory_tokens, args.tokens,
+                                            args.decode_steps)))
+        return 0
     if args.child:
         print(json.dumps(memory_child(args.child, names[0], args.tokens, args.heads, args.head_dim,
                                       args.calls, args.layers)))
@@ -280,8 +323,26 @@ def main(argv=None) -> int:
                       f"{r['cpu_prefill_s'] / r['reference_prefill_s']:.2f} | "
                       f"{r['reference_decode_ms']:.1f} ({r['reference_decode_store_ms']:.1f}) | "
                       f"{r['cpu_decode_ms']:.1f} ({r['cpu_decode_store_ms']:.1f}) |")
+    mem_rows = []
+    if args.model_memory:
+        runs = [("bf16", "cpu")] + [(f, impl) for f in args.model_formats.split(",") if f.strip() != "bf16"
+                                     for impl in ("reference", "cpu")]
+        for fmt, impl in runs:
+            cmd = [sys.executable, __file__, "--child", impl, "--child-model", fmt.strip(), "--memory-tokens",
+                   str(args.memory_tokens), "--tokens", str(args.tokens), "--decode-steps", str(args.decode_steps)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+            mem_rows.append({"format": fmt.strip(), "store": impl, **json.loads(out.stdout.strip().splitlines()[-1])})
+        if not args.json:
+            print(f"\nembedded SmolLM2, {args.memory_tokens}-token prefill in chunks of {args.tokens} + "
+                  f"{args.decode_steps} decode steps, fresh process each, MB")
+            print("| format | store | RSS | RSS growth | pools | growth less pools | heap free (fordblks) |")
+            print("|---|---|---|---|---|---|---|")
+            for r in mem_rows:
+                print(f"| {r['format']} | {r['store']} | {r['rss_mb']:.0f} | {r['growth_mb']:.1f} | {r['pools_mb']:.1f} | "
+                      f"{r['growth_less_pools_mb']:.1f} | {r['fordblks_mb']:.1f} |")
     if args.json:
-        print(json.dumps({"codecs": rows, "model": model_rows}, indent=1))
+        print(json.dumps({"codecs": rows, "model": model_rows, "model_memory": mem_rows}, indent=1))
     return 0
 
 

@@ -318,3 +318,16 @@ def test_column_slice_pools_and_strided_last_dim():
     cpu.store(sliced, x, x, slots)
     assert torch.equal(sliced.k_pool, layer.k_pool) and torch.equal(sliced.v_pool, layer.v_pool)
     assert not kw[:, :40].any() and not vw[:, layer.v_pool.shape[1]:].any()
+
+
+def test_without_the_kernel_the_reference_store_runs():
+    """No compiler = the module registers no "cpu" backend; the dispatcher then runs the reference."""
+    from pagedkv.ops.dispatch import register_backend, unregister_backend
+
+    layer = make_layer(CODECS["turbo3"], CODECS["turbo3"], 4, 16, 1, 64)
+    unregister_backend("cpu")
+    try:
+        assert select_backend(Op.STORE, layer.device, layer, None).name == "reference"
+    finally:
+        register_backend(cpu.BACKEND)
+    assert select_backend(Op.STORE, layer.device, layer, None).name == "cpu"

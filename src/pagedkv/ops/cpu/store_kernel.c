@@ -47,6 +47,12 @@ enum { SS_NONE = 0, SS_E4M3 = 1, SS_BF16 = 2, SS_FP16 = 3 };
 enum { XT_F32 = 0, XT_BF16 = 1, XT_F16 = 2 };
 enum { PKV_STORE_OK = 0, PKV_STORE_NONFINITE = 1, PKV_STORE_BAD_ARGS = 2 };
 
+#if defined(__GNUC__) || defined(__clang__)
+#define PKV_ALWAYS_INLINE static inline __attribute__((always_inline))
+#else
+#define PKV_ALWAYS_INLINE static inline
+#endif
+
 #define MAX_HEAD_DIM 4096
 #define TL 16 /* groups per tile (lanes) */
 #define TG 16 /* elements per group in the table search */
@@ -231,7 +237,6 @@ static inline void lut_init(lut_t *L, const pkv_store_args *a) {
 
 /* Nearest level of y (count of mids below y: ties go down) for 16 lanes: index and value. */
 #ifdef PKV_STORE_AVX512
-#define PKV_ALWAYS_INLINE static inline __attribute__((always_inline))
 PKV_ALWAYS_INLINE __m512i nearest_level(__m512 y, const lut_t *L, __m512 *value, const int nsteps) {
     __m512i k = _mm512_setzero_si512();
     for (int s = nsteps - 1; s >= 0; s--) {
@@ -260,9 +265,6 @@ static inline void nearest_level(const float *y, const pkv_store_args *a, uint8_
 #endif
 
 /* The squared error of each lane's group for the scales cand[16] (torch's summation order). */
-#ifndef PKV_ALWAYS_INLINE
-#define PKV_ALWAYS_INLINE static inline
-#endif
 PKV_ALWAYS_INLINE void group_errors(const tile_t *tl, const float *cand, float *err
 #ifdef PKV_STORE_AVX512
                                 , const lut_t *L, const int nsteps
