@@ -248,6 +248,14 @@ def test_errors():
         model(ids[:, :1], attention_mask=four_d, cache=cache, use_cache=True)
     assert (cache.get_seq_length(), [list(t) for t in cache.blocks.tables], cache.blocks.used) == before
     assert all(layer.pending is None and layer.length == 6 for layer in cache.layers)
+    # value centring is not exact with attention sinks: refused from the first chunk on
+    from pagedkv.integrations.transformers import paged_attention_forward
+
+    vc = PagedKVCache(model, "turbo3", high_precision_layers=0, value_centring=True)
+    k, v = vc.layers[0].update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32), 0)
+    with pytest.raises(ConfigError, match="value centring"):
+        paged_attention_forward(None, torch.randn(1, 4, 5, 32), k, v, None, s_aux=torch.zeros(4))
+    assert vc.get_seq_length() == 0 and not vc.layers[0].is_initialized and vc.blocks.used == 0
 
 
 def test_plain_forward_without_cache_is_exact_attention():

@@ -782,7 +782,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     pending = layer.pending if layer.pending is not None and layer.pending[0] is key else None
     was_initialized = layer.is_initialized
     try:
-        if layer.v_centre is not None and sinks is not None:
+        if layer.centre_values and sinks is not None:
             raise ConfigError("value centring is not exact with attention sinks (their weight takes no "
                               "value); create the PagedKVCache with value_centring=False")
         valid = _chunk_validity(attention_mask, layer, b, tq)
