@@ -16,7 +16,8 @@ Per codec, one process, one thread:
   both), seconds and tokens/s side by side.
 - with --model-memory: one fresh process per (format, store) runs the embedded model over a
   --memory-tokens prefill (chunks of --tokens) and --decode-steps decode steps, then reports the
-  resident set, the resident set less the cache pools, and glibc's free-but-held heap.
+  resident set, the resident set less the cache pools, glibc's free-but-held heap, and the
+  resident set less the pools after malloc_trim(0) (what the allocator could give back).
 The default shape is one SmolLM2 prefill chunk: 256 tokens x 3 KV heads x head_dim 64.
 
     .venv/bin/python benchmarks/bench_store.py [--codecs turbo3,q8_0] [--no-memory]
@@ -231,9 +232,14 @@ def model_memory_child(fmt: str, impl: str, tokens: int, chunk: int, decode_step
             nxt = out.logits[:, -1:].argmax(-1)
     del out
     pools = cache.pool_bytes()
-    rss = _rss_bytes()
+    rss, free = _rss_bytes(), _fordblks()
+    try:  # what glibc can hand back: free heap pages returned to the OS
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     return {"rss_mb": rss / 2**20, "growth_mb": (rss - rss0) / 2**20, "pools_mb": pools / 2**20,
-            "growth_less_pools_mb": (rss - rss0 - pools) / 2**20, "fordblks_mb": _fordblks() / 2**20}
+            "growth_less_pools_mb": (rss - rss0 - pools) / 2**20, "fordblks_mb": free / 2**20,
+            "growth_less_pools_after_trim_mb": (_rss_bytes() - rss0 - pools) / 2**20}
 
 
 def memory(impl: str, codec_name: str, args) -> dict:
@@ -336,11 +342,13 @@ def main(argv=None) -> int:
         if not args.json:
             print(f"\nembedded SmolLM2, {args.memory_tokens}-token prefill in chunks of {args.tokens} + "
                   f"{args.decode_steps} decode steps, fresh process each, MB")
-            print("| format | store | RSS | RSS growth | pools | growth less pools | heap free (fordblks) |")
-            print("|---|---|---|---|---|---|---|")
+            print("| format | store | RSS | RSS growth | pools | growth less pools | heap free (fordblks) | "
+                  "growth less pools after malloc_trim(0) |")
+            print("|---|---|---|---|---|---|---|---|")
             for r in mem_rows:
                 print(f"| {r['format']} | {r['store']} | {r['rss_mb']:.0f} | {r['growth_mb']:.1f} | {r['pools_mb']:.1f} | "
-                      f"{r['growth_less_pools_mb']:.1f} | {r['fordblks_mb']:.1f} |")
+                      f"{r['growth_less_pools_mb']:.1f} | {r['fordblks_mb']:.1f} | "
+                      f"{r['growth_less_pools_after_trim_mb']:.1f} |")
     if args.json:
         print(json.dumps({"codecs": rows, "model": model_rows, "model_memory": mem_rows}, indent=1))
     return 0
