@@ -331,3 +331,13 @@ def test_without_the_kernel_the_reference_store_runs():
     finally:
         register_backend(cpu.BACKEND)
     assert select_backend(Op.STORE, layer.device, layer, None).name == "cpu"
+
+
+def test_shared_backend_check_every_pair_store_exact():
+    """The shared backend check (tests/helpers/backend_check.py): every codec pair and the settings
+    grid (k_centre, GQA, head dims, block sizes) store the reference's bytes through the C store."""
+    from helpers.backend_check import check_backend, default_cases
+
+    results = check_backend(store=cpu.store, cases=default_cases())
+    assert len(results) >= len(CODECS) ** 2
+    assert max(r["store_max_diff"] for r in results) == 0
