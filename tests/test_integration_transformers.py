@@ -478,3 +478,33 @@ def test_left_padded_generate_continues_on_the_same_cache():
     assert two_rounds(cache).tolist() == ref.tolist()
     assert cache.get_seq_length() == 9 + 5 + 3 + 4
     assert cache.row_lengths(21) == [21, 16, 18]
+
+
+def test_padded_repeat_interleave_and_select_keep_row_lengths():
+    """batch_repeat_interleave / batch_select_indices on a padded cache carry each row's length:
+    the next token's logits equal those of the cache they were copied from."""
+    model = _model("mistral", ATTN_IMPLEMENTATION)
+    ids, mask, pos = _left_padded([10, 5], seed=80)
+    nxt = torch.tensor([[7], [9]])
+
+    def step(cache, rows):
+        m = torch.cat([mask[rows], torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+        with torch.no_grad():
+            return model(nxt[rows], attention_mask=m, position_ids=pos[rows, -1:] + 1, cache=cache,
+                         use_cache=True).logits.float()
+
+    def prefilled():
+        cache = PagedKVCache(model, "q8_0", high_precision_layers=0, block_size=4)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        return cache
+
+    want = step(prefilled(), [0, 1])
+    rep = prefilled()
+    rep.batch_repeat_interleave(2)
+    assert rep.row_lengths(10) == [10, 10, 5, 5]
+    torch.testing.assert_close(step(rep, [0, 0, 1, 1]), want[[0, 0, 1, 1]], atol=1e-5, rtol=1e-5)
+    sel = prefilled()
+    sel.batch_select_indices(torch.tensor([1]))
+    assert sel.row_lengths(10) == [5]
+    torch.testing.assert_close(step(sel, [1]), want[[1]], atol=1e-5, rtol=1e-5)
