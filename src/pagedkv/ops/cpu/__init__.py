@@ -67,11 +67,16 @@ one C call encodes the rows (rotated first in torch, exactly as the reference do
 codecs), packs the codes and writes them straight into the pool blocks at their slots; bytes
 equal the reference store's (the E4M3 scale search of the table codecs sums each candidate's
 error in torch's order, so even exact ties resolve alike). The reference encoder built ~100
-short-lived temporaries per call (10 scale candidates x a few full-size tensors), ran at 7-18 M
-elements/s for the table codecs and fragmented glibc's heap; the C store allocates nothing but
-the rotated copy. Measured (`benchmarks/bench_store.py`, 1 thread, one 256-token SmolLM2 chunk,
-K and V, M elements/s reference -> C): turbo3 7 -> ~150, nvfp4 8 -> ~190, turbo8 140 -> ~300,
-q8_0 240 -> ~1000, bf16 280 -> ~2000; a one-token (decode) call of turbo3 1.4 ms -> 25 us.
+short-lived temporaries per call (10 scale candidates x a few full-size tensors) and ran at 7-18 M
+elements/s for the table codecs; the C store allocates nothing but the rotated copy (after 200
+chunk stores glibc holds 0.5-1.4 MB of free heap against the reference's 1-6 MB; in a whole
+model run the free-but-held heap comes mostly from elsewhere: `bench_store.py --model-memory`). Measured (`benchmarks/bench_store.py`, 1 thread, one 256-token SmolLM2 chunk,
+K and V, M elements/s reference -> C, medians of 9): turbo3 10 -> 134, turbo4 7 -> 116, turbo2
+13 -> 152, nvfp4 9 -> 164, turbo8 145 -> 388, q8_0 230 -> 841, q4_0 127 -> 347, fp8 274 -> 2025,
+bf16 265 -> 1953; a one-token (decode) call of turbo3 1474 -> 25 us. SmolLM2 end to end (1024-
+token prefill in 256-token chunks, 1 thread): turbo3 prefill 9.1 -> 5.8 s (time in the store
+2.06 -> 0.14 s), decode 189 -> 75 ms/token (store 87 -> 2.3 ms/token). For turbo3 the C scale
+search (10 exact divisions per element) is ~3/4 of the store time, the torch WHT matmul ~1/5.
 
 Public helpers: `available()`, `kernel_info()`, `attention(...)` (explicit thread count and
 stats), and the backend ops `store` / `decode_attention` / `prefill_attention` (reference
