@@ -42,6 +42,32 @@ def test_high_precision_layers_and_sliding_layers():
     assert row["bytes_per_token"] == 6 * 2 * 256 * 4.5 / 8
 
 
+def test_gemma3_sliding_layers_count_one_window_per_sequence():
+    """12 layers, 2 global (5 and 11) and 10 sliding with W = 512, 1 KV head of 256, bf16, blocks
+    of 16: a bf16 layer block is 16 tokens x (K + V) x 256 x 2 B = 16 KiB; a sequence of 32768
+    tokens takes 2048 blocks per global layer and ceil(511 / 16) + 1 = 33 per sliding layer."""
+    g3 = transformers.Gemma3TextConfig(num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=1,
+                                       head_dim=256, hidden_size=640, sliding_window=512)
+    (row,) = plan(g3, 8 * 2**30, ["bf16"], seq_len=32768, block_size=16)
+    lb = 16 * 2 * 256 * 2
+    assert row["sliding_layers"] == 10
+    assert row["bytes_per_token"] == 12 * lb / 16 and row["global_bytes_per_token"] == 2 * lb / 16
+    assert row["seq_bytes"] == (2 * 2048 + 10 * 33) * lb == 72515584
+    assert row["sequences"] == 8 * 2**30 // 72515584 == 118  # 21 if every layer kept every token
+    assert row["blocks"] // 2048 == 21
+    # the longest single sequence: every sliding layer holds its 33 blocks, the rest is global
+    assert row["tokens"] == (8 * 2**30 - 10 * 33 * lb) // (2 * lb) * 16 == (262144 - 165) * 16
+    # shorter than the window: sliding layers hold the whole sequence
+    (short,) = plan(g3, 8 * 2**30, ["bf16"], seq_len=100, block_size=16)
+    assert short["seq_bytes"] == 12 * 7 * lb
+    # every layer sliding (Mistral v0.1 style): tokens counts the sequences of seq_len that fit
+    mistral = transformers.MistralConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                                         head_dim=256, hidden_size=640, sliding_window=512)
+    (m,) = plan(mistral, 2**30, ["bf16"], seq_len=4096, block_size=16)
+    assert m["seq_bytes"] == 4 * 33 * lb and m["sequences"] == 2**30 // (4 * 33 * lb)
+    assert m["tokens"] == m["sequences"] * 4096 and m["global_bytes_per_token"] == 0
+
+
 def test_parse_bytes():
     assert parse_bytes("8GiB") == 8 * 2**30
     assert parse_bytes("512 MiB") == 512 * 2**20

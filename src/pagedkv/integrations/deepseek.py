@@ -43,7 +43,7 @@ from ..ops import AttentionParams
 from ..ops.latent import (LatentLayer, latent_decode_attention, latent_prefill_attention,
                           latent_store, make_latent_layer)
 from .calibration import fp8_tensor_scale
-from .transformers import PagedCacheLayer, PagedKVCache, _Blocks, _model_device, _transformers
+from .transformers import PagedCacheLayer, PagedKVCache, _model_device, _transformers
 
 _ORIGINAL = "_pagedkv_original_forward"
 
@@ -102,9 +102,7 @@ class PagedLatentCache(PagedKVCache):
         self.value_centring = False
         self.backend = backend
         self.checks = bool(checks)
-        self.blocks = _Blocks(block_size, initial_blocks, growable=max_tokens is None)
-        self._table_tensor = None
-        self._table_version = -1
+        self._make_groups(block_size, max_tokens)  # latent layers: one global block group
         layers = [LatentCacheLayer(self, spec) for spec in self.config.layers]
         _, cache_utils = _transformers()
         cache_utils.Cache.__init__(self, layers=layers)

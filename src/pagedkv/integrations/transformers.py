@@ -31,11 +31,20 @@ forward, as with any attention). A batch shares one set of first-chunk statistic
 the valid tokens of all its rows. Sliding windows count stored tokens, which equals
 transformers' column windows whenever pads only lead or trail a row (left / right padding).
 
-Storage: one block table per batch row; one block id addresses the same slots of every layer
-(K and V pools per layer, sized from the catalogue, per-layer formats from `CacheConfig`:
-high-precision first/last layers, sliding windows). The pools grow by doubling when blocks run
-out unless `max_tokens` fixes the capacity (then CacheFull). Rows share full blocks after a beam
-reorder / repeat (reference counts); a shared block is copied before it is written.
+Storage: layers are split into block groups: the global (full-attention) layers, and one group
+per distinct sliding window W (Gemma2/3: 5 of 6 layers; Mistral v0.1: all). Each group has its
+own block ids, one block table per batch row, and its layers' K and V pools (sized from the
+catalogue, per-layer formats from `CacheConfig`: high-precision first/last layers); a block id
+addresses the same slots of every layer of its group. Before a chunk is stored at a row's
+positions n.., a sliding group releases the row's blocks wholly before position n - W + 1: no
+query at or after n can see them (a query at p sees p - W < j <= p). So a sliding layer holds
+each row's last W tokens (rounded out to blocks) plus the chunk being stored, not the whole
+context; released table entries read as block 0, which the ops never touch (they skip blocks
+wholly outside the window; the reference gathers and masks them, and every block holds finite
+codes). A crop can go back to the start of the last chunk (`crop_limit`); `reclaim_sliding=False`
+keeps every token. Pools grow by doubling when blocks run out unless `max_tokens` caps them (then
+CacheFull, raised before any block is taken). Rows share full blocks after a beam reorder /
+repeat (reference counts, per group); a shared block is copied before it is written.
 
 Key centring (on by default for non-bf16 K): on its first stored chunk a layer fixes
 `k_centre` from that chunk's valid tokens per KV head (float32 [H, D], see
@@ -82,40 +91,111 @@ def _transformers():
 
 
 class _Blocks:
-    """Block ids shared by every layer: a growable free list with reference counts, and one
-    block table (list of ids) per batch row. Plain Python; the pools live in the layers."""
+    """One block group: the block ids its layers share (a growable free list with reference
+    counts) and one block table (list of ids) per batch row. Plain Python; the pools live in the
+    layers.
 
-    def __init__(self, block_size: int, num_blocks: int, growable: bool):
+    window: None for the global (full-attention) layers; W for a group of sliding-window layers,
+    whose rows release the blocks that no current or future query can see (`reclaim`): a
+    released entry of a table is -1 (0 in the tensor the ops read: they never read a block wholly
+    outside the window, and any block only holds encodings of finite values or zeros).
+    `dead[r]`: how many leading entries of row r's table are released.
+    max_blocks: the most blocks the pools may grow to (None: unlimited).
+    layers: the model layer indices whose pools this group addresses.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, max_blocks: Optional[int] = None, *,
+                 window: Optional[int] = None, layers: Sequence[int] = ()):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.growable = growable
+        self.max_blocks = max_blocks
+        self.window = window
+        self.layers = list(layers)
         self.ref = [0] * num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))
         self.tables: list[list[int]] = []
+        self.dead: list[int] = []
         self.version = 0  # bumps when any table changes (cached tensors are rebuilt)
+        self.tensor: Optional[torch.Tensor] = None  # int32 [rows, max_blocks] of `version`
+        self.tensor_version = -1
+
+    @property
+    def growable(self) -> bool:
+        return self.max_blocks is None or self.num_blocks < self.max_blocks
+
+    @property
+    def name(self) -> str:
+        return "global" if self.window is None else f"sliding-window (W={self.window})"
+
+    def reserve(self, n: int, grow) -> None:
+        """Make sure n blocks are free, growing the pools (`grow(new_total)` resizes the group's
+        layers first) or raising CacheFull before any change."""
+        if n <= len(self.free):
+            return
+        need_total = self.num_blocks + n - len(self.free)
+        if self.max_blocks is not None and need_total > self.max_blocks:
+            raise CacheFull(
+                f"the paged cache's {self.name} layers need {n} more blocks of {self.block_size} "
+                f"tokens but have {len(self.free)} free of {self.num_blocks} (max_tokens allows "
+                f"{self.max_blocks} blocks); raise max_tokens"
+            )
+        new_total = max(2 * self.num_blocks, need_total)
+        if self.max_blocks is not None:
+            new_total = min(new_total, self.max_blocks)
+        grow(new_total)
+        self.ref += [0] * (new_total - self.num_blocks)
+        self.free = list(range(new_total - 1, self.num_blocks - 1, -1)) + self.free
+        self.num_blocks = new_total
 
     def take(self, n: int, grow) -> list[int]:
-        if n > len(self.free):
-            if not self.growable:
-                raise CacheFull(
-                    f"the paged cache needs {n} more blocks of {self.block_size} tokens but has "
-                    f"{len(self.free)} free of {self.num_blocks}; raise max_tokens"
-                )
-            new_total = max(2 * self.num_blocks, self.num_blocks + n - len(self.free))
-            grow(new_total)  # resizes every layer's pools first
-            self.ref += [0] * (new_total - self.num_blocks)
-            self.free = list(range(new_total - 1, self.num_blocks - 1, -1)) + self.free
-            self.num_blocks = new_total
+        self.reserve(n, grow)
         ids = [self.free.pop() for _ in range(n)]
         for b in ids:
             self.ref[b] = 1
         return ids
 
     def release(self, b: int) -> None:
+        if b < 0:  # an entry already released by `reclaim`
+            return
         self.ref[b] -= 1
         assert self.ref[b] >= 0
         if self.ref[b] == 0:
             self.free.append(b)
+
+    def first_needed(self, length: int) -> int:
+        """The first position a query at any position >= length can see (0 for global layers):
+        a query at p sees keys j with p - W < j <= p."""
+        return 0 if self.window is None else max(0, length - self.window + 1)
+
+    def reclaim(self, lengths: Sequence[int]) -> None:
+        """Release, per row r, the blocks wholly before `first_needed(lengths[r])` (sliding groups
+        only). Called before a chunk is stored at positions lengths[r].., so the chunk's queries
+        and every later one can still see all they need, and a crop back to `lengths` stays
+        possible."""
+        if self.window is None:
+            return
+        bs = self.block_size
+        for r, n in enumerate(lengths):
+            table = self.tables[r]
+            upto = min(self.first_needed(n) // bs, len(table))
+            if upto > self.dead[r]:
+                for i in range(self.dead[r], upto):
+                    self.release(table[i])
+                    table[i] = -1
+                self.dead[r] = upto
+                self.version += 1
+
+    def table_tensor(self, device) -> torch.Tensor:
+        """int32 [rows, max_blocks] (unused and released entries 0)."""
+        if self.tensor_version != self.version or self.tensor is None:
+            width = max((len(t) for t in self.tables), default=0)
+            t = torch.zeros(len(self.tables), max(width, 1), dtype=torch.int32)
+            for r, ids in enumerate(self.tables):
+                if ids:
+                    t[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            self.tensor = t.clamp_(min=0)
+            self.tensor_version = self.version
+        return self.tensor.to(device)
 
     @property
     def used(self) -> int:
@@ -172,6 +252,10 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     block_size: tokens per block. max_tokens: None grows the pools on demand; an int fixes the
     capacity to that many tokens summed over rows (CacheFull beyond).
     device: where the pools live (default: the model's device, else cpu).
+    reclaim_sliding: sliding-window layers keep their own blocks (one group per distinct window)
+    and release those no current or future query can see, so they hold about W + one chunk
+    tokens per row instead of the whole context (see `crop_limit` for what that costs `crop`);
+    False keeps every token in every layer (any crop works).
     backend: ops backend name (None = automatic). checks: the ops' value checks (NaN/Inf in K/V,
     slot ranges); False skips those scans (shape/dtype checks always run).
 
@@ -191,7 +275,8 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                  key_scaling: bool = False,
                  block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
-                 checks: bool = True, check_attn_implementation: bool = True):
+                 checks: bool = True, check_attn_implementation: bool = True,
+                 reclaim_sliding: bool = True):
         config = getattr(model_or_config, "config", model_or_config)
         if check_attn_implementation and hasattr(model_or_config, "config"):
             impl = getattr(config, "_attn_implementation", None)
@@ -221,9 +306,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self.value_centring = bool(value_centring)
         self.backend = backend
         self.checks = bool(checks)
-        self.blocks = _Blocks(block_size, initial_blocks, growable=max_tokens is None)
-        self._table_tensor: Optional[torch.Tensor] = None
-        self._table_version = -1
+        self._make_groups(block_size, max_tokens, reclaim_sliding)
         layers = [PagedCacheLayer(self, spec) for spec in self.config.layers]
         _, cache_utils = _transformers()
         cache_utils.Cache.__init__(self, layers=layers)
@@ -235,18 +318,41 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         return object.__new__(concrete)
 
     # ---- storage shared by the layers ---------------------------------------------------------
+    def _make_groups(self, block_size: int, max_tokens: Optional[int], reclaim_sliding: bool = True) -> None:
+        """One block group per distinct sliding window (None = the global layers), each with its
+        own block ids, tables and pools. `self.blocks` is the global group (the first sliding
+        group when every layer slides). With max_tokens every group may hold at most
+        ceil(max_tokens / block_size) blocks: the global group is allocated at that size, a
+        sliding group starts small and grows on demand (it holds at most what the global group
+        holds, usually far less: each row's last W tokens plus the chunk being stored).
+        reclaim_sliding=False: one group for every layer, nothing released (any crop works)."""
+        cap = -(-max_tokens // block_size) if max_tokens else None
+        windows = [s.sliding_window if reclaim_sliding else None for s in self.config.layers]
+        keys = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        self.groups: list[_Blocks] = []
+        for w in keys:
+            initial = cap if (cap is not None and w is None) else min(cap or 16, 16)
+            self.groups.append(_Blocks(block_size, initial, cap, window=w,
+                                       layers=[i for i, x in enumerate(windows) if x == w]))
+        self.blocks = self.groups[0]
+        self._group_of = {i: g for g in self.groups for i in g.layers}
+
     @property
     def batch_rows(self) -> int:
         return len(self.blocks.tables)
 
-    def _grow(self, new_total: int) -> None:
-        for layer in self.layers:
-            layer._grow(new_total)
+    def _grower(self, group: _Blocks):
+        def grow(new_total: int) -> None:
+            for i in group.layers:
+                self.layers[i]._grow(new_total)
+        return grow
 
     def _ensure_rows(self, batch: int) -> None:
         if not self.blocks.tables:
-            self.blocks.tables = [[] for _ in range(batch)]
-            self.blocks.version += 1
+            for g in self.groups:
+                g.tables = [[] for _ in range(batch)]
+                g.dead = [0] * batch
+                g.version += 1
         elif batch != len(self.blocks.tables):
             raise InvalidInput(
                 f"batch size {batch} differs from the cache's {len(self.blocks.tables)} rows; "
@@ -254,28 +360,41 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             )
 
     def _slots(self, start: int, count: int, device) -> torch.Tensor:
-        """Slots for positions start..start+count of every row (row-major). int64 [rows * count]."""
+        """Slots for positions start..start+count of every row (row-major) in the global group.
+        int64 [rows * count]."""
         return self._slots_rows([start] * self.batch_rows, [count] * self.batch_rows, device)
 
-    def _slots_rows(self, starts: Sequence[int], counts: Sequence[int], device) -> torch.Tensor:
-        """Slots for positions starts[r]..starts[r]+counts[r] of each row r, row-major, allocating
-        blocks and copying shared blocks about to be written. int64 [sum(counts)]."""
-        bs = self.blocks.block_size
-        for row, (table, start, count) in enumerate(zip(self.blocks.tables, starts, counts)):
+    def _slots_rows(self, starts: Sequence[int], counts: Sequence[int], device,
+                    group: Optional[_Blocks] = None) -> torch.Tensor:
+        """Slots (in `group`, default the global one) for positions starts[r]..starts[r]+counts[r]
+        of each row r, row-major: a sliding group first releases the blocks no query at or after
+        starts[r] can see; then blocks are allocated (all or none: CacheFull before any change)
+        and shared blocks about to be written are copied. int64 [sum(counts)]."""
+        g = self.blocks if group is None else group
+        g.reclaim(starts)
+        bs = g.block_size
+        plan, new_blocks = [], 0
+        for row, (table, start, count) in enumerate(zip(g.tables, starts, counts)):
             if not count:
                 continue
             need = -(-(start + count) // bs)
             first_written = start // bs
-            if start % bs and first_written < len(table) and self.blocks.ref[table[first_written]] > 1:
-                self._copy_on_write(row, first_written)
+            cow = bool(start % bs and first_written < len(table) and g.ref[table[first_written]] > 1)
+            plan.append((row, table, need, first_written, cow))
+            new_blocks += cow + max(0, need - len(table))
+        grow = self._grower(g)
+        g.reserve(new_blocks, grow)
+        for row, table, need, first_written, cow in plan:
+            if cow:
+                self._copy_on_write(g, row, first_written)
             if need > len(table):
-                table.extend(self.blocks.take(need - len(table), self._grow))
-                self.blocks.version += 1
+                table.extend(g.take(need - len(table), grow))
+                g.version += 1
         n = torch.tensor(list(counts), dtype=torch.long)
         rows = torch.repeat_interleave(torch.arange(len(counts)), n)
         first = torch.cumsum(n, 0) - n  # index of each row's first new token
         pos = torch.arange(int(n.sum())) - first[rows] + torch.tensor(list(starts), dtype=torch.long)[rows]
-        tables = self.block_table_tensor(torch.device("cpu")).long()
+        tables = g.table_tensor(torch.device("cpu")).long()
         slots = tables[rows, pos // bs] * bs + pos % bs
         return slots.to(device)
 
@@ -316,26 +435,18 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self._lens_memo = None
         self._valid_version += 1
 
-    def _copy_on_write(self, row: int, index: int) -> None:
-        old = self.blocks.tables[row][index]
-        (new,) = self.blocks.take(1, self._grow)
-        for layer in self.layers:
-            layer._copy_block(old, new)
-        self.blocks.release(old)
-        self.blocks.tables[row][index] = new
-        self.blocks.version += 1
+    def _copy_on_write(self, g: _Blocks, row: int, index: int) -> None:
+        old = g.tables[row][index]
+        (new,) = g.take(1, self._grower(g))
+        for i in g.layers:
+            self.layers[i]._copy_block(old, new)
+        g.release(old)
+        g.tables[row][index] = new
+        g.version += 1
 
-    def block_table_tensor(self, device) -> torch.Tensor:
-        """int32 [rows, max_blocks] (unused entries 0)."""
-        if self._table_version != self.blocks.version or self._table_tensor is None:
-            width = max((len(t) for t in self.blocks.tables), default=0)
-            t = torch.zeros(len(self.blocks.tables), max(width, 1), dtype=torch.int32)
-            for r, ids in enumerate(self.blocks.tables):
-                if ids:
-                    t[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-            self._table_tensor = t
-            self._table_version = self.blocks.version
-        return self._table_tensor.to(device)
+    def block_table_tensor(self, device, group: Optional[_Blocks] = None) -> torch.Tensor:
+        """int32 [rows, max_blocks] of `group` (default: the global one; unused entries 0)."""
+        return (self.blocks if group is None else group).table_tensor(device)
 
     def _flush(self) -> None:
         for layer in self.layers:
@@ -349,27 +460,32 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             self._valid = self._valid[torch.tensor(list(sources), dtype=torch.long)]
             self._lens_memo = None
             self._valid_version += 1
-        old = self.blocks.tables
-        new = []
-        for s in sources:
-            ids = list(old[s])
-            for b in ids:
-                self.blocks.ref[b] += 1
-            new.append(ids)
-        for ids in old:
-            for b in ids:
-                self.blocks.release(b)
-        self.blocks.tables = new
-        self.blocks.version += 1
+        for g in self.groups:
+            old = g.tables
+            new = []
+            for s in sources:
+                ids = list(old[s])
+                for b in ids:
+                    if b >= 0:
+                        g.ref[b] += 1
+                new.append(ids)
+            for ids in old:
+                for b in ids:
+                    g.release(b)
+            g.tables = new
+            g.dead = [g.dead[s] for s in sources]
+            g.version += 1
 
     def _truncate(self, length: Union[int, Sequence[int]]) -> None:
         """Release the blocks past `length` tokens (one int for every row, or one per row)."""
         lengths = [length] * self.batch_rows if isinstance(length, int) else list(length)
-        for table, n in zip(self.blocks.tables, lengths):
-            need = -(-n // self.blocks.block_size)
-            while len(table) > need:
-                self.blocks.release(table.pop())
-        self.blocks.version += 1
+        for g in self.groups:
+            for r, (table, n) in enumerate(zip(g.tables, lengths)):
+                need = -(-n // g.block_size)
+                while len(table) > need:
+                    g.release(table.pop())
+                g.dead[r] = min(g.dead[r], len(table))
+            g.version += 1
 
     # ---- transformers Cache API ---------------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -384,11 +500,13 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     def crop(self, tokens_to_remove: int) -> None:
         """Negative n removes the last -n columns; n >= 0 keeps the first n columns (legacy form).
         Columns count pads as HF does (`get_seq_length`); each row keeps its valid tokens among
-        the kept columns."""
+        the kept columns. With sliding layers that released blocks, keeping fewer than
+        `crop_limit()` columns (but more than 0) raises InvalidInput before any change."""
         self._flush()
         length = self.get_seq_length()
         keep = length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, length)
         keep = max(keep, 0)
+        self._check_crop(keep)
         for layer in self.layers:
             layer.length = min(layer.length, keep)
         if self._valid is not None:
@@ -397,13 +515,44 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             self._valid_version += 1
         self._truncate(self.row_lengths(max((layer.length for layer in self.layers), default=0)))
 
+    def crop_limit(self) -> int:
+        """The fewest columns `crop` can keep (0 without sliding layers): sliding-window layers
+        release the blocks no query at or after the start of the last stored chunk can see, so a
+        crop may go back to that start (always enough for assisted / speculative decoding, which
+        crops only tokens of the last forward), or to 0 columns (every token dropped)."""
+        lengths = self.row_lengths(self.get_seq_length())
+        limit = 0
+        for g in self.groups:
+            for r, dead in enumerate(g.dead):
+                if dead:  # keep n tokens with n - W + 1 >= dead * block_size
+                    n = dead * g.block_size + g.window - 1
+                    # the columns at which row r has stored n tokens
+                    cols = n if self._valid is None else \
+                        int(torch.searchsorted(self._valid[r].long().cumsum(0), n)) + 1
+                    limit = max(limit, cols)
+        return limit
+
+    def _check_crop(self, keep: int) -> None:
+        lengths = self.row_lengths(keep)
+        for g in self.groups:
+            for r, dead in enumerate(g.dead):
+                if dead and lengths[r] and g.first_needed(lengths[r]) < dead * g.block_size:
+                    raise InvalidInput(
+                        f"cannot crop to {keep} columns: row {r} would keep {lengths[r]} tokens and "
+                        f"its sliding-window layers (window {g.window}) need positions from "
+                        f"{g.first_needed(lengths[r])}, but released those before "
+                        f"{dead * g.block_size}; the smallest crop kept is {self.crop_limit()} "
+                        "columns (or 0)"
+                    )
+
     def reset(self) -> None:
         self._truncate(0)
         self._valid = None
         self._lens_memo = None
         self._valid_version += 1
-        self.blocks.tables = []
-        self.blocks.version += 1
+        for g in self.groups:
+            g.tables, g.dead = [], []
+            g.version += 1
         for layer in self.layers:
             layer.reset()
 
@@ -416,13 +565,25 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         """Bytes of every layer's K and V pools as allocated now (plus fp8 scales / centres)."""
         return sum(layer.pool_bytes() for layer in self.layers)
 
+    def group_bytes_per_block(self, group: _Blocks) -> int:
+        """Bytes one block id of `group` takes, summed over its layers' K and V blocks."""
+        specs = self.config.layers
+        return sum(specs[i].k_block_bytes + specs[i].v_block_bytes for i in group.layers)
+
     def used_bytes(self) -> int:
-        """Bytes of the blocks rows hold now."""
-        return self.blocks.used * self.config.bytes_per_block
+        """Bytes of the blocks rows hold now, every group (released sliding blocks not counted)."""
+        return sum(g.used * self.group_bytes_per_block(g) for g in self.groups)
 
     def bytes_per_token(self) -> float:
-        """KV bytes one token takes over all layers (exact catalogue sizes)."""
+        """KV bytes one token takes over all layers while every layer still holds it (exact
+        catalogue sizes); past the window only the global layers keep it: see
+        `global_bytes_per_token`."""
         return self.config.bytes_per_block / self.config.block_size
+
+    def global_bytes_per_token(self) -> float:
+        """KV bytes one token takes in the layers that keep every token (no sliding window)."""
+        return sum(self.group_bytes_per_block(g) for g in self.groups
+                   if g.window is None) / self.config.block_size
 
     @property
     def layer_formats(self) -> tuple[KVFormat, ...]:
@@ -481,6 +642,7 @@ class PagedCacheLayer:
         self.centre_values = cache.value_centring and spec.format.v.name != "bf16"
         self.v_centre: Optional[torch.Tensor] = None  # float32 [H, D]
         self.device = cache.config.device
+        self.group: _Blocks = cache._group_of[spec.index]
 
     def __repr__(self):
         return f"PagedCacheLayer({self.spec.index}, {self.spec.format.name}, len={self.length})"
@@ -532,7 +694,7 @@ class PagedCacheLayer:
                 f"layer {s.index}: keys {tuple(key_states.shape)} do not match the cache's "
                 f"{s.num_kv_heads} KV heads x head_dim {s.head_dim}"
             )
-        p = self._make(self.cache.blocks.num_blocks)
+        p = self._make(self.group.num_blocks)
         options = CalibrationOptions(key_centring=self.cache.key_centring, key_scaling=self.scale_keys,
                                      value_centring=self.centre_values)
         cal = calibrate(key_states, value_states, query_states, p.k_codec.name, p.v_codec.name,
@@ -567,7 +729,7 @@ class PagedCacheLayer:
                 k = k.float() * self.k_mult
             if self.v_centre is not None:
                 v = v.float() - self.v_centre
-            slots = cache._slots_rows(starts, counts, self.paged.device)
+            slots = cache._slots_rows(starts, counts, self.paged.device, self.group)
             store(self.paged, k, v, slots, backend=cache.backend, checks=cache.checks)
         cache._record(start, valid, b, t)
 
@@ -781,7 +943,12 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     b, hq, tq, d = query.shape
     pending = layer.pending if layer.pending is not None and layer.pending[0] is key else None
     was_initialized = layer.is_initialized
+    window = sliding_window if sliding_window is not None else layer.sliding_window
     try:
+        if layer.group.window is not None and (window is None or window > layer.group.window):
+            raise InvalidInput(
+                f"layer {layer.spec.index} attends with sliding_window={window} but its cache layer "
+                f"keeps only the last {layer.group.window} tokens (the model config's window)")
         if layer.centre_values and sinks is not None:
             raise ConfigError("value centring is not exact with attention sinks (their weight takes no "
                               "value); create the PagedKVCache with value_centring=False")
@@ -793,7 +960,6 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if layer.k_mult is not None:  # q . k == (q / m) . (k * m): stored keys are k * m
         g = hq // layer.k_mult.shape[0]
         query = (query.float() / layer.k_mult.repeat_interleave(g, dim=0)[None, :, None, :]).to(query.dtype)
-    window = sliding_window if sliding_window is not None else layer.sliding_window
     params = AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap, sinks=sinks)
     cache = layer.cache
     dev = query.device
@@ -810,7 +976,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     elif layer.paged is None:  # nothing stored yet (every token so far a pad)
         out = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
     elif tq == 1 and valid is None:
-        out = decode_attention(q_rows.contiguous(), layer.paged, cache.block_table_tensor(dev), seq_lens,
+        out = decode_attention(q_rows.contiguous(), layer.paged, cache.block_table_tensor(dev, layer.group), seq_lens,
                                params, backend=cache.backend, checks=cache.checks)
     else:
         if counts is None:
@@ -818,7 +984,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         else:
             qsl = torch.zeros(b + 1, dtype=torch.int32, device=dev)
             qsl[1:] = torch.cumsum(counts.to(dev), 0)
-        out = prefill_attention(q_rows.contiguous(), layer.paged, cache.block_table_tensor(dev), seq_lens,
+        out = prefill_attention(q_rows.contiguous(), layer.paged, cache.block_table_tensor(dev, layer.group), seq_lens,
                                 qsl, params, backend=cache.backend, checks=cache.checks)
     if layer.v_centre is not None:  # sum_j p_j (v_j - c) + c, the weights summing to one
         g = hq // layer.v_centre.shape[0]
