@@ -1,19 +1,43 @@
 """Side-by-side study of first-chunk calibration estimators (key centre, value centre, fp8 headroom)
 on the embedded SmolLM2: mean KL of the next-token distribution vs the bf16 cache, per format and
-per estimator variant, all in one process with the model loaded once.
+per estimator variant, all in one process with the model loaded once (1 thread).
 
-    .venv/bin/python benchmarks/calibration_study.py --windows 8 --formats fp8,turbo4 \
-        --variants base,attn
+    .venv/bin/python benchmarks/calibration_study.py --windows 8 \
+        --formats fp8,turbo4,turbo3,fp8k_turbo3v --variants base,current
     .venv/bin/python benchmarks/calibration_study.py --text stdlib --windows 8 ...
+    .venv/bin/python benchmarks/calibration_study.py --windows 8 --only 0,2,5,7 ...  # a subset
 
 A variant is a function (keys, values, queries, k_codec, v_codec) -> Calibration, patched in place
 of `pagedkv.integrations.transformers.calibrate` (the cache's own hook; the cache passes each
-layer's first chunk with its queries). "current" = the library's calibrate (without channel
-multipliers); "base" = the query-free fallback estimators (`calibration.key_centre`: median, fp8 a
-3%-trimmed mean: the estimator before the attention-weighted centre). Windows/KL exactly as `pagedkv eval` (pagedkv.eval.runner).
+layer's first chunk with its queries). Names: "current" = the library's calibrate (without
+channel multipliers); otherwise KEY[:VALUE[:CODECS[:HEADROOM]]] with KEY one of KEY_CENTRES
+("base" = the query-free fallback `calibration.key_centre`: median, fp8 a 3%-trimmed mean, the
+estimator before this study; "lib" = `calibration.attention_key_centre`, first order, 64 queries;
+"attn2" = second order over 16 queries, kappa measured on the chunk; "attnN" = first order over N
+queries; "attnp" = weights p^2 without ||v - o||^2; "strat" = geometric query positions weighted
+by their stratum; "late" = the chunk's second half of queries), VALUE one of VALUE_CENTRES applied
+to the V codecs CODECS ("all" or one codec), HEADROOM the fp8 scale headroom (default 2).
+Windows/KL exactly as `pagedkv eval` (pagedkv.eval.runner).
 
 --text: "pydoc" (the eval default, pydoc_data.topics) or "stdlib" (a second English text: the
-docstrings of ~60 stdlib modules, concatenated in sorted module order), or a file path.
+docstrings of 85 stdlib modules, concatenated in sorted module order), or a file path.
+
+Measured (2026-11-29, KL vs bf16; pydoc = the eval's 8 windows unless marked):
+    fp8, pydoc 8 windows:  base 0.00786 | attn(256 queries) 0.00583 | + V centre (fp8 V):
+        mean 0.00624, median 0.00627, p^2-weighted 0.00596 | headroom 1: 0.00591
+    pydoc 8 windows, base -> lib:   fp8 0.00786 -> 0.00594, turbo4 0.02625 -> 0.02317,
+        turbo3 0.09936 -> 0.09947, fp8k_turbo3v 0.02511 -> 0.02290
+    stdlib 8 windows, base -> lib:  fp8 0.00703 -> 0.00522, turbo4 0.02224 -> 0.02010,
+        turbo3 0.09154 -> 0.08465, fp8k_turbo3v 0.02186 -> 0.02037
+    pydoc windows 0,2,5,7 (fp8 / turbo4 / turbo3):  lib 0.00581 / 0.02345 / 0.10047,
+        strat 0.00602 / 0.02404 / 0.09844, late 0.00594 / 0.02465 / 0.10519,
+        attn2 0.00601 / 0.02326 / 0.09549
+    pydoc windows 0,2,5,7 (fp8 / turbo4 / turbo3 / fp8k_turbo3v): current(before) 0.00800 /
+        0.02828 / 0.10101 / 0.02582; attn 0.00601 / 0.02178 / 0.09868 / 0.02293; attnp 0.00805 /
+        0.02656 / 0.10991 / 0.02565; per-channel weights for turbo (attnch) turbo4 0.02565
+    query count (windows 0,2,5,7; fp8 / turbo4 / fp8k_turbo3v): 32: 0.00585 / 0.02202 / 0.02325,
+        64: 0.00581 / 0.02345 / 0.02364, 256: 0.00601 / 0.02178 / 0.02293, 1024: 0.00623 /
+        0.02079 / 0.02175 (within the window-to-window noise, ~+-10% per window for turbo3)
 """
 
 from __future__ import annotations
@@ -110,6 +134,30 @@ def key_centre_weighted(keys, values, queries, k_codec, per_channel=None, use_v=
     return (w * keys).sum(dim=(0, 2)) / w.sum(dim=(0, 2)).clamp_min(1e-30)
 
 
+def key_centre_strat(keys, values, queries, k_codec, n=64):
+    """First-order centre with every query of the chunk represented: n positions spaced
+    geometrically (dense early, where few keys make errors large), each weighted by the number
+    of positions its stratum holds (an estimate of the sum over all T queries)."""
+    b, h, t, d = keys.shape
+    g = queries.shape[1] // h
+    pos = torch.unique(torch.cat([torch.zeros(1), torch.logspace(0, torch.log10(torch.tensor(t - 1.0)), n)]).round().long())
+    edges = torch.cat([torch.zeros(1), (pos[1:] + pos[:-1]).float() / 2, torch.tensor([t - 0.5])])
+    width = (edges[1:] - edges[:-1])  # [n]
+    q = queries.reshape(b, h, g, t, d)[:, :, :, pos]
+    sc = torch.einsum("bhgnd,bhtd->bhgnt", q, keys) * d ** -0.5
+    sc = sc.masked_fill(torch.arange(t)[None, :] > pos[:, None], float("-inf"))
+    p = torch.softmax(sc, -1)
+    o = torch.einsum("bhgnt,bhtd->bhgnd", p, values)
+    dist = (values[:, :, None, None] - o[..., None, :]).pow(2).sum(-1)
+    a = p * p * dist * width[:, None]
+    q2 = q * q
+    if k_codec == "fp8":
+        w = torch.einsum("bhgnt,bhgnd->bhtd", a, q2)
+    else:
+        w = torch.einsum("bhgnt,bhgn->bht", a, q2.sum(-1))[..., None]
+    return (w * keys).sum(dim=(0, 2)) / w.sum(dim=(0, 2)).clamp_min(1e-30)
+
+
 def key_centre_attn(keys, values, queries, k_codec):
     """Key centre minimising the expected output error of the first chunk's attention under a
     logit error delta_j with E[delta_j^2] ~ sum_i w_i (k_ji - c_i)^2: per channel (fp8: relative
@@ -192,8 +240,12 @@ KEY_CENTRES: Dict[str, Callable] = {
     "attn64": lambda k, v, q, c: key_centre_weighted(k, v, q, c, max_queries=64),
     "attn1k": lambda k, v, q, c: key_centre_weighted(k, v, q, c, max_queries=1024),
     "attn32": lambda k, v, q, c: key_centre_weighted(k, v, q, c, max_queries=32),
+    "attn16": lambda k, v, q, c: key_centre_weighted(k, v, q, c, max_queries=16),
     "lib": lambda k, v, q, c: cal.attention_key_centre(k, v, q, c),
     "attn2": key_centre_second_order,
+    "strat": key_centre_strat,
+    "strat16": lambda k, v, q, c: key_centre_strat(k, v, q, c, n=16),
+    "late": lambda k, v, q, c: cal.attention_key_centre(k, v, q[:, :, q.shape[2] // 2:], c),
 }
 VALUE_CENTRES: Dict[str, Callable] = {
     "none": lambda k, v, q: None,

@@ -114,6 +114,9 @@ def test_zero_weights_fall_back_to_the_robust_centre():
     v = torch.ones(1, 2, 6, 4)
     for codec in ("fp8", "turbo4"):
         torch.testing.assert_close(attention_key_centre(k, v, q, codec), key_centre(k, codec))
+    k16, q16 = torch.cat([k] * 4, -1), torch.cat([q] * 4, -1)  # turbo needs head_dim 16
+    torch.testing.assert_close(cal.bias_aware_key_centre(k16, torch.ones(1, 2, 6, 16), q16, "turbo3"),
+                               key_centre(k16, "turbo3"))
 
 
 def test_calibrate_uses_queries_when_given_and_is_deterministic():
@@ -130,3 +133,61 @@ def test_calibrate_uses_queries_when_given_and_is_deterministic():
     assert float(with_q.k_scale) == pytest.approx(cal.FP8_HEADROOM * float(kc.abs().max()) / cal.FP8_MAX)
     off = calibrate(k, v, q, "fp8", "fp8", CalibrationOptions(key_centring=False), "cpu")
     assert off.k_centre is None and off.v_centre is None
+
+
+def _second_order_objective(c, k, v, q, kappa):
+    """sum over all queries of sum_j p^2 sigma^2 ||v_j - o||^2 + 1/4 ||sum_j p sigma^2 (v_j - o)||^2
+    with sigma_j^2 = kappa ||q||^2 ||k_j - c||^2 / D^2 (float64, written out per query)."""
+    b, h, t, d = k.shape
+    g = q.shape[1] // h
+    total = 0.0
+    for bi in range(b):
+        for qh in range(q.shape[1]):
+            kh = qh // g
+            K, V = k[bi, kh].double(), v[bi, kh].double()
+            for pos in range(t):
+                qq = q[bi, qh, pos].double()
+                s = (K[: pos + 1] @ qq) / math.sqrt(d)
+                p = torch.softmax(s, 0)
+                o = p @ V[: pos + 1]
+                dv = V[: pos + 1] - o
+                sig = kappa * float(qq @ qq) / d ** 2 * ((K[: pos + 1] - c[kh].double()) ** 2).sum(-1)
+                total += float((p ** 2 * sig * (dv ** 2).sum(-1)).sum())
+                total += 0.25 * float(((p * sig)[:, None] * dv).sum(0).pow(2).sum())
+    return total
+
+
+def test_bias_aware_centre_minimises_the_second_order_error():
+    """Oracle: the written-out second-order objective (spread + bias of e^delta) over every
+    query; the CG solution beats perturbations of itself and the first-order centre."""
+    gen = torch.Generator().manual_seed(9)
+    b, h, g, t, d = 1, 2, 2, 12, 16
+    k = 2 * torch.randn(b, h, t, d, generator=gen)
+    k[:, :, 0] += 6.0
+    v = torch.randn(b, h, t, d, generator=gen)
+    q = 3 * torch.randn(b, h * g, t, d, generator=gen)
+    kappa = cal.relative_error("turbo3", d)
+    c = cal.bias_aware_key_centre(k, v, q, "turbo3", steps=d)
+    best = _second_order_objective(c, k, v, q, kappa)
+    for _ in range(10):
+        assert best <= _second_order_objective(c + 0.05 * torch.randn(c.shape, generator=gen), k, v, q, kappa) + 1e-9
+    assert best < _second_order_objective(attention_key_centre(k, v, q, "turbo3"), k, v, q, kappa)
+    # the default few CG steps already land on the solution here
+    torch.testing.assert_close(cal.bias_aware_key_centre(k, v, q, "turbo3"), c, rtol=1e-3, atol=1e-3)
+
+
+def test_relative_error_orders_the_codecs():
+    kappas = [cal.relative_error(name, 64) for name in ("turbo2", "turbo3", "turbo4", "turbo8")]
+    assert kappas == sorted(kappas, reverse=True) and 0 < kappas[-1] and kappas[0] < 0.2
+    assert cal.relative_error("turbo3", 64) == pytest.approx(0.021, abs=0.003)  # Lloyd-Max-like 3 bits
+
+
+def test_calibrate_picks_the_estimator_by_codec():
+    gen = torch.Generator().manual_seed(10)
+    k, v, q = (torch.randn(1, h, 20, 16, generator=gen) for h in (2, 2, 4))
+    opts = CalibrationOptions()
+    torch.testing.assert_close(calibrate(k, v, q, "turbo3", "turbo3", opts, "cpu").k_centre,
+                               cal.bias_aware_key_centre(k, v, q, "turbo3"))
+    for codec in ("q4_0", "fp8"):
+        torch.testing.assert_close(calibrate(k, v, q, codec, codec, opts, "cpu").k_centre,
+                                   attention_key_centre(k, v, q, codec))

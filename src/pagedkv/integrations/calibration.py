@@ -10,14 +10,19 @@ swapped without touching the storage code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
+
+from ..codecs.catalogue import get_codec
 
 FP8_MAX = 448.0
 FP8_HEADROOM = 2.0  # fp8 tensor scale = headroom * amax(first chunk) / 448
 MULT_RANGE = 8.0  # channel multipliers are clamped to [1/8, 8] (geometric mean 1 per head)
 CENTRE_QUERIES = 64  # evenly spaced queries of the first chunk weighting the key centre (~7 ms a layer of 1024 tokens, 1 thread)
+BIAS_QUERIES = 16  # rotated K codecs: evenly spaced queries of the second-order (bias-aware) centre
+BIAS_CG_STEPS = 4  # conjugate-gradient steps of its D x D solve (converges in ~2 on SmolLM2)
 _CHUNK_ELEMENTS = 1 << 22  # bound on one [B, H, G, n, T] attention slice of the key-centre fit
 
 
@@ -46,14 +51,18 @@ def calibrate(keys: torch.Tensor, values: torch.Tensor, queries: Optional[torch.
               k_codec: str, v_codec: str, options: CalibrationOptions, device) -> Calibration:
     """Fit the statistics from a first chunk: keys/values float [B, H, T, D], queries float
     [B, Hq, T, D] or None. With queries the key centre is the attention-weighted one
-    (`attention_key_centre`), without them the robust fallback (`key_centre`); key scaling is
-    skipped without queries."""
+    (`attention_key_centre`; rotated K codecs: `bias_aware_key_centre`), without them the
+    robust fallback (`key_centre`); key scaling is skipped without queries."""
     k32 = keys.detach().float()
     t = k32.shape[2]
     centre = None
     if options.key_centring and t:
         if queries is not None and queries.shape[2]:
-            centre = attention_key_centre(k32, values.detach().float(), queries.detach().float(), k_codec)
+            v32, q32 = values.detach().float(), queries.detach().float()
+            if k_codec != "fp8" and get_codec(k_codec).rotated:
+                centre = bias_aware_key_centre(k32, v32, q32, k_codec)
+            else:
+                centre = attention_key_centre(k32, v32, q32, k_codec)
         else:
             centre = key_centre(k32, k_codec)
     kc = k32 - centre[None, :, None, :] if centre is not None else k32
@@ -156,26 +165,16 @@ def attention_key_centre(keys: torch.Tensor, values: torch.Tensor, queries: torc
     the weighting is approximate, the centre stays exact.)
     """
     b, h, t, d = keys.shape
-    hq, tq = queries.shape[1], queries.shape[2]
-    g = hq // h
-    n = min(tq, max_queries)
-    idx = torch.linspace(0, tq - 1, n, device=keys.device).round().long()
-    pos = (idx + (t - tq)).clamp_min(0)
-    q = queries.reshape(b, h, g, tq, d)[:, :, :, idx]  # [B, H, G, n, D]
+    q, pos = _spaced_queries(queries, h, t, max_queries)
+    hq = queries.shape[1]
     q2 = q * q
     per_channel = k_codec == "fp8"
     num = keys.new_zeros(h, d)
     den = keys.new_zeros(h, d if per_channel else 1)
-    vv = values.pow(2).sum(-1)  # [B, H, T]
     step = max(1, _CHUNK_ELEMENTS // max(1, b * hq * t))
-    for s0 in range(0, n, step):
-        qs, q2s, ps = q[:, :, :, s0:s0 + step], q2[:, :, :, s0:s0 + step], pos[s0:s0 + step]
-        scores = torch.einsum("bhgnd,bhtd->bhgnt", qs, keys) * d ** -0.5
-        future = torch.arange(t, device=keys.device)[None, :] > ps[:, None]  # [n, T]
-        p = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-        o = torch.einsum("bhgnt,bhtd->bhgnd", p, values)
-        dist = vv[:, :, None, None, :] - 2 * torch.einsum("bhgnd,bhtd->bhgnt", o, values)
-        dist = (dist + o.pow(2).sum(-1)[..., None]).clamp_min(0)  # ||v_j - o_q||^2
+    for s0 in range(0, q.shape[3], step):
+        q2s = q2[:, :, :, s0:s0 + step]
+        p, _, dist = _attention(keys, values, q[:, :, :, s0:s0 + step], pos[s0:s0 + step])
         a = p * p * dist
         if per_channel:
             w = torch.einsum("bhgnt,bhgnd->bhtd", a, q2s)  # [B, H, T, D]
@@ -188,6 +187,111 @@ def attention_key_centre(keys: torch.Tensor, values: torch.Tensor, queries: torc
     if not bool(ok.all()):
         centre = torch.where(ok, centre, key_centre(keys, k_codec))
     return centre.contiguous()
+
+
+def bias_aware_key_centre(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
+                          k_codec: str, max_queries: int = BIAS_QUERIES,
+                          steps: int = BIAS_CG_STEPS) -> torch.Tensor:
+    """The key centre (float32 [H, D]) of a rotated K codec (turbo*), to second order in the
+    logit error: the small-error objective of `attention_key_centre` plus the bias of e^delta.
+
+    With delta_j ~ N(0, sigma_j^2), the output o' = sum_j p_j e^delta_j v_j / sum_l p_l e^delta_l
+    moves by about sum_j p_j (e^delta_j - 1) (v_j - o), whose mean square is
+        sum_j p_j^2 sigma_j^2 ||v_j - o||^2  +  1/4 ||sum_j p_j sigma_j^2 (v_j - o)||^2:
+    spread plus bias (E e^delta = 1 + sigma^2 / 2: keys stored with more error gain weight
+    together, which no averaging removes). A rotated codec's error is isotropic in proportion to
+    the row's norm, sigma_j^2 = s_q ||k_j - c||^2 with s_q = kappa ||q||^2 / D^2 (kappa:
+    `relative_error`, turbo3 0.021, turbo4 0.005; the ratio of bias to spread grows with it).
+    The bias vector is s_q (r_q - 2 M_q c) / 2 with r_q = sum_j p_j ||k_j||^2 (v_j - o) and
+    M_q = sum_j p_j (v_j - o) k_j^T (the ||c||^2 part vanishes: sum_j p_j (v_j - o) = 0), so the
+    objective stays quadratic in c; per KV head its minimiser solves
+        (W I + sum_q s_q^2 M_q^T M_q) c = m + 1/2 sum_q s_q^2 M_q^T r_q,
+    W = sum_{q,j} s_q a_qj, m = sum_{q,j} s_q a_qj k_j (a_qj as in `attention_key_centre`).
+    The D x D system is solved by `steps` conjugate-gradient steps from the first-order centre
+    m / W, applying M_q and M_q^T as products (O(B Hq n T D) each; never forming M_q, which
+    would cost D times more); a head whose residual is already zero stops.
+
+    keys/values float32 [B, H, T, D], queries float32 [B, Hq, Tq, D] as in
+    `attention_key_centre`; at most `max_queries` evenly spaced queries (all held at once:
+    B Hq n T floats). Deterministic. Heads without weight fall back to `key_centre`.
+    SmolLM2, 8 windows: see benchmarks/calibration_study.py (variant attn2).
+    """
+    b, h, t, d = keys.shape
+    q, pos = _spaced_queries(queries, h, t, max_queries)
+    p, o, dist = _attention(keys, values, q, pos)
+    sq = relative_error(k_codec, d) * q.pow(2).sum(-1) / d ** 2  # [B, H, G, n]
+    wj = torch.einsum("bhgnt,bhgn->bht", p * p * dist, sq)  # [B, H, T]
+    big_w = wj.sum(dim=(0, 2))  # [H]
+    m = torch.einsum("bht,bhtd->hd", wj, keys)
+    ok = big_w > 0
+    if not bool(ok.all()):
+        return key_centre(keys, k_codec)
+    s2 = sq * sq
+    pk = p * keys.pow(2).sum(-1)[:, :, None, None]
+    r = torch.einsum("bhgnt,bhtd->bhgnd", pk, values) - o * pk.sum(-1, keepdim=True)  # [B, H, G, n, D]
+
+    def m_times(c):  # M_q c: [B, H, G, n, D]
+        pz = p * torch.einsum("bhtd,hd->bht", keys, c)[:, :, None, None]
+        return torch.einsum("bhgnt,bhtd->bhgnd", pz, values) - o * pz.sum(-1, keepdim=True)
+
+    def mt_times(y):  # sum_q s_q^2 M_q^T y_q: [H, D]
+        yv = torch.einsum("bhgnd,bhtd->bhgnt", y, values) - (y * o).sum(-1, keepdim=True)
+        return torch.einsum("bhgnt,bhtd->hd", p * yv * s2[..., None], keys)
+
+    def lhs(c):
+        return big_w[:, None] * c + mt_times(m_times(c))
+
+    c = m / big_w[:, None]
+    res = m + 0.5 * mt_times(r) - lhs(c)
+    direction, rr = res, (res * res).sum(-1)
+    for _ in range(steps):
+        ld = lhs(direction)
+        curv = (direction * ld).sum(-1)
+        live = (rr > 0) & (curv > 0)
+        alpha = torch.where(live, rr / torch.where(live, curv, torch.ones_like(curv)), torch.zeros_like(rr))
+        c = c + alpha[:, None] * direction
+        res = res - alpha[:, None] * ld
+        rr_new = (res * res).sum(-1)
+        beta = torch.where(rr > 0, rr_new / torch.where(rr > 0, rr, torch.ones_like(rr)), torch.zeros_like(rr))
+        direction, rr = res + beta[:, None] * direction, rr_new
+    return c.contiguous()
+
+
+def _spaced_queries(queries: torch.Tensor, h: int, t: int, max_queries: int):
+    """At most max_queries evenly spaced queries of queries float [B, Hq, Tq, D] as
+    [B, H, G, n, D] and their positions int64 [n] among T keys (query i at T - Tq + i)."""
+    b, hq, tq, d = queries.shape
+    n = min(tq, max_queries)
+    idx = torch.linspace(0, tq - 1, n, device=queries.device).round().long()
+    pos = (idx + (t - tq)).clamp_min(0)
+    return queries.reshape(b, h, hq // h, tq, d)[:, :, :, idx], pos
+
+
+def _attention(keys, values, q, pos):
+    """Causal softmax p [B, H, G, n, T] at scale D^-0.5 of queries q [B, H, G, n, D] at
+    positions pos [n] over keys [B, H, T, D]; outputs o [B, H, G, n, D]; ||v_j - o_q||^2
+    [B, H, G, n, T] (from the norms and v_j . o_q: no [n, T, D] temporary)."""
+    t, d = keys.shape[2], keys.shape[3]
+    scores = torch.einsum("bhgnd,bhtd->bhgnt", q, keys) * d ** -0.5
+    future = torch.arange(t, device=keys.device)[None, :] > pos[:, None]  # [n, T]
+    p = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    o = torch.einsum("bhgnt,bhtd->bhgnd", p, values)
+    norms = values.pow(2).sum(-1)[:, :, None, None, :] + o.pow(2).sum(-1)[..., None]
+    dist = norms - 2 * torch.einsum("bhgnd,bhtd->bhgnt", o, values)
+    # within float32 cancellation of the expansion (a few ulps of the norms): v_j == o_q, zero
+    return p, o, torch.where(dist > 1e-6 * norms, dist, torch.zeros_like(dist))
+
+
+@lru_cache(maxsize=None)
+def relative_error(k_codec: str, head_dim: int) -> float:
+    """kappa = E||Q(x) - x||^2 / E||x||^2 of a codec's roundtrip on 256 standard normal rows of
+    head_dim (fixed seed, computed once per codec and size): the error model of the rotated
+    codecs, whose rotation makes rows near-Gaussian (on SmolLM2's centred keys the measured
+    ratio agrees to 2%)."""
+    from ..codecs.reference import roundtrip
+
+    x = torch.randn(256, head_dim, generator=torch.Generator().manual_seed(0))
+    return float((roundtrip(get_codec(k_codec), x) - x).pow(2).sum() / x.pow(2).sum())
 
 
 def fp8_tensor_scale(x: torch.Tensor, device) -> torch.Tensor:
