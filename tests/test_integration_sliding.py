@@ -247,3 +247,28 @@ def test_attention_with_a_wider_window_than_the_cache_keeps_is_refused():
     with pytest.raises(InvalidInput, match="sliding_window=16 but its cache layer keeps only the last 8"):
         paged_attention_forward(None, torch.randn(1, 4, 5, 32), k, v, None, sliding_window=16)
     assert cache.layers[0].length == 0 and cache.layers[0].pending is None and cache.blocks.used == 0
+
+
+def test_sliding_pools_shrink_after_a_long_prefill_chunk():
+    """A 100-token prefill chunk grows the sliding pools to 32 blocks (all 25 are needed while
+    the chunk is attended); the next step releases all but 2 and cuts the pools back to 16
+    blocks (moving the live ones), with outputs bit-identical to the cache that keeps all."""
+    model = _model("gemma3", ATTN_IMPLEMENTATION)
+    ids = _ids(112, seed=8)
+    caches = [PagedKVCache(model, "turbo3", block_size=BS, reclaim_sliding=r) for r in (True, False)]
+    outs = [[_logits(model, ids[:, :100], c)] for c in caches]
+    glob, (slid,) = _groups(caches[0])
+    assert slid.num_blocks == 32 and slid.used == 25
+    sliding_pool = caches[0].layers[0].paged.k_pool
+    assert sliding_pool.shape[0] == 32
+    before = caches[0].pool_bytes()
+    for t in range(100, 112):
+        for out, c in zip(outs, caches):
+            out.append(_logits(model, ids[:, t:t + 1], c))
+        assert slid.used == _live(t, t + 1)
+    assert slid.num_blocks == 16 and all(caches[0].layers[i].paged.k_pool.shape[0] == 16 for i in slid.layers)
+    assert caches[0].layers[2].paged.k_pool.shape[0] == glob.num_blocks == 32
+    assert caches[0].pool_bytes() < before
+    assert max(b for t in slid.tables for b in t) < 16
+    _check_refcounts(caches[0])
+    torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), atol=0, rtol=0)

@@ -108,6 +108,7 @@ class _Blocks:
                  window: Optional[int] = None, layers: Sequence[int] = ()):
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.initial_blocks = num_blocks
         self.max_blocks = max_blocks
         self.window = window
         self.layers = list(layers)
@@ -184,6 +185,33 @@ class _Blocks:
                     table[i] = -1
                 self.dead[r] = upto
                 self.version += 1
+
+    def shrink_plan(self, need: int) -> Optional[tuple[int, list[int], list[int]]]:
+        """When a sliding group uses at most a quarter of its blocks (after a long prefill chunk
+        left the window), the smaller size its pools should take: (new_total, src, dst) with
+        the in-use blocks src (ids >= new_total) to move to the free ids dst; None to keep the
+        size. need: blocks about to be taken."""
+        target = max(self.initial_blocks, 2 * (self.used + need))
+        if self.window is None or 2 * target > self.num_blocks:
+            return None
+        src = [b for b in range(target, self.num_blocks) if self.ref[b]]
+        dst = [b for b in range(target) if not self.ref[b]][: len(src)]
+        return target, src, dst
+
+    def shrink(self, target: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Renumber blocks src -> dst (the layers' pools were moved and cut first) and cut the
+        group to `target` blocks."""
+        moved = dict(zip(src, dst))
+        for table in self.tables:
+            for i, b in enumerate(table):
+                if b in moved:
+                    table[i] = moved[b]
+        for a, b in moved.items():
+            self.ref[b] = self.ref[a]
+        self.ref = self.ref[:target]
+        self.free = [b for b in range(target - 1, -1, -1) if not self.ref[b]]
+        self.num_blocks = target
+        self.version += 1
 
     def table_tensor(self, device) -> torch.Tensor:
         """int32 [rows, max_blocks] (unused and released entries 0)."""
@@ -383,6 +411,11 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             plan.append((row, table, need, first_written, cow))
             new_blocks += cow + max(0, need - len(table))
         grow = self._grower(g)
+        shrink = g.shrink_plan(new_blocks)
+        if shrink is not None:  # no layer of the group has stored this chunk yet: pools can move
+            for i in g.layers:
+                self.layers[i]._shrink(*shrink)
+            g.shrink(*shrink)
         g.reserve(new_blocks, grow)
         for row, table, need, first_written, cow in plan:
             if cow:
@@ -673,6 +706,20 @@ class PagedCacheLayer:
         if self.paged is not None:
             self.paged.k_pool[dst] = self.paged.k_pool[src]
             self.paged.v_pool[dst] = self.paged.v_pool[src]
+
+    def _shrink(self, new_total: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move blocks src to dst, then cut the pools to new_total blocks (new tensors, so the
+        memory is returned)."""
+        if self.paged is None:
+            return
+        p = self.paged
+        pools = {}
+        for name in ("k_pool", "v_pool"):
+            pool = getattr(p, name)
+            if src:
+                pool[torch.tensor(list(dst), device=pool.device)] = pool[torch.tensor(list(src), device=pool.device)]
+            pools[name] = pool[:new_total].clone()
+        self.paged = replace(p, **pools)
 
     def pool_bytes(self) -> int:
         if self.paged is None:
