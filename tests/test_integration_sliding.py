@@ -163,6 +163,22 @@ def test_left_padded_generate_matches_eager_with_per_row_bounds():
             assert [len(t) - d for t, d in zip(slid.tables, slid.dead)] == [_live(n - 1, n) for n in rows]
             assert slid.used == sum(_live(n - 1, n) for n in rows)
             _check_refcounts(cache)
+    # crop_limit on padded rows: keeping crop_limit() columns works, one fewer is refused
+    limit = cache.crop_limit()
+    assert 0 < limit < cache.get_seq_length()
+    with pytest.raises(InvalidInput, match=f"smallest crop kept is {limit} columns"):
+        cache.crop(limit - 1)
+    cache.crop(limit)
+    assert cache.get_seq_length() == limit
+    _check_refcounts(cache)
+    # re-feeding the cropped columns gives the logits of a fresh cache fed them in one go
+    cols = 21 + 11
+    full_mask = torch.cat([mask, torch.ones(3, 11, dtype=torch.long)], dim=1)
+    pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    again = _logits(model, out[:, limit:cols], cache, attention_mask=full_mask, position_ids=pos[:, limit:])
+    fresh = _logits(model, out[:, :cols], PagedKVCache(model, "bf16", high_precision_layers=0, block_size=BS),
+                    attention_mask=full_mask, position_ids=pos)
+    torch.testing.assert_close(again, fresh[:, limit:], atol=1e-4, rtol=1e-4)
 
 
 def test_beam_search_and_reorder_share_blocks_in_both_groups():
