@@ -191,3 +191,13 @@ def test_calibrate_picks_the_estimator_by_codec():
     for codec in ("q4_0", "fp8"):
         torch.testing.assert_close(calibrate(k, v, q, codec, codec, opts, "cpu").k_centre,
                                    attention_key_centre(k, v, q, codec))
+
+
+def test_bias_aware_slices_do_not_change_the_result(monkeypatch):
+    """Long chunks recompute the attention slice by slice: same centre as one kept slice."""
+    gen = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(1, 2, 30, 16, generator=gen) for _ in range(2))
+    q = 2 * torch.randn(1, 4, 30, 16, generator=gen)
+    whole = cal.bias_aware_key_centre(k, v, q, "turbo3")
+    monkeypatch.setattr(cal, "_CHUNK_ELEMENTS", 1)  # one query per slice
+    torch.testing.assert_close(cal.bias_aware_key_centre(k, v, q, "turbo3"), whole, rtol=1e-4, atol=1e-5)

@@ -212,37 +212,59 @@ def bias_aware_key_centre(keys: torch.Tensor, values: torch.Tensor, queries: tor
     would cost D times more); a head whose residual is already zero stops.
 
     keys/values float32 [B, H, T, D], queries float32 [B, Hq, Tq, D] as in
-    `attention_key_centre`; at most `max_queries` evenly spaced queries (all held at once:
-    B Hq n T floats). Deterministic. Heads without weight fall back to `key_centre`.
+    `attention_key_centre`; at most `max_queries` evenly spaced queries. Their attention is kept
+    when it fits one slice of _CHUNK_ELEMENTS (B Hq n T floats; a 1024-token chunk of SmolLM2:
+    150k), else recomputed slice by slice at each CG step (long prompts: bounded memory, ~6x the
+    attention work). Deterministic. Heads without weight fall back to `key_centre`.
     SmolLM2, 8 windows: see benchmarks/calibration_study.py (variant attn2).
     """
     b, h, t, d = keys.shape
     q, pos = _spaced_queries(queries, h, t, max_queries)
-    p, o, dist = _attention(keys, values, q, pos)
     sq = relative_error(k_codec, d) * q.pow(2).sum(-1) / d ** 2  # [B, H, G, n]
-    wj = torch.einsum("bhgnt,bhgn->bht", p * p * dist, sq)  # [B, H, T]
+    s2 = sq * sq
+    n = q.shape[3]
+    step = max(1, _CHUNK_ELEMENTS // max(1, b * queries.shape[1] * t))
+    bounds = [(s0, min(n, s0 + step)) for s0 in range(0, n, step)]
+    kept: dict = {}
+
+    def stats(i):  # p, o, ||v - o||^2 of query slice i; kept when one slice holds every query
+        if i not in kept:
+            s0, s1 = bounds[i]
+            out = _attention(keys, values, q[:, :, :, s0:s1], pos[s0:s1])
+            if len(bounds) > 1:
+                return out
+            kept[i] = out
+        return kept[i]
+
+    wj = keys.new_zeros(b, h, t)
+    rs = []
+    kk = keys.pow(2).sum(-1)[:, :, None, None]  # [B, H, 1, 1, T]
+    for i, (s0, s1) in enumerate(bounds):
+        p, o, dist = stats(i)
+        wj += torch.einsum("bhgnt,bhgn->bht", p * p * dist, sq[..., s0:s1])
+        pk = p * kk
+        rs.append(torch.einsum("bhgnt,bhtd->bhgnd", pk, values) - o * pk.sum(-1, keepdim=True))
     big_w = wj.sum(dim=(0, 2))  # [H]
     m = torch.einsum("bht,bhtd->hd", wj, keys)
-    ok = big_w > 0
-    if not bool(ok.all()):
+    if not bool((big_w > 0).all()):
         return key_centre(keys, k_codec)
-    s2 = sq * sq
-    pk = p * keys.pow(2).sum(-1)[:, :, None, None]
-    r = torch.einsum("bhgnt,bhtd->bhgnd", pk, values) - o * pk.sum(-1, keepdim=True)  # [B, H, G, n, D]
 
-    def m_times(c):  # M_q c: [B, H, G, n, D]
+    def m_times(i, c):  # M_q c for the queries of slice i: [B, H, G, n_i, D]
+        p, o, _ = stats(i)
         pz = p * torch.einsum("bhtd,hd->bht", keys, c)[:, :, None, None]
         return torch.einsum("bhgnt,bhtd->bhgnd", pz, values) - o * pz.sum(-1, keepdim=True)
 
-    def mt_times(y):  # sum_q s_q^2 M_q^T y_q: [H, D]
+    def mt_times(i, y):  # sum over slice i's queries of s_q^2 M_q^T y_q: [H, D]
+        p, o, _ = stats(i)
+        s0, s1 = bounds[i]
         yv = torch.einsum("bhgnd,bhtd->bhgnt", y, values) - (y * o).sum(-1, keepdim=True)
-        return torch.einsum("bhgnt,bhtd->hd", p * yv * s2[..., None], keys)
+        return torch.einsum("bhgnt,bhtd->hd", p * yv * s2[..., s0:s1, None], keys)
 
     def lhs(c):
-        return big_w[:, None] * c + mt_times(m_times(c))
+        return big_w[:, None] * c + sum(mt_times(i, m_times(i, c)) for i in range(len(bounds)))
 
     c = m / big_w[:, None]
-    res = m + 0.5 * mt_times(r) - lhs(c)
+    res = m + 0.5 * sum(mt_times(i, r) for i, r in enumerate(rs)) - lhs(c)
     direction, rr = res, (res * res).sum(-1)
     for _ in range(steps):
         ld = lhs(direction)
