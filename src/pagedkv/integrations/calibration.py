@@ -4,7 +4,11 @@ centre and the fp8 tensor scales, fixed once from the first chunk a layer stores
 Every transformation here is exact for attention (softmax is invariant to a shared score shift;
 (q / m) . (k * m) == q . k; the weights sum to one) or is the codec's own scale, so they change
 only what quantization loses. Kept apart from the cache so the estimators can be studied and
-swapped without touching the storage code.
+swapped without touching the storage code (benchmarks/calibration_study.py compares them).
+
+The key centre minimises the first chunk's expected attention-output error under the K codec's
+error model, from the chunk's keys, values and queries (`attention_key_centre`; rotated codecs
+add the bias term, `bias_aware_key_centre`); without queries it falls back to `key_centre`.
 """
 
 from __future__ import annotations
