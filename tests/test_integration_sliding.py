@@ -254,6 +254,19 @@ def test_all_sliding_model_decodes_past_max_tokens():
     assert small.get_seq_length() == 0 and small.groups[0].used == 0
     assert not any(layer.is_initialized for layer in small.layers)
     _logits(model, ids[:, :16], small)  # 16 tokens fit
+    # a chunk that does not fit changes nothing, not even what the next chunk would release
+    cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=BS, max_tokens=16)
+    (slid,) = cache.groups
+    for a, b in [(0, 6)] + [(t, t + 1) for t in range(6, 31)]:
+        _logits(model, ids[:, a:b], cache)
+    assert slid.dead == [5] and cache.crop_limit() == 27  # last chunk at 30: positions < 20 released
+    tables = [list(t) for t in slid.tables]
+    # 16 tokens at 31 need 4 new blocks; 1 is free and releasing up to position 24 frees 1 more
+    with pytest.raises(CacheFull, match="need 4 more blocks of 4 tokens but have 2 free"):
+        _logits(model, ids[:, 31:47], cache)
+    assert slid.dead == [5] and [list(t) for t in slid.tables] == tables and cache.get_seq_length() == 31
+    again = _logits(model, ids[:, 31:32], cache)
+    torch.testing.assert_close(again, out[:, 31:32], atol=1e-4, rtol=1e-4)
 
 
 def test_attention_with_a_wider_window_than_the_cache_keeps_is_refused():

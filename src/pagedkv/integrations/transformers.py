@@ -128,18 +128,23 @@ class _Blocks:
     def name(self) -> str:
         return "global" if self.window is None else f"sliding-window (W={self.window})"
 
+    def check(self, n: int, freed: int = 0) -> None:
+        """Raise CacheFull unless n blocks can be had (`freed`: blocks a pending `reclaim` frees)."""
+        free = len(self.free) + freed
+        if n > free and self.max_blocks is not None and self.num_blocks + n - free > self.max_blocks:
+            raise CacheFull(
+                f"the paged cache's {self.name} layers need {n} more blocks of {self.block_size} "
+                f"tokens but have {free} free of {self.num_blocks} (max_tokens allows "
+                f"{self.max_blocks} blocks); raise max_tokens"
+            )
+
     def reserve(self, n: int, grow) -> None:
         """Make sure n blocks are free, growing the pools (`grow(new_total)` resizes the group's
         layers first) or raising CacheFull before any change."""
         if n <= len(self.free):
             return
+        self.check(n)
         need_total = self.num_blocks + n - len(self.free)
-        if self.max_blocks is not None and need_total > self.max_blocks:
-            raise CacheFull(
-                f"the paged cache's {self.name} layers need {n} more blocks of {self.block_size} "
-                f"tokens but have {len(self.free)} free of {self.num_blocks} (max_tokens allows "
-                f"{self.max_blocks} blocks); raise max_tokens"
-            )
         new_total = max(2 * self.num_blocks, need_total)
         if self.max_blocks is not None:
             new_total = min(new_total, self.max_blocks)
@@ -167,6 +172,18 @@ class _Blocks:
         """The first position a query at any position >= length can see (0 for global layers):
         a query at p sees keys j with p - W < j <= p."""
         return 0 if self.window is None else max(0, length - self.window + 1)
+
+    def reclaimable(self, lengths: Sequence[int]) -> int:
+        """How many blocks `reclaim(lengths)` would return to the free list (shared blocks count
+        once every row holding them lets go)."""
+        if self.window is None:
+            return 0
+        drops: dict = {}
+        for r, n in enumerate(lengths):
+            table = self.tables[r]
+            for i in range(self.dead[r], min(self.first_needed(n) // self.block_size, len(table))):
+                drops[table[i]] = drops.get(table[i], 0) + 1
+        return sum(self.ref[b] == k for b, k in drops.items())
 
     def reclaim(self, lengths: Sequence[int]) -> None:
         """Release, per row r, the blocks wholly before `first_needed(lengths[r])` (sliding groups
@@ -399,7 +416,6 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         starts[r] can see; then blocks are allocated (all or none: CacheFull before any change)
         and shared blocks about to be written are copied. int64 [sum(counts)]."""
         g = self.blocks if group is None else group
-        g.reclaim(starts)
         bs = g.block_size
         plan, new_blocks = [], 0
         for row, (table, start, count) in enumerate(zip(g.tables, starts, counts)):
@@ -410,6 +426,9 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             cow = bool(start % bs and first_written < len(table) and g.ref[table[first_written]] > 1)
             plan.append((row, table, need, first_written, cow))
             new_blocks += cow + max(0, need - len(table))
+        if new_blocks > len(g.free):
+            g.check(new_blocks, g.reclaimable(starts))  # CacheFull before any change
+        g.reclaim(starts)
         grow = self._grower(g)
         shrink = g.shrink_plan(new_blocks)
         if shrink is not None:  # no layer of the group has stored this chunk yet: pools can move
