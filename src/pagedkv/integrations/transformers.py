@@ -119,6 +119,7 @@ class _Blocks:
         self.version = 0  # bumps when any table changes (cached tensors are rebuilt)
         self.tensor: Optional[torch.Tensor] = None  # int32 [rows, max_blocks] of `version`
         self.tensor_version = -1
+        self.slots_memo: Optional[tuple] = None  # (version, starts, counts, device, slots)
 
     @property
     def growable(self) -> bool:
@@ -416,6 +417,11 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         starts[r] can see; then blocks are allocated (all or none: CacheFull before any change)
         and shared blocks about to be written are copied. int64 [sum(counts)]."""
         g = self.blocks if group is None else group
+        starts, counts = tuple(starts), tuple(counts)
+        memo = g.slots_memo
+        if memo is not None and memo[0] == g.version and memo[1] == starts and memo[2] == counts \
+                and memo[3] == str(device):
+            return memo[4]  # another layer of the group stores the same chunk: same blocks, same slots
         bs = g.block_size
         plan, new_blocks = [], 0
         for row, (table, start, count) in enumerate(zip(g.tables, starts, counts)):
@@ -447,8 +453,9 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         first = torch.cumsum(n, 0) - n  # index of each row's first new token
         pos = torch.arange(int(n.sum())) - first[rows] + torch.tensor(list(starts), dtype=torch.long)[rows]
         tables = g.table_tensor(torch.device("cpu")).long()
-        slots = tables[rows, pos // bs] * bs + pos % bs
-        return slots.to(device)
+        slots = (tables[rows, pos // bs] * bs + pos % bs).to(device)
+        g.slots_memo = (g.version, starts, counts, str(device), slots)
+        return slots
 
     # ---- per-row lengths (padded batches) -----------------------------------------------------
     def row_lengths(self, columns: int) -> list[int]:
