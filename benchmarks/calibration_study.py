@@ -59,6 +59,7 @@ from pagedkv.eval.metrics import MetricSums, log_probs  # noqa: E402
 from pagedkv.eval.model import embedded_model_source, load_model  # noqa: E402
 from pagedkv.eval.runner import EvalConfig, _forward, parse_choice  # noqa: E402
 from pagedkv.eval.text import bos_id, default_text, make_windows, read_text, tokenize  # noqa: E402
+from pagedkv.codecs.catalogue import get_codec  # noqa: E402
 from pagedkv.integrations import calibration as cal  # noqa: E402
 from pagedkv.integrations import transformers as tfi  # noqa: E402
 
@@ -242,6 +243,8 @@ KEY_CENTRES: Dict[str, Callable] = {
     "attn32": lambda k, v, q, c: key_centre_weighted(k, v, q, c, max_queries=32),
     "attn16": lambda k, v, q, c: key_centre_weighted(k, v, q, c, max_queries=16),
     "lib": lambda k, v, q, c: cal.attention_key_centre(k, v, q, c),
+    "cur": lambda k, v, q, c: (cal.bias_aware_key_centre(k, v, q, c) if c != "fp8" and get_codec(c).rotated
+                               else cal.attention_key_centre(k, v, q, c)),
     "attn2": key_centre_second_order,
     "strat": key_centre_strat,
     "strat16": lambda k, v, q, c: key_centre_strat(k, v, q, c, n=16),

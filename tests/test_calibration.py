@@ -201,3 +201,23 @@ def test_bias_aware_slices_do_not_change_the_result(monkeypatch):
     whole = cal.bias_aware_key_centre(k, v, q, "turbo3")
     monkeypatch.setattr(cal, "_CHUNK_ELEMENTS", 1)  # one query per slice
     torch.testing.assert_close(cal.bias_aware_key_centre(k, v, q, "turbo3"), whole, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_value_centre_is_the_p_squared_weighted_mean():
+    """Oracle: u_j = sum over queries (every one here) of p_qj^2, written out with loops."""
+    k, v, q = _data(t=9, seed=12)
+    b, h, t, d = k.shape
+    g = q.shape[1] // h
+    u = torch.zeros(b, h, t, dtype=torch.float64)
+    for bi in range(b):
+        for qh in range(q.shape[1]):
+            for pos in range(t):
+                s = (k[bi, qh // g, : pos + 1].double() @ q[bi, qh, pos].double()) / math.sqrt(d)
+                u[bi, qh // g, : pos + 1] += torch.softmax(s, 0) ** 2
+    want = ((u[..., None] * v.double()).sum(dim=(0, 2)) / u.sum(dim=(0, 2))[:, None]).float()
+    torch.testing.assert_close(cal.attention_value_centre(k, v, q), want, rtol=1e-4, atol=1e-5)
+    opts = CalibrationOptions(key_centring=False, value_centring=True)
+    torch.testing.assert_close(calibrate(k, v, q, "turbo3", "turbo3", opts, "cpu").v_centre, want,
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(calibrate(k, v, None, "turbo3", "turbo3", opts, "cpu").v_centre,
+                               v.mean(dim=(0, 2)))
