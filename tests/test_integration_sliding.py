@@ -84,6 +84,10 @@ def _check_refcounts(cache):
                 refs[b] += 1
         assert refs == g.ref
         assert sorted(g.free) == [b for b in range(g.num_blocks) if refs[b] == 0]
+        # the (incrementally updated) tensor the ops read agrees on every live entry
+        tensor = g.table_tensor(torch.device("cpu"))
+        for r, table in enumerate(g.tables):
+            assert tensor[r, g.dead[r]:len(table)].tolist() == table[g.dead[r]:]
 
 
 def test_bf16_decode_far_past_the_window_matches_dynamic_cache_with_bounded_blocks():

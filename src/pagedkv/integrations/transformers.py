@@ -116,9 +116,12 @@ class _Blocks:
         self.free = list(range(num_blocks - 1, -1, -1))
         self.tables: list[list[int]] = []
         self.dead: list[int] = []
-        self.version = 0  # bumps when any table changes (cached tensors are rebuilt)
-        self.tensor: Optional[torch.Tensor] = None  # int32 [rows, max_blocks] of `version`
-        self.tensor_version = -1
+        self.version = 0  # bumps when any table changes (the slot memo is dropped)
+        self.tensor: Optional[torch.Tensor] = None  # int32 [rows, width >= longest table], cpu
+        self.rebuild = True  # the tensor is rebuilt from the tables on next use
+        self.updates: list = []  # (row, index, ids) written into the tables since the tensor was made
+        self.stamp = 0  # bumps when the tensor's content changes
+        self.device_tensor: Optional[tuple] = None  # (stamp, device, tensor)
         self.slots_memo: Optional[tuple] = None  # (version, starts, counts, device, slots)
 
     @property
@@ -229,19 +232,48 @@ class _Blocks:
         self.ref = self.ref[:target]
         self.free = [b for b in range(target - 1, -1, -1) if not self.ref[b]]
         self.num_blocks = target
+        self.changed()
+
+    def changed(self, row: Optional[int] = None, index: int = 0, ids: Sequence[int] = ()) -> None:
+        """Note a table change: entries index.. of `row` now hold ids (None: anything, the
+        tensor is rebuilt). Released entries need no note: the ops never read them, so the
+        tensor may keep the old id there."""
         self.version += 1
+        if row is None:
+            self.rebuild, self.updates = True, []
+        elif not self.rebuild:
+            self.updates.append((row, index, list(ids)))
 
     def table_tensor(self, device) -> torch.Tensor:
-        """int32 [rows, max_blocks] (unused and released entries 0)."""
-        if self.tensor_version != self.version or self.tensor is None:
+        """int32 [rows, width] (entries past a row's table and released entries read as any
+        block id, 0 after a rebuild). Rebuilt after rows change; appended blocks are written in
+        place (the width doubles when a table outgrows it), so a decode step costs O(new blocks)."""
+        if self.rebuild or self.tensor is None:
             width = max((len(t) for t in self.tables), default=0)
             t = torch.zeros(len(self.tables), max(width, 1), dtype=torch.int32)
             for r, ids in enumerate(self.tables):
                 if ids:
                     t[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
             self.tensor = t.clamp_(min=0)
-            self.tensor_version = self.version
-        return self.tensor.to(device)
+            self.rebuild, self.updates = False, []
+            self.stamp += 1
+        elif self.updates:
+            t = self.tensor
+            need = max(i + len(ids) for _, i, ids in self.updates)
+            if need > t.shape[1]:
+                wider = torch.zeros(t.shape[0], max(need, 2 * t.shape[1]), dtype=torch.int32)
+                wider[:, : t.shape[1]] = t
+                self.tensor = t = wider
+            rows = [r for r, _, ids in self.updates for _ in ids]
+            cols = [i + k for _, i, ids in self.updates for k in range(len(ids))]
+            vals = [b for _, _, ids in self.updates for b in ids]
+            t[rows, cols] = torch.tensor(vals, dtype=torch.int32)
+            self.updates = []
+            self.stamp += 1
+        key = (self.stamp, str(device))
+        if self.device_tensor is None or self.device_tensor[0] != key:
+            self.device_tensor = (key, self.tensor.to(device))
+        return self.device_tensor[1]
 
     @property
     def used(self) -> int:
@@ -398,7 +430,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             for g in self.groups:
                 g.tables = [[] for _ in range(batch)]
                 g.dead = [0] * batch
-                g.version += 1
+                g.changed()
         elif batch != len(self.blocks.tables):
             raise InvalidInput(
                 f"batch size {batch} differs from the cache's {len(self.blocks.tables)} rows; "
@@ -446,8 +478,9 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             if cow:
                 self._copy_on_write(g, row, first_written)
             if need > len(table):
-                table.extend(g.take(need - len(table), grow))
-                g.version += 1
+                ids = g.take(need - len(table), grow)
+                g.changed(row, len(table), ids)
+                table.extend(ids)
         n = torch.tensor(list(counts), dtype=torch.long)
         rows = torch.repeat_interleave(torch.arange(len(counts)), n)
         first = torch.cumsum(n, 0) - n  # index of each row's first new token
@@ -501,7 +534,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             self.layers[i]._copy_block(old, new)
         g.release(old)
         g.tables[row][index] = new
-        g.version += 1
+        g.changed(row, index, [new])
 
     def block_table_tensor(self, device, group: Optional[_Blocks] = None) -> torch.Tensor:
         """int32 [rows, max_blocks] of `group` (default: the global one; unused entries 0)."""
@@ -533,7 +566,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                     g.release(b)
             g.tables = new
             g.dead = [g.dead[s] for s in sources]
-            g.version += 1
+            g.changed()
 
     def _truncate(self, length: Union[int, Sequence[int]]) -> None:
         """Release the blocks past `length` tokens (one int for every row, or one per row)."""
@@ -544,7 +577,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                 while len(table) > need:
                     g.release(table.pop())
                 g.dead[r] = min(g.dead[r], len(table))
-            g.version += 1
+            g.changed()
 
     # ---- transformers Cache API ---------------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -611,7 +644,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self._valid_version += 1
         for g in self.groups:
             g.tables, g.dead = [], []
-            g.version += 1
+            g.changed()
         for layer in self.layers:
             layer.reset()
 
