@@ -38,6 +38,14 @@ Measured (2026-11-29, KL vs bf16; pydoc = the eval's 8 windows unless marked):
     query count (windows 0,2,5,7; fp8 / turbo4 / fp8k_turbo3v): 32: 0.00585 / 0.02202 / 0.02325,
         64: 0.00581 / 0.02345 / 0.02364, 256: 0.00601 / 0.02178 / 0.02293, 1024: 0.00623 /
         0.02079 / 0.02175 (within the window-to-window noise, ~+-10% per window for turbo3)
+    stdlib 8 windows, current (bias-aware for turbo): turbo3 0.08911, turbo4 0.01951
+    V centre ("cur" = the library's key centres; windows 0,2,5,7), none -> p^2-weighted
+        (cur:attn:all): fp8 0.00572 -> 0.00596, q8_0 0.00026 -> 0.00023, q4_0 0.0523 -> 0.0513,
+        turbo8 0.00271 -> 0.00245, turbo4 0.0228 -> 0.0223, turbo3 0.0978 -> 0.0960, turbo2 0.607
+        -> 0.606, fp8k_turbo3v 0.0235 -> 0.0207, bf16k_turbo2v 0.1129 -> 0.0854, fp8k_turbo2v
+        0.1194 -> 0.0918, turbo3+hp 0.0851 -> 0.0860 (the "none" column from `pagedkv eval`'s
+        kl_per_window; its fp8 differs from a 1-thread run by ~+-5% per window: thread noise);
+        median V centre (turbo4 / turbo3 / fp8k_turbo3v): 0.0252 / 0.1128 / 0.0375 (worse)
 """
 
 from __future__ import annotations
