@@ -229,7 +229,9 @@ def test_crop_back_to_the_last_chunk_works_and_further_is_refused():
         cache.crop(-5)
     assert ([list(t) for g in cache.groups for t in g.tables], [g.used for g in cache.groups]) == before
     assert cache.get_seq_length() == 23
-    cache.crop(0)
+    cache.crop(0)  # transformers' "remove nothing"
+    assert ([list(t) for g in cache.groups for t in g.tables], [g.used for g in cache.groups]) == before
+    cache.crop(-23)  # remove everything: always possible
     assert cache.get_seq_length() == 0 and all(g.used == 0 for g in cache.groups) and slid.dead == [0]
     # without reclaiming any crop works
     keep = PagedKVCache(model, "turbo4", block_size=BS, reclaim_sliding=False)
@@ -305,3 +307,25 @@ def test_sliding_pools_shrink_after_a_long_prefill_chunk():
     assert max(b for t in slid.tables for b in t) < 16
     _check_refcounts(caches[0])
     torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), atol=0, rtol=0)
+
+
+def test_assisted_generation_crops_within_the_limit():
+    """Assisted (speculative) decoding crops the rejected candidates of the last forward, which
+    never goes back past the start of that forward's chunk: same tokens as plain greedy eager."""
+    model = _model("gemma3")
+    assistant = _model("gemma3")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in assistant.parameters():  # a draft model that is sometimes wrong
+            p.add_(0.01 * torch.randn_like(p))
+    ids = _ids(30, seed=2)
+    kw = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=BS)
+        out = model.generate(ids, cache=cache, assistant_model=assistant, **kw)
+    assert out.tolist() == ref.tolist()
+    _, (slid,) = _groups(cache)
+    assert slid.dead[0] > 0  # blocks were released meanwhile
+    _check_refcounts(cache)

@@ -590,13 +590,14 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self._rearrange_rows([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Negative n removes the last -n columns; n >= 0 keeps the first n columns (legacy form).
-        Columns count pads as HF does (`get_seq_length`); each row keeps its valid tokens among
-        the kept columns. With sliding layers that released blocks, keeping fewer than
-        `crop_limit()` columns (but more than 0) raises InvalidInput before any change."""
+        """n <= 0 removes the last -n columns (crop(0) changes nothing: transformers' assisted
+        decoding calls it when every candidate was accepted); n > 0 keeps the first n columns
+        (the legacy form). Columns count pads as HF does (`get_seq_length`); each row keeps its
+        valid tokens among the kept columns. With sliding layers that released blocks, keeping
+        fewer than `crop_limit()` columns (but more than 0) raises InvalidInput before any change."""
         self._flush()
         length = self.get_seq_length()
-        keep = length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, length)
+        keep = length + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, length)
         keep = max(keep, 0)
         self._check_crop(keep)
         for layer in self.layers:
