@@ -97,8 +97,10 @@ class _Blocks:
 
     window: None for the global (full-attention) layers; W for a group of sliding-window layers,
     whose rows release the blocks that no current or future query can see (`reclaim`): a
-    released entry of a table is -1 (0 in the tensor the ops read: they never read a block wholly
-    outside the window, and any block only holds encodings of finite values or zeros).
+    released entry of a table is -1; the tensor the ops read keeps any id there (the old one, or
+    0 after a rebuild): they never read a block wholly outside the window (the CPU and Triton
+    kernels start at the window's first block; the reference gathers and masks it, and every
+    block holds encodings of finite values or zeros, so p = 0 times a finite value stays 0).
     `dead[r]`: how many leading entries of row r's table are released.
     max_blocks: the most blocks the pools may grow to (None: unlimited).
     layers: the model layer indices whose pools this group addresses.
@@ -121,12 +123,8 @@ class _Blocks:
         self.rebuild = True  # the tensor is rebuilt from the tables on next use
         self.updates: list = []  # (row, index, ids) written into the tables since the tensor was made
         self.stamp = 0  # bumps when the tensor's content changes
-        self.device_tensor: Optional[tuple] = None  # (stamp, device, tensor)
-        self.slots_memo: Optional[tuple] = None  # (version, starts, counts, device, slots)
-
-    @property
-    def growable(self) -> bool:
-        return self.max_blocks is None or self.num_blocks < self.max_blocks
+        self.device_tensor: Optional[tuple] = None  # ((stamp, device name), tensor)
+        self.slots_memo: Optional[tuple] = None  # (version, starts, counts, device name, slots)
 
     @property
     def name(self) -> str:
