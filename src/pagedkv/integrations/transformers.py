@@ -611,7 +611,6 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         release the blocks no query at or after the start of the last stored chunk can see, so a
         crop may go back to that start (always enough for assisted / speculative decoding, which
         crops only tokens of the last forward), or to 0 columns (every token dropped)."""
-        lengths = self.row_lengths(self.get_seq_length())
         limit = 0
         for g in self.groups:
             for r, dead in enumerate(g.dead):
