@@ -1,4 +1,9 @@
-"""`pagedkv bench TARGET`: side-by-side speed benchmarks (targets: attention, offload).
+"""`pagedkv bench TARGET`: side-by-side benchmarks (targets: attention, offload, memory).
+
+`pagedkv bench memory [--formats bf16,turbo3] [--memory-context 16k] [--chunk 256]
+[--malloc fixed|default] [--json]` runs a long generation of the embedded model per format, each
+in its own process, and prints its peak resident memory above the loaded model next to the first
+format's, with the KV-size difference (see `pagedkv.eval.memory`).
 
 `pagedkv bench attention [--json] [--formats ...] [--contexts 1k,4k,16k,32k] [--batch 1,8]
 [--threads 1]` times one decode step of the fast CPU kernel over the compressed paged cache of
@@ -17,7 +22,8 @@ from ..errors import ConfigError
 from .output import print_json, print_table
 
 DEFAULT_FORMATS = "bf16,fp8,turbo4,turbo3,turbo2,fp8k_turbo3v"
-TARGETS = ("attention", "offload")  # offload: see pagedkv.offload.bench
+TARGETS = ("attention", "offload", "memory")  # offload: pagedkv.offload.bench; memory: pagedkv.eval.memory
+MEMORY_FORMATS = "bf16,turbo3"
 
 
 def parse_count(text: str) -> int:
@@ -44,7 +50,8 @@ def parse_list(text: str) -> list[int]:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="speed benchmarks, side by side with torch baselines")
     p.add_argument("target", choices=TARGETS, help="what to benchmark")
-    p.add_argument("--formats", default=DEFAULT_FORMATS, help=f"KV formats (default {DEFAULT_FORMATS})")
+    p.add_argument("--formats", default=DEFAULT_FORMATS,
+                   help=f"KV formats (default {DEFAULT_FORMATS}; memory: {MEMORY_FORMATS}, the first is the baseline)")
     p.add_argument("--contexts", default="1k,4k,16k,32k", help="context lengths (default 1k,4k,16k,32k)")
     p.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
     p.add_argument("--threads", type=int, default=1,
@@ -58,6 +65,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    p.add_argument("--memory-context", default="16k", help="memory: tokens generated into the cache (default 16k)")
+    p.add_argument("--chunk", type=int, default=256, help="memory: prefill chunk in tokens (default 256)")
+    p.add_argument("--malloc", choices=("fixed", "default"), default="fixed",
+                   help="memory: glibc thresholds pinned (fixed, default) or as glibc adapts them")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="memory: count the first use of each format's kernels (code pages) too")
     from ..offload.bench import add_arguments as add_offload_arguments
 
     add_offload_arguments(p)
@@ -67,7 +80,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _run_memory(args) -> int:
+    from ..eval import memory
+
+    chosen = MEMORY_FORMATS if args.formats == DEFAULT_FORMATS else args.formats
+    formats = [f.strip() for f in chosen.split(",") if f.strip()]
+    rows = memory.compare(formats, context=parse_count(args.memory_context), chunk=args.chunk,
+                          threads=args.threads, malloc=args.malloc, warmup=not args.no_warmup,
+                          progress=None if args.json else (lambda s: print(s, file=sys.stderr, flush=True)))
+    if args.json:
+        print_json(rows)
+        return 0
+    mb = 1e6
+    print_table(f"peak resident memory of the generation above the loaded model (malloc {args.malloc}, "
+                f"{'no warm-up' if args.no_warmup else 'after a warm-up'}); saved and KV difference "
+                f"against {rows[0]['format']}; code_mb: file-backed pages that joined the resident set",
+                ["format", "tokens", "kv_mb", "peak_mb", "other_mb", "code_mb", "saved_mb", "kv_diff_mb",
+                 "saved/kv_diff"],
+                [[r["format"], r["tokens"], round(r["kv_pool_bytes"] / mb, 1), round(r["peak_minus_load_bytes"] / mb, 1),
+                  round((r["peak_minus_load_bytes"] - r["kv_pool_bytes"]) / mb, 1), round(r["rss_file_bytes"] / mb, 1),
+                  round(r["saved_bytes"] / mb, 1), round(r["kv_difference_bytes"] / mb, 1), r["saved_vs_kv"]]
+                 for r in rows])
+    return 0
+
+
 def run(args) -> int:
+    if args.target == "memory":
+        return _run_memory(args)
     if args.target == "offload":
         from ..offload import bench as ob
 
