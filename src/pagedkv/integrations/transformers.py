@@ -325,8 +325,11 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     key_scaling: per-channel key multipliers fitted to the first chunk's keys and queries (see
     `calibration.channel_multipliers`). Off by default: exact, but on SmolLM2 it did not lower KL (turbo3
     0.106 vs 0.107, turbo4 0.029 vs 0.026, q4_0 0.062 vs 0.055 on the first eval window).
-    block_size: tokens per block. max_tokens: None grows the pools on demand; an int fixes the
-    capacity to that many tokens summed over rows (CacheFull beyond).
+    block_size: tokens per block. max_tokens: None grows the pools on demand; an int caps every
+    block group at that many tokens summed over rows (CacheFull beyond, raised before any change):
+    the global layers' pools are allocated at that size; sliding-window layers' pools start small
+    and grow up to it as needed (a row holds its last W tokens plus the chunk being stored there,
+    so an all-sliding model decodes any length within max_tokens >= rows x (W + chunk + 2 blocks)).
     device: where the pools live (default: the model's device, else cpu).
     reclaim_sliding: sliding-window layers keep their own blocks (one group per distinct window)
     and release those no current or future query can see, so they hold about W + one chunk
