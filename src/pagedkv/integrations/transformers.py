@@ -47,11 +47,10 @@ CacheFull, raised before any block is taken). Rows share full blocks after a bea
 repeat (reference counts, per group); a shared block is copied before it is written.
 
 Key centring (on by default for non-bf16 K): on its first stored chunk a layer fixes
-`k_centre` from that chunk's valid tokens per KV head (float32 [H, D], see
-`calibration.key_centre`: for fp8 K a per-channel mean of the chunk's keys without the ~3%
-farthest from the median (the sink/BOS tokens), else the per-channel median, robust to the
-sinks' outlier keys); stored keys are k - k_centre and attention adds q . k_centre back, which
-softmax makes exact. It removes the large shared component of keys (the RoPE-rotated bias most
+`k_centre` from that chunk's valid tokens, values and queries per KV head (float32 [H, D], see
+`calibration.calibrate`: the centre that minimises the chunk's expected attention-output error
+under the K codec's error model); stored keys are k - k_centre and attention adds q . k_centre
+back, which softmax makes exact. It removes the large shared component of keys (the RoPE-rotated bias most
 models have) before quantization.
 
 Limitations: `torch.compile` is not supported; a prepared 4D attention mask is refused (pass
@@ -318,10 +317,10 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     high_precision_layers, hp_format: the first/last N layers' format ("auto": N from the K
     codec, see `pagedkv.cache.config`); pass 0 to use `kv_format` everywhere.
     key_centring: None = on when some layer's K codec is not bf16.
-    value_centring: store v - v_centre (mean value of the first chunk per KV head) and add
-    v_centre to the attention output: exact because softmax weights sum to one (refused with
-    attention sinks). Off by default: on SmolLM2 it raised KL (bf16k_turbo2v 0.174 vs 0.107,
-    q4_0 0.073 vs 0.055 on the first eval window): the mean is skewed by outlier (sink) tokens.
+    value_centring: store v - v_centre (the first chunk's values weighted by their squared
+    attention, `calibration.attention_value_centre`) and add v_centre to the attention output:
+    exact because softmax weights sum to one. None (default) = on for non-bf16 V except in
+    layers that attend with sinks (their weight takes no value: not exact); True refuses sinks.
     key_scaling: per-channel key multipliers fitted to the first chunk's keys and queries (see
     `calibration.channel_multipliers`). Off by default: exact, but on SmolLM2 it did not lower KL (turbo3
     0.106 vs 0.107, turbo4 0.029 vs 0.026, q4_0 0.062 vs 0.055 on the first eval window).
@@ -350,7 +349,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[int, str] = "auto", hp_format: Union[str, KVFormat] = "q8_0",
-                 key_centring: Optional[bool] = None, value_centring: bool = False,
+                 key_centring: Optional[bool] = None, value_centring: Optional[bool] = None,
                  key_scaling: bool = False,
                  block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
@@ -382,7 +381,8 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             key_centring = any(s.format.k.name != "bf16" for s in self.config.layers)
         self.key_centring = bool(key_centring)
         self.key_scaling = bool(key_scaling)
-        self.value_centring = bool(value_centring)
+        self.value_centring_auto = value_centring is None
+        self.value_centring = True if value_centring is None else bool(value_centring)
         self.backend = backend
         self.checks = bool(checks)
         self._make_groups(block_size, max_tokens, reclaim_sliding)
@@ -1056,6 +1056,9 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
             raise InvalidInput(
                 f"layer {layer.spec.index} attends with sliding_window={window} but its cache layer "
                 f"keeps only the last {layer.group.window} tokens (the model config's window)")
+        if layer.centre_values and sinks is not None and layer.cache.value_centring_auto \
+                and not layer.is_initialized:
+            layer.centre_values = False  # the default skips centring where sinks make it inexact
         if layer.centre_values and sinks is not None:
             raise ConfigError("value centring is not exact with attention sinks (their weight takes no "
                               "value); create the PagedKVCache with value_centring=False")
