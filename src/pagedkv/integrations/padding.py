@@ -1,0 +1,109 @@
+"""Padded batches in the transformers cache: the mask object the "pagedkv" mask function hands to
+the attention function, and the helpers that pick a chunk's valid tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+from ..errors import InvalidInput
+
+if TYPE_CHECKING:
+    from .transformers import PagedCacheLayer
+
+
+class PaddingMask:
+    """What the "pagedkv" mask interface hands the attention function for a 2D attention_mask
+    (instead of a dense [B, 1, Tq, Tk] mask: causality and windows are applied inside the ops).
+
+    mask: bool [B, C], C = columns seen so far including the current chunk's Tq (1 = a token,
+    0 = a pad); kv_length / kv_offset: the key span transformers sized for the layer type
+    (used by the dense path only).
+    """
+
+    __slots__ = ("mask", "q_length", "kv_length", "kv_offset", "all_valid", "_chunk", "_past")
+
+    def __init__(self, mask: torch.Tensor, q_length: int, kv_length: int, kv_offset: int):
+        self.mask = mask
+        self.q_length = q_length
+        self.kv_length = kv_length
+        self.kv_offset = kv_offset
+        self.all_valid = bool(mask.all())
+        self._chunk = False  # not computed yet
+        self._past = None
+
+    @property
+    def columns(self) -> int:
+        return self.mask.shape[1]
+
+    def chunk(self) -> Optional[torch.Tensor]:
+        """bool [B, Tq]: which of the current chunk's tokens are real; None when all are."""
+        if self._chunk is False:
+            c = None if self.all_valid else self.mask[:, self.columns - self.q_length:]
+            self._chunk = None if c is None or bool(c.all()) else c
+        return self._chunk
+
+    def past_counts(self) -> list[int]:
+        """Valid columns before the current chunk, per row."""
+        if self._past is None:
+            past = self.columns - self.q_length
+            self._past = ([past] * self.mask.shape[0] if self.all_valid
+                          else self.mask[:, :past].sum(dim=1).tolist())
+        return self._past
+
+    def key_validity(self, tk: int) -> Optional[torch.Tensor]:
+        """bool [B, tk] for keys given densely (columns kv_offset.. as transformers sized them,
+        missing columns invalid as in transformers' own masks); None when all are valid."""
+        if self.all_valid and self.columns >= self.kv_offset + tk:
+            return None
+        m = self.mask
+        width = self.kv_offset + self.kv_length
+        if m.shape[1] < width:
+            m = torch.nn.functional.pad(m, (0, width - m.shape[1]))
+        m = m[:, self.kv_offset:width]
+        if m.shape[1] != tk:
+            raise InvalidInput(f"attention_mask spans {m.shape[1]} keys but the attention got {tk}")
+        return m
+
+
+def valid_tokens(x: torch.Tensor, valid: Optional[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
+    """The valid tokens of x float [B, H, T, D] for the first-chunk statistics: x itself without
+    padding; [B, H, n, D] when every row has n valid tokens; else all rows' valid tokens as one
+    row [1, H, N, D] (the statistics then pool the rows' tokens instead of averaging per row)."""
+    if valid is None:
+        return x
+    b, h, t, d = x.shape
+    packed = x.transpose(1, 2)[valid]  # [N, H, D], row-major
+    if len(set(counts)) == 1:
+        return packed.reshape(b, counts[0], h, d).transpose(1, 2)
+    return packed.transpose(0, 1)[None]
+
+
+def chunk_validity(mask, layer: "PagedCacheLayer", batch: int, tq: int) -> Optional[torch.Tensor]:
+    """Check the attention function's mask against the paged layer; return bool [B, Tq] (which
+    current tokens are real) or None (all). Raises InvalidInput on a mask that does not fit."""
+    if mask is None:
+        return None
+    if not isinstance(mask, PaddingMask):
+        raise InvalidInput(
+            f"attn_implementation='pagedkv' with a PagedKVCache takes a 2D attention_mask [B, "
+            f"past + new] (1 = token, 0 = pad), got a prepared {type(mask).__name__}"
+            f"{' of shape ' + str(list(mask.shape)) if hasattr(mask, 'shape') else ''}"
+        )
+    if mask.mask.shape[0] != batch or mask.q_length != tq or mask.columns != layer.length:
+        raise InvalidInput(
+            f"attention_mask has shape {list(mask.mask.shape)} but the cache holds "
+            f"{layer.length - tq} columns and the batch adds {tq} tokens to {batch} rows: pass "
+            f"a mask [{batch}, {layer.length}] covering every column seen so far"
+        )
+    start = layer.length - tq
+    if not (mask.all_valid and layer.cache._valid is None):
+        stored = layer.cache.row_lengths(start)
+        if mask.past_counts() != stored:
+            raise InvalidInput(
+                f"attention_mask marks {mask.past_counts()} valid past tokens per row but the cache "
+                f"stored {stored}: pass the mask of every column seen so far (as generate does)"
+            )
+    return mask.chunk()
