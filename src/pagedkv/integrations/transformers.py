@@ -813,7 +813,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                                 qsl, params, backend=cache.backend, checks=cache.checks)
     if layer.v_centre is not None:  # sum_j p_j (v_j - c) + c, the weights summing to one
         g = hq // layer.v_centre.shape[0]
-        out = out.float() + layer.v_centre.repeat_interleave(g, dim=0)
+        out = out.float()  # the ops' own output: added to in place (no second output-sized buffer)
+        out.add_(layer.v_centre.repeat_interleave(g, dim=0))
     out = out.to(query.dtype)
     if valid is None:
         return out.reshape(b, tq, hq, d), None

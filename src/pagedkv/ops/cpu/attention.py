@@ -135,8 +135,9 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     h = layer.num_kv_heads
     g = hq // h
     qf = q.float()
-    qk = wht.rotate(qf) if layer.k_codec.rotated else qf
-    qk = (qk * (params.scale * _tensor_scale(layer.k_codec, layer.k_scale))).contiguous()
+    q_scale = params.scale * _tensor_scale(layer.k_codec, layer.k_scale)
+    # one query-sized buffer either way (scaled in place after the rotation's copy)
+    qk = wht.rotate(qf).mul_(q_scale) if layer.k_codec.rotated else (qf * q_scale).contiguous()
     bias = None
     if layer.k_centre is not None:
         c = layer.k_centre.float()
@@ -180,6 +181,7 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     if stats is not None:
         stats["v_rows_read"] = stats.get("v_rows_read", 0) + int(counters[0])
         stats["v_rows_skipped"] = stats.get("v_rows_skipped", 0) + int(counters[1])
-    if layer.v_codec.rotated:
-        out = wht.unrotate(out)
+    if layer.v_codec.rotated:  # into the query buffer, dead by now: no third [Tq, Hq, D] buffer
+        del bias
+        out = torch.matmul(out, wht.rotation_matrix(hd, out.device), out=qk)
     return out.to(q.dtype)
