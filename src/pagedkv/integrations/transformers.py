@@ -51,7 +51,8 @@ Key centring (on by default for non-bf16 K): on its first stored chunk a layer f
 `calibration.calibrate`: the centre that minimises the chunk's expected attention-output error
 under the K codec's error model); stored keys are k - k_centre and attention adds q . k_centre
 back, which softmax makes exact. It removes the large shared component of keys (the RoPE-rotated bias most
-models have) before quantization.
+models have) before quantization. Value centring (on by default for non-bf16 V, off in layers
+with sinks) stores v - v_centre and adds v_centre to the output (the weights sum to one).
 
 Limitations: `torch.compile` is not supported; a prepared 4D attention mask is refused (pass
 the 2D padding mask); the mask must cover every column seen so far ([B, past + new], as
