@@ -505,6 +505,26 @@ def _concrete_class(cls, base):
     return _CONCRETE[cls]
 
 
+def release_heap_scratch() -> None:
+    """Return the free pages inside the C heap to the system (glibc `malloc_trim`; a no-op
+    elsewhere). Called once per cache after every layer fixed its first-chunk statistics: that
+    burst of small temporaries otherwise stays resident as heap holes for the cache's lifetime
+    (measured ~1-1.5 MB on SmolLM2)."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
 def _model_device(model_or_config):
     try:
         return next(model_or_config.parameters()).device
@@ -622,6 +642,8 @@ class PagedCacheLayer:
                    if getattr(cal, name) is not None}
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True
+        if all(layer.is_initialized for layer in self.cache.layers):
+            release_heap_scratch()  # the statistics' one-time temporaries, once per cache
 
     def _store_chunk(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                      valid: Optional[torch.Tensor] = None,
