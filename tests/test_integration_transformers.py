@@ -508,3 +508,20 @@ def test_padded_repeat_interleave_and_select_keep_row_lengths():
     sel.batch_select_indices(torch.tensor([1]))
     assert sel.row_lengths(10) == [5]
     torch.testing.assert_close(step(sel, [1]), want[[1]], atol=1e-5, rtol=1e-5)
+
+
+def test_heap_scratch_released_once_after_every_layer_is_calibrated(monkeypatch):
+    """The first-chunk statistics' temporaries are returned once per cache, after the last layer
+    fixed its statistics (not per layer, not per chunk)."""
+    import pagedkv.integrations.transformers as integration
+
+    calls = []
+    monkeypatch.setattr(integration, "_TRIM", lambda pad: calls.append(pad))
+    model = _model("llama", ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, "turbo3", high_precision_layers=0)
+    ids = torch.randint(3, 100, (1, 12))
+    with torch.no_grad():
+        model(ids[:, :8], cache=cache, use_cache=True)
+        assert calls == [0]
+        model(ids[:, 8:], cache=cache, use_cache=True)
+    assert calls == [0]
