@@ -510,9 +510,9 @@ def test_padded_repeat_interleave_and_select_keep_row_lengths():
     torch.testing.assert_close(step(sel, [1]), want[[1]], atol=1e-5, rtol=1e-5)
 
 
-def test_heap_scratch_released_once_after_every_layer_is_calibrated(monkeypatch):
-    """The first-chunk statistics' temporaries are returned once per cache, after the last layer
-    fixed its statistics (not per layer, not per chunk)."""
+def test_heap_scratch_released_once_per_layer_after_its_statistics(monkeypatch):
+    """The first-chunk statistics' temporaries are returned once per layer, when it fixes its
+    statistics (not on later chunks)."""
     import pagedkv.integrations.transformers as integration
 
     calls = []
@@ -522,6 +522,6 @@ def test_heap_scratch_released_once_after_every_layer_is_calibrated(monkeypatch)
     ids = torch.randint(3, 100, (1, 12))
     with torch.no_grad():
         model(ids[:, :8], cache=cache, use_cache=True)
-        assert calls == [0]
+        assert calls == [0] * len(cache.layers)
         model(ids[:, 8:], cache=cache, use_cache=True)
-    assert calls == [0]
+    assert calls == [0] * len(cache.layers)
