@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
+from helpers.cache_checks import check_refcounts  # noqa: E402
 from pagedkv.eval.model import load_model, resolve_model_source  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -86,9 +87,18 @@ def _row_bytes(cache, row: int) -> list[bytes]:
             bytes(layer.paged.v_pool[ids].flatten().tolist()) for layer in cache.layers]
 
 
-def test_left_padded_greedy_bf16_equals_rows_alone_and_sdpa(lm):
+def _sdpa_reference(model, enc, **kw):
+    """The same generation with transformers' DynamicCache and SDPA attention (the oracle)."""
     from transformers import DynamicCache
 
+    model.set_attn_implementation("sdpa")
+    try:
+        return _generate(model, enc, DynamicCache(config=model.config), **kw)
+    finally:
+        model.set_attn_implementation("pagedkv")
+
+
+def test_left_padded_greedy_bf16_equals_rows_alone_and_sdpa(lm):
     from pagedkv.integrations.transformers import PagedKVCache
 
     tok, model = lm.tokenizer, lm.model
@@ -106,11 +116,7 @@ def test_left_padded_greedy_bf16_equals_rows_alone_and_sdpa(lm):
                           PagedKVCache(model, "bf16", high_precision_layers=0), **kw)
         new_alone = alone[0, lengths[r]:].tolist()
         assert _same_generation(out[r, width:].tolist(), new_alone, kw["pad_token_id"]), r
-    model.set_attn_implementation("sdpa")
-    try:
-        ref = _generate(model, enc, DynamicCache(config=model.config), **kw)
-    finally:
-        model.set_attn_implementation("pagedkv")
+    ref = _sdpa_reference(model, enc, **kw)
     assert out.tolist() == ref.tolist()
 
 
@@ -180,8 +186,6 @@ def test_right_padded_forward_logits_equal_rows_alone(lm, monkeypatch):
 
 
 def test_left_padded_beam_search_bf16_equals_sdpa(lm):
-    from transformers import DynamicCache
-
     from pagedkv.integrations.transformers import PagedKVCache
 
     tok, model = lm.tokenizer, lm.model
@@ -190,14 +194,6 @@ def test_left_padded_beam_search_bf16_equals_sdpa(lm):
     kw["max_new_tokens"] = 8
     cache = PagedKVCache(model, "bf16", high_precision_layers=0)
     out = _generate(model, enc, cache, **kw)
-    model.set_attn_implementation("sdpa")
-    try:
-        ref = _generate(model, enc, DynamicCache(config=model.config), **kw)
-    finally:
-        model.set_attn_implementation("pagedkv")
+    ref = _sdpa_reference(model, enc, **kw)
     assert out.tolist() == ref.tolist()
-    refs = [0] * cache.blocks.num_blocks
-    for table in cache.blocks.tables:
-        for b in table:
-            refs[b] += 1
-    assert refs == cache.blocks.ref
+    check_refcounts(cache)

@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
+from helpers.cache_checks import check_refcounts  # noqa: E402
 from pagedkv.errors import CacheFull, InvalidInput  # noqa: E402
 from pagedkv.integrations.transformers import (  # noqa: E402
     ATTN_IMPLEMENTATION, PagedKVCache, paged_attention_forward, register,
@@ -75,21 +76,6 @@ def _groups(cache):
     return (glob[0] if glob else None), slid
 
 
-def _check_refcounts(cache):
-    for g in cache.groups:
-        refs = [0] * g.num_blocks
-        for r, table in enumerate(g.tables):
-            assert all(b == -1 for b in table[:g.dead[r]]) and all(b >= 0 for b in table[g.dead[r]:])
-            for b in table[g.dead[r]:]:
-                refs[b] += 1
-        assert refs == g.ref
-        assert sorted(g.free) == [b for b in range(g.num_blocks) if refs[b] == 0]
-        # the (incrementally updated) tensor the ops read agrees on every live entry
-        tensor = g.table_tensor(torch.device("cpu"))
-        for r, table in enumerate(g.tables):
-            assert tensor[r, g.dead[r]:len(table)].tolist() == table[g.dead[r]:]
-
-
 def test_bf16_decode_far_past_the_window_matches_dynamic_cache_with_bounded_blocks():
     """Prefill 10 tokens, decode 70 one by one: logits match eager DynamicCache; the sliding
     group holds exactly `_live` blocks after every step (2-3), the global group ceil(n / 4)."""
@@ -109,7 +95,7 @@ def test_bf16_decode_far_past_the_window_matches_dynamic_cache_with_bounded_bloc
     out = torch.cat(outs, dim=1)
     assert (out - ref).abs().max() <= 2e-2 * ref.abs().max(), (out - ref).abs().max()
     assert slid.num_blocks == 16 and glob.num_blocks == 32  # the sliding pools never grew
-    _check_refcounts(cache)
+    check_refcounts(cache)
     # used bytes: the global layer's 20 blocks + the sliding layers' 2, exact catalogue sizes
     per_layer = cache.config.layers[0].k_block_bytes + cache.config.layers[0].v_block_bytes
     assert cache.used_bytes() == (20 * 1 + 2 * 3) * per_layer
@@ -166,7 +152,7 @@ def test_left_padded_generate_matches_eager_with_per_row_bounds():
             _, (slid,) = _groups(cache)
             assert [len(t) - d for t, d in zip(slid.tables, slid.dead)] == [_live(n - 1, n) for n in rows]
             assert slid.used == sum(_live(n - 1, n) for n in rows)
-            _check_refcounts(cache)
+            check_refcounts(cache)
     # crop_limit on padded rows: keeping crop_limit() columns works, one fewer is refused
     limit = cache.crop_limit()
     assert 0 < limit < cache.get_seq_length()
@@ -174,7 +160,7 @@ def test_left_padded_generate_matches_eager_with_per_row_bounds():
         cache.crop(limit - 1)
     cache.crop(limit)
     assert cache.get_seq_length() == limit
-    _check_refcounts(cache)
+    check_refcounts(cache)
     # re-feeding the cropped columns gives the logits of a fresh cache fed them in one go
     cols = 21 + 11
     full_mask = torch.cat([mask, torch.ones(3, 11, dtype=torch.long)], dim=1)
@@ -197,14 +183,14 @@ def test_beam_search_and_reorder_share_blocks_in_both_groups():
         cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=BS)
         out = model.generate(ids, cache=cache, **kw)
     assert out.tolist() == ref.tolist()
-    _check_refcounts(cache)
+    check_refcounts(cache)
     glob, (slid,) = _groups(cache)
     n = cache.get_seq_length()
     assert all(len(t) - d == _live(n - 1, n) for t, d in zip(slid.tables, slid.dead))
     assert slid.used <= 3 * _live(n - 1, n) and glob.used >= -(-n // BS)
     cache.batch_select_indices(torch.tensor([2, 0]))
     assert cache.batch_rows == 2 and len(slid.dead) == 2
-    _check_refcounts(cache)
+    check_refcounts(cache)
     cache.reset()
     assert glob.used == 0 and slid.used == 0 and slid.tables == [] and slid.dead == []
 
@@ -305,7 +291,7 @@ def test_sliding_pools_shrink_after_a_long_prefill_chunk():
     assert caches[0].layers[2].paged.k_pool.shape[0] == glob.num_blocks == 32
     assert caches[0].pool_bytes() < before
     assert max(b for t in slid.tables for b in t) < 16
-    _check_refcounts(caches[0])
+    check_refcounts(caches[0])
     torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), atol=0, rtol=0)
 
 
@@ -328,4 +314,4 @@ def test_assisted_generation_crops_within_the_limit():
     assert out.tolist() == ref.tolist()
     _, (slid,) = _groups(cache)
     assert slid.dead[0] > 0  # blocks were released meanwhile
-    _check_refcounts(cache)
+    check_refcounts(cache)

@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
+from helpers.cache_checks import check_refcounts  # noqa: E402
 from pagedkv.codecs import reference as codec_ref  # noqa: E402
 from pagedkv.errors import ConfigError, InvalidInput  # noqa: E402
 from pagedkv.integrations.transformers import ATTN_IMPLEMENTATION, PagedKVCache, register  # noqa: E402
@@ -184,11 +185,7 @@ def test_generate_greedy_and_beam_match_dynamic_cache():
                                    cache=PagedKVCache(model, "bf16", high_precision_layers=0), **kw)
     assert out_batch.tolist() == ref_batch.tolist()
     # beam rows share blocks: each row's table is consistent with the pool's reference counts
-    refs = [0] * cache.blocks.num_blocks
-    for table in cache.blocks.tables:
-        for b in table:
-            refs[b] += 1
-    assert refs == cache.blocks.ref
+    check_refcounts(cache)
 
 
 def test_crop_then_refeed_reproduces_the_logits():
@@ -435,11 +432,7 @@ def test_padded_crop_reorder_and_beam():
         cache = PagedKVCache(model, "bf16", high_precision_layers=0, block_size=4)
         out_beam = model.generate(ids, attention_mask=mask, cache=cache, num_beams=2, **kw)
     assert out_beam.tolist() == ref_beam.tolist()
-    refs = [0] * cache.blocks.num_blocks
-    for table in cache.blocks.tables:
-        for b in table:
-            refs[b] += 1
-    assert refs == cache.blocks.ref
+    check_refcounts(cache)
     # crop: prefill + 4 decode steps, remove 3 columns, re-feed them: same logits
     cache = PagedKVCache(model, "turbo4", high_precision_layers=0, block_size=4)
     full, full_mask = _padded_run(model, cache, ids, mask, pos, 4)
