@@ -506,10 +506,10 @@ def test_padded_repeat_interleave_and_select_keep_row_lengths():
 def test_heap_scratch_released_once_per_layer_after_its_statistics(monkeypatch):
     """The first-chunk statistics' temporaries are returned once per layer, when it fixes its
     statistics (not on later chunks)."""
-    import pagedkv.integrations.transformers as integration
+    import pagedkv.heap
 
     calls = []
-    monkeypatch.setattr(integration, "_TRIM", lambda pad: calls.append(pad))
+    monkeypatch.setattr(pagedkv.heap, "_TRIM", lambda pad: calls.append(pad))
     model = _model("llama", ATTN_IMPLEMENTATION)
     cache = PagedKVCache(model, "turbo3", high_precision_layers=0)
     ids = torch.randint(3, 100, (1, 12))

@@ -46,14 +46,12 @@ def _status_bytes(field: str) -> int:
 def _reset_peak() -> int:
     """Free what the load left behind, reset the kernel's peak-RSS mark (Linux: clear_refs 5);
     returns the resident bytes at that point."""
-    import ctypes
     import gc
 
+    from ..heap import release_free_heap
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
+    release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

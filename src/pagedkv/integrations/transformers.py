@@ -70,6 +70,7 @@ import torch
 from ..cache.config import CacheConfig
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
+from ..heap import release_free_heap
 from ..ops import AttentionParams, PagedLayer, decode_attention, prefill_attention, store
 from .block_groups import BlockGroup as _Blocks
 from .calibration import CalibrationOptions, calibrate
@@ -505,26 +506,6 @@ def _concrete_class(cls, base):
     return _CONCRETE[cls]
 
 
-def release_heap_scratch() -> None:
-    """Return the free pages inside the C heap to the system (glibc `malloc_trim`; a no-op
-    elsewhere). Called once per layer, after it fixed its first-chunk statistics: that burst of
-    small temporaries otherwise stays resident as heap holes, accumulating over the layers of the
-    first chunk (measured ~1-1.5 MB on SmolLM2, which set the turbo3 run's peak)."""
-    global _TRIM
-    if _TRIM is None:
-        try:
-            import ctypes
-
-            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _TRIM = False
-    if _TRIM:
-        _TRIM(0)
-
-
-_TRIM = None
-
-
 def _model_device(model_or_config):
     try:
         return next(model_or_config.parameters()).device
@@ -642,7 +623,8 @@ class PagedCacheLayer:
                    if getattr(cal, name) is not None}
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True
-        release_heap_scratch()  # the statistics' one-time temporaries, once per layer
+        release_free_heap()  # the statistics' one-time temporaries would stay as heap holes,
+        # accumulating over the first chunk's layers (~1-1.5 MB on SmolLM2, the turbo3 run's peak)
 
     def _store_chunk(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                      valid: Optional[torch.Tensor] = None,
