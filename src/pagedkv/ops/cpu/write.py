@@ -118,12 +118,14 @@ def _can_run(layer: PagedLayer, codec: Codec, pool: torch.Tensor) -> bool:
 def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torch.Tensor,
                x: torch.Tensor, centre: Optional[torch.Tensor], slot_mapping: torch.Tensor) -> None:
     """Encode x float [T, H, D] (minus `centre` [H, D] if given) into `pool` at `slot_mapping`."""
-    if not _can_run(layer, codec, pool):
+    runs = _can_run(layer, codec, pool)
+    if not runs or codec.rotated:  # centred in torch, exactly as the reference store does
         xf = x.float()
         if centre is not None:
             xf = xf - centre.to(xf.device, torch.float32)
-        reference_store_side(layer, codec, pool, scale, xf, slot_mapping)
-        return
+        if not runs:
+            reference_store_side(layer, codec, pool, scale, xf, slot_mapping)
+            return
     d = store_desc(codec)
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
@@ -132,10 +134,7 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
     tensor_scale = 1.0
     if codec.scale_type is ScaleType.TENSOR_FP32:
         tensor_scale = float(scale.reshape(-1)[0])
-    if codec.rotated:  # exactly the reference's ops: centre, keep, rotate
-        xf = x.float()
-        if centre is not None:
-            xf = xf - centre.to(xf.device, torch.float32)
+    if codec.rotated:  # exactly the reference's ops: centre (above), keep, rotate
         keep = slots >= 0
         if not bool(keep.all()):
             slots = slots[keep]
