@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/offload_swap_step.py
 
-Toy model (pagedkv.offload.toy) over q8_0, 8 layers x 4 KV heads x 128, a 1024-token prompt, then
+Toy model (pagedkv.bench.toy) over q8_0, 8 layers x 4 KV heads x 128, a 1024-token prompt, then
 decode; cap = 8 resident blocks of 65. Prints median ms per decode step (1 thread) for: uncapped,
 swap in memory, swap file without and with prefetch, and uncapped again (the machine is shared:
 compare the two uncapped numbers to judge the noise).
@@ -18,7 +18,7 @@ import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.offload import OffloadConfig, TieredCache
-from pagedkv.offload.toy import ToyLM
+from pagedkv.bench.toy import ToyLM
 
 torch.set_num_threads(1)
 CFG = CacheConfig(num_layers=8, num_kv_heads=4, head_dim=128, kv_format="q8_0", block_size=16,

@@ -203,7 +203,7 @@ def test_kernel_rejects_unsupported_head_dim_via_supports():
 
 def test_bench_attention_smoke():
     """`pagedkv bench attention` machinery on a tiny shape: rows, ratio = ms / baseline_ms."""
-    from pagedkv.cli import bench_attention as ba
+    from pagedkv.bench import attention as ba
 
     shape = ba.BenchShape(layers=2, repeats=1)
     res = ba.run(["turbo3", "fp8k_turbo3v"], [48], [1, 2], shape, prefill_shape=(64, 16),

@@ -8,7 +8,7 @@ import torch
 from pagedkv.cache import CacheConfig
 from pagedkv.errors import CacheFull, ConfigError, UnknownSequence
 from pagedkv.offload import OffloadConfig, TieredCache
-from pagedkv.offload.toy import ToyLM
+from pagedkv.bench.toy import ToyLM
 
 
 def _cfg(num_blocks=16):

@@ -12,7 +12,7 @@ import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.offload import OffloadConfig, TieredCache, TierWarning
-from pagedkv.offload.toy import ToyLM
+from pagedkv.bench.toy import ToyLM
 
 PROMPT = [(5 * i + 1) % 97 for i in range(45)]  # 45 tokens, block 8: 5 full blocks can hit
 

@@ -18,7 +18,7 @@ import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.offload import OffloadConfig, TieredCache, TierWarning
-from pagedkv.offload.toy import ToyLM
+from pagedkv.bench.toy import ToyLM
 
 redis = pytest.importorskip("redis", reason="the redis client package is not installed")
 
@@ -85,7 +85,7 @@ _CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     from pagedkv.cache import CacheConfig
     from pagedkv.offload import OffloadConfig, TieredCache
-    from pagedkv.offload.toy import ToyLM
+    from pagedkv.bench.toy import ToyLM
     cfg, url, prompt = json.loads(sys.argv[1])
     cache = TieredCache(CacheConfig(**cfg), OffloadConfig(prefix_store="redis", redis_url=url))
     run = ToyLM(cache).generate(prompt, 8)

@@ -16,7 +16,7 @@ from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.errors import CacheFull, InvalidInput
 from pagedkv.offload import OffloadConfig, SwapLost, TieredCache, TierWriteError
 from pagedkv.offload.swapfile import SwapFileTier
-from pagedkv.offload.toy import ToyLM
+from pagedkv.bench.toy import ToyLM
 from pagedkv.ops import api as ops
 
 PROMPT = [(7 * i + 3) % 97 for i in range(45)]

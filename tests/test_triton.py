@@ -206,7 +206,7 @@ def test_lower_precision_matmuls():
 
 def test_bench_dry_run():
     """The GPU benchmark's logic end to end on tiny shapes (on a GPU: the real device, tiny)."""
-    from pagedkv.ops.triton.bench import BenchConfig, format_table, run_cuda_bench
+    from pagedkv.bench.attention_cuda import BenchConfig, format_table, run_cuda_bench
 
     cfg = replace(BenchConfig.tiny(), dry_run=DEVICE == "cpu")
     result = run_cuda_bench(cfg)

@@ -15,7 +15,7 @@ COMMANDS = {
     "eval": "eval_cmd",
     "generate": "generate_cmd",
     "plan": "plan_cmd",
-    "bench": "bench_cmd",
+    "bench": "bench",
 }
 
 

@@ -1,4 +1,5 @@
-"""Parsing memory sizes given on the command line: `8GiB`, `512MiB`, `2GB`, `1e9`, `4096`."""
+"""Parsing what the command line gives: memory sizes (`8GiB`, `512MiB`, `2GB`, `1e9`, `4096`),
+counts (`4k`), comma lists of counts and of names."""
 
 from __future__ import annotations
 
@@ -20,3 +21,39 @@ def parse_bytes(text: str, what: str = "size") -> int:
     if n <= 0:
         raise ConfigError(f"{what} {text!r} must be positive")
     return n
+
+
+def parse_count(text: str, what: str = "count") -> int:
+    """'4k' -> 4096, '32K' -> 32768, '1m' -> 1048576, '1000' -> 1000; ConfigError otherwise."""
+    t = str(text).strip().lower()
+    mult = 1
+    if t.endswith("k"):
+        t, mult = t[:-1], 1024
+    elif t.endswith("m"):
+        t, mult = t[:-1], 1024 * 1024
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise ConfigError(f"{what}: expected a count like 4096 or 4k, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"{what}: expected a positive count, got {text!r}")
+    return value
+
+
+def parse_counts(text: str, what: str = "count") -> list[int]:
+    """A comma list of counts ('1k,4k,16k'); at least one."""
+    values = [parse_count(x, what) for x in str(text).split(",") if x.strip()]
+    if not values:
+        raise ConfigError(f"{what}: expected a comma list of counts like 1k,4k, got {text!r}")
+    return values
+
+
+def parse_names(text: str, what: str = "--formats") -> list[str]:
+    """A comma list of names ('bf16,turbo3'); at least one, no duplicates."""
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not names:
+        raise ConfigError(f"{what} needs at least one name, got {text!r}")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{what} lists {', '.join(dup)} more than once")
+    return names

@@ -1,7 +1,7 @@
 """Peak resident memory of a long generation, per KV format, against a baseline format.
 
     pagedkv bench memory --formats bf16,turbo3 --memory-context 16k --chunk 256
-    python -m pagedkv.eval.memory --format turbo3 --context 16384      # one run, one JSON line
+    python -m pagedkv.bench.memory --format turbo3 --context 16384      # one run, one JSON line
 
 Each run is its own process (peak RSS is per process): the embedded model builds a `--context`
 token context from the default text in chunks of `--chunk` tokens (chunked prefill: every chunk
@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 from typing import Optional, Sequence
+
+from .config import MemoryBench
 
 MALLOC_MODES = ("fixed", "default")
 
@@ -103,9 +105,9 @@ def measure(fmt: str, context: int, chunk: int, new_tokens: int, threads: Option
     import torch
 
     from ..integrations.transformers import PagedKVCache
-    from .model import load_model, resolve_model_source
-    from .runner import parse_choice
-    from .text import bos_id, default_text, tokenize
+    from ..eval.model import load_model, resolve_model_source
+    from ..eval.runner import parse_choice
+    from ..eval.text import bos_id, default_text, tokenize
 
     if threads:
         torch.set_num_threads(threads)
@@ -135,9 +137,9 @@ def measure(fmt: str, context: int, chunk: int, new_tokens: int, threads: Option
     }
 
 
-def compare(formats: Sequence[str], context: int = 16384, chunk: int = 256, new_tokens: int = 16,
-            threads: Optional[int] = 1, malloc: str = "fixed", warmup: bool = True,
-            progress=None) -> list[dict]:
+def compare(formats: Sequence[str], context: int = MemoryBench.context, chunk: int = MemoryBench.chunk,
+            new_tokens: int = MemoryBench.new_tokens, threads: Optional[int] = MemoryBench.threads,
+            malloc: str = MemoryBench.malloc, warmup: bool = MemoryBench.warmup, progress=None) -> list[dict]:
     """Run `measure` for each format in a fresh process; rows gain the saving against the first
     format: `saved_bytes` (its peak_minus_load less ours), `kv_difference_bytes` (its KV pool less
     ours) and `saved_vs_kv` (their ratio: >= 1 means at least the KV difference was saved)."""
@@ -147,7 +149,7 @@ def compare(formats: Sequence[str], context: int = 16384, chunk: int = 256, new_
         raise ConfigError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {malloc!r}")
     if not formats:
         raise ConfigError("memory comparison needs at least one format")
-    from .runner import parse_choice
+    from ..eval.runner import parse_choice
 
     for f in formats:
         parse_choice(f)  # bad names fail here, before minutes of child runs
@@ -155,7 +157,7 @@ def compare(formats: Sequence[str], context: int = 16384, chunk: int = 256, new_
     for f in formats:
         if progress:
             progress(f"memory: {f}, {context} tokens in chunks of {chunk} (a fresh process) ...")
-        cmd = [sys.executable, "-m", "pagedkv.eval.memory", "--format", f, "--context", str(context),
+        cmd = [sys.executable, "-m", "pagedkv.bench.memory", "--format", f, "--context", str(context),
                "--chunk", str(chunk), "--new-tokens", str(new_tokens), "--malloc", malloc]
         if not warmup:
             cmd.append("--no-warmup")
@@ -181,9 +183,9 @@ def compare(formats: Sequence[str], context: int = 16384, chunk: int = 256, new_
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--format", default="turbo3")
-    p.add_argument("--context", type=int, default=16384)
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--context", type=int, default=MemoryBench.context)
+    p.add_argument("--chunk", type=int, default=MemoryBench.chunk)
+    p.add_argument("--new-tokens", type=int, default=MemoryBench.new_tokens)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--malloc", choices=MALLOC_MODES, default="fixed")
     p.add_argument("--no-warmup", action="store_true", help="count the first use of the format's kernels too")

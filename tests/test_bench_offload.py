@@ -6,7 +6,7 @@ import pytest
 
 from pagedkv.errors import ConfigError
 from pagedkv.formats import parse_format
-from pagedkv.offload import bench
+from pagedkv.bench import offload as bench
 
 
 def test_bench_bytes_per_token_follow_the_format(tmp_path):

@@ -19,14 +19,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import torch
 
-from ...errors import ConfigError
-from ...formats import parse_format
-from ..batch import AttentionParams, make_layer
+from ..errors import ConfigError
+from ..formats import parse_format
+from ..ops.batch import AttentionParams, make_layer
+from .config import BenchConfig
 
 # Peak DRAM bandwidth (bytes/s) by device-name substring, most specific first (vendor specs).
 PEAK_BANDWIDTH = (
@@ -35,49 +36,6 @@ PEAK_BANDWIDTH = (
     ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12), ("L4", 0.3e12),
     ("A10G", 0.6e12), ("RTX 4090", 1.008e12), ("RTX 3090", 0.936e12),
 )
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What to run. formats: KV format names (`turbo3`, `fp8k_turbo3v`, ...). precisions: matmul operand
-    precision of our kernels ("fp32" accurate, "tf32", "bf16"; fp32 accumulation always)."""
-
-    batch: int = 32
-    context: int = 32768
-    num_q_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    block_size: int = 16
-    formats: tuple = ("bf16", "fp8", "turbo8", "q8_0", "turbo4", "turbo3", "turbo2", "fp8k_turbo3v")
-    precisions: tuple = ("fp32", "bf16")
-    prefill_batch: int = 4
-    prefill_chunk: int = 2048
-    decode_block_n: Optional[int] = None  # None: the launcher's choice per precision
-    prefill_block_m: Optional[int] = None  # None: the launcher's choice
-    prefill_block_n: int = 32
-    seed: int = 0
-    dry_run: bool = False
-
-    @staticmethod
-    def tiny() -> "BenchConfig":
-        """The dry-run shapes: seconds on a CPU under the interpreter."""
-        return BenchConfig(batch=2, context=48, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                           formats=("bf16", "turbo3"), precisions=("fp32",), prefill_batch=1,
-                           prefill_chunk=16, dry_run=True)
-
-    def check(self) -> None:
-        for name in ("batch", "context", "num_q_heads", "num_kv_heads", "head_dim", "block_size",
-                     "prefill_batch", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ConfigError(f"num_q_heads {self.num_q_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.context % self.block_size:
-            raise ConfigError(f"context {self.context} must be a multiple of block_size {self.block_size}")
-        if self.prefill_batch > self.batch or self.prefill_chunk > self.context:
-            raise ConfigError("prefill_batch <= batch and prefill_chunk <= context are required")
-        for f in self.formats:
-            parse_format(f)
 
 
 def peak_bandwidth(device: torch.device) -> Optional[float]:
@@ -142,7 +100,7 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
     rel_err_vs_sdpa (|ours - sdpa| / |sdpa| over the decode outputs: ~1e-3 for bf16 pages, the
     codec's error otherwise; a sanity check that the timed kernel computes attention).
     """
-    from . import decode_attention, prefill_attention, store  # Triton imported here, not at module import
+    from ..ops.triton import decode_attention, prefill_attention, store  # Triton imported here, not at module import
 
     cfg.check()
     if cfg.dry_run:

@@ -12,7 +12,7 @@ directory (the prefix store's tier), the swap file (the swap tier), and Redis wh
 against recomputing the prefix:
 - recompute (store): encoding and storing the prefix's K/V in every layer from float K/V,
   a LOWER BOUND on recomputing (a real model also runs its projections, MLPs and attention);
-- recompute (toy prefill): the prefill of `pagedkv.offload.toy.ToyLM` (projections, store,
+- recompute (toy prefill): the prefill of `pagedkv.bench.toy.ToyLM` (projections, store,
   attention) over the prefix;
 - recompute (model), with `--model embedded|PATH`: a plain forward of that model over the prefix
   (what a prefix hit actually saves); the cache dims then follow the model's config.
@@ -21,7 +21,6 @@ Times are medians of `--repeats` runs, one thread; loads are checked to restore 
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from typing import Callable, Optional
@@ -32,40 +31,13 @@ from ..cache import CacheConfig, PagedCache
 from ..errors import ConfigError
 from ..ops import api as ops
 from ..timing import median_seconds
-from .disk import DiskTier
-from .record import (BlockLayout, encode_record, header_bytes, read_block, section_offsets,
+from ..offload.disk import DiskTier
+from ..offload.record import (BlockLayout, encode_record, header_bytes, read_block, section_offsets,
                      section_views, try_decode_record, write_block)
-from .swapfile import SwapFileTier
-from .tiers import MemoryTier, Tier
+from ..offload.swapfile import SwapFileTier
+from ..offload.tiers import MemoryTier, Tier
+from .config import OffloadBench
 from .toy import ToyLM
-
-DEFAULT_FORMATS = ("bf16", "q8_0", "turbo4", "turbo3")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options only the `offload` target has. It shares --formats, --layers, --kv-heads,
-    --head-dim, --block-size, --repeats and --json with the other `pagedkv bench` targets."""
-    g = p.add_argument_group("offload target")
-    g.add_argument("--tokens", type=int, default=512, help="offload: prefix tokens (default 512)")
-    g.add_argument("--redis-url", default=None,
-                   help="offload: also measure a Redis tier at this URL (redis://host:port/db)")
-    g.add_argument("--disk-dir", default=None,
-                   help="offload: directory of the disk tier (default: a temporary directory)")
-    g.add_argument("--model", default=None,
-                   help="offload: also time a forward of this model over the prefix ('embedded' "
-                        "or a path); the cache dims then follow its config")
-
-
-def _shared_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
-                   help=f"KV formats (default {','.join(DEFAULT_FORMATS)})")
-    p.add_argument("--layers", type=int, default=30, help="layers (default 30)")
-    p.add_argument("--kv-heads", type=int, default=3, help="KV heads (default 3)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats, median (default 3)")
-    p.add_argument("--json", action="store_true")
-
 
 def _model_recompute(name: str, tokens: int, repeats: int) -> tuple[dict, float, str]:
     """(dims, median seconds of a forward over `tokens` token ids, label) for a model.
@@ -150,18 +122,13 @@ def measure_tier(tier: Tier, cache: PagedCache, blocks: list[int], repeats: int)
             "record_bytes": sum(recs.values())}
 
 
-def run_from_args(args: argparse.Namespace) -> dict:
-    """`run_bench` from a parsed `pagedkv bench offload` command line."""
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    return run_bench(formats, tokens=args.tokens, layers=args.layers, kv_heads=args.kv_heads,
-                     head_dim=args.head_dim, block_size=args.block_size, repeats=args.repeats,
-                     redis_url=args.redis_url, disk_dir=args.disk_dir, model=args.model)
+_D = OffloadBench  # the defaults
 
 
-def run_bench(formats: list[str], *, tokens: int = 512, layers: int = 30, kv_heads: int = 3,
-              head_dim: int = 64, block_size: int = 16, repeats: int = 3,
-              redis_url: Optional[str] = None, disk_dir: Optional[str] = None,
-              model: Optional[str] = None) -> dict:
+def run_bench(formats: list[str], *, tokens: int = _D.tokens, layers: int = _D.layers,
+              kv_heads: int = _D.kv_heads, head_dim: int = _D.head_dim, block_size: int = _D.block_size,
+              repeats: int = _D.repeats, redis_url: Optional[str] = _D.redis_url,
+              disk_dir: Optional[str] = _D.disk_dir, model: Optional[str] = _D.model) -> dict:
     """Measure every format x tier; returns a JSON-ready dict (see module doc)."""
     torch.set_num_threads(1)
     for name, v in (("tokens", tokens), ("layers", layers), ("kv-heads", kv_heads),
@@ -185,7 +152,7 @@ def run_bench(formats: list[str], *, tokens: int = 512, layers: int = 30, kv_hea
         ("memory", MemoryTier), ("disk", lambda: DiskTier(disk_root)),
         ("swapfile", lambda: SwapFileTier(os.path.join(disk_root, "swap")))]
     if redis_url:
-        from .redis_tier import RedisTier
+        from ..offload.redis_tier import RedisTier
 
         tiers.append(("redis", lambda: RedisTier(redis_url, prefix="pagedkv-bench:")))
     bs = block_size
@@ -268,29 +235,3 @@ def table(result: dict) -> tuple[str, tuple[str, ...], list[list]]:
         for row, r in zip(rows, result["results"]):
             row += [r["recompute_model_us_per_token"], round(r["load_vs_model"], 1)]
     return title, cols, rows
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Stand-alone entry (`python -m pagedkv.offload.bench`) until the CLI hook exists."""
-    p = argparse.ArgumentParser(prog="pagedkv bench offload", description=__doc__.split("\n")[0])
-    _shared_arguments(p)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    result = run_from_args(args)
-    if args.json:
-        import json
-        import sys
-
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    else:
-        title, cols, rows = table(result)
-        print(title)
-        print(" | ".join(cols))
-        for r in rows:
-            print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Decode (and prefill) attention speed on the compressed paged cache vs torch over bf16.
 
-Everything runs side by side in one process on a model-shaped cache (default: 30 layers, 9 q
-heads, 3 kv heads, head_dim 64, block size 16, the embedded model's shape):
+Everything runs side by side in one process on a model-shaped cache (default `BenchShape`: the
+embedded model's shape, 30 layers, 9 q heads, 3 kv heads, head_dim 64, block size 16):
 - ours: `pagedkv.ops.cpu.attention` (the fused C kernel) over paged pools of each format;
 - baseline: the FASTEST of three torch ways over a contiguous bf16 cache [B, H, n, D] of the same
   shape: SDPA with enable_gqa, SDPA with the GQA group folded into the query length, and plain
@@ -39,43 +39,10 @@ from ..errors import ConfigError
 from ..formats import KVFormat, parse_format
 from ..ops import AttentionParams, PagedLayer, make_layer
 from ..ops.reference import store as reference_store
+from .config import BenchShape
 
 L3_BYTES = 32 << 20
 SEED_TOKENS = 1024
-
-
-@dataclass(frozen=True)
-class BenchShape:
-    """The model shape and the timing settings of a run."""
-
-    layers: int = 30
-    num_q_heads: int = 9
-    num_kv_heads: int = 3
-    head_dim: int = 64
-    block_size: int = 16
-    repeats: int = 5
-    threads: int = 1
-    memory_budget: int = 1 << 30  # bytes one contender may allocate (timed layers shrink to fit)
-    clock: str = "auto"  # "cpu": the calling thread's CPU time; "wall"; "auto": cpu when threads == 1
-
-    def timer(self) -> Callable[[], float]:
-        """The clock timings use. With one thread both sides compute in the calling thread (torch
-        intra-op and the kernel's OpenMP region of one), so its CPU time excludes the time the OS
-        gives to other processes on a shared machine; with more threads only wall time is right."""
-        if self.clock == "cpu" or (self.clock == "auto" and self.threads == 1):
-            return time.thread_time
-        return time.perf_counter
-
-    def check(self) -> None:
-        for name in ("layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "repeats", "threads"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ConfigError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
-                              f"({self.num_kv_heads})")
-        if self.clock not in ("auto", "cpu", "wall"):
-            raise ConfigError(f"clock must be auto, cpu or wall, got {self.clock!r}")
 
 
 def _timed_layers(shape: BenchShape, layer_bytes: int) -> int:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pagedkv.errors import ConfigError, PagedKVError
-from pagedkv.eval import memory
+from pagedkv.bench import memory
 
 
 def _fake_runs(monkeypatch, results: dict, calls: list):
@@ -36,7 +36,7 @@ def test_compare_rows_saving_against_the_first_format(monkeypatch):
     assert rows[2]["saved_bytes"] == 150 and rows[2]["kv_difference_bytes"] == 200
     assert all(r["malloc"] == "default" for r in rows)
     cmd = calls[1]
-    assert cmd[:3] == [sys.executable, "-m", "pagedkv.eval.memory"]
+    assert cmd[:3] == [sys.executable, "-m", "pagedkv.bench.memory"]
     assert cmd[cmd.index("--context") + 1] == "1024" and cmd[cmd.index("--malloc") + 1] == "default"
     assert "--no-warmup" not in cmd
     memory.compare(["bf16"], warmup=False)

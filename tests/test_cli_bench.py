@@ -1,0 +1,71 @@
+"""`pagedkv bench TARGET`: one sub-command per target, each with only its own flags, defaults from
+the target's dataclass in `pagedkv.bench.config`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedkv.bench.config import AttentionBench, BenchShape, MemoryBench, OffloadBench
+from pagedkv.cli.bench import TARGETS
+from pagedkv.cli.main import build_parser, main
+
+
+def _flags(target: str) -> set[str]:
+    parser = build_parser()
+    bench = next(a for a in parser._subparsers._group_actions[0].choices["bench"]._actions
+                 if a.dest == "target")
+    return {s for a in bench.choices[target]._actions for s in a.option_strings}
+
+
+def test_each_target_has_only_its_own_flags():
+    assert set(TARGETS) >= {"attention", "offload", "memory"}
+    att, off, mem = _flags("attention"), _flags("offload"), _flags("memory")
+    assert {"--device", "--contexts", "--batch", "--precisions", "--dry-run", "--q-heads"} <= att
+    assert {"--tokens", "--redis-url", "--disk-dir", "--model"} <= off
+    assert {"--memory-context", "--chunk", "--malloc", "--no-warmup"} <= mem
+    assert not ({"--tokens", "--redis-url", "--memory-context", "--malloc"} & att)
+    assert not ({"--device", "--contexts", "--memory-context", "--chunk"} & off)
+    assert not ({"--device", "--tokens", "--layers", "--contexts"} & mem)
+
+
+@pytest.mark.parametrize("argv", [["bench", "memory", "--layers", "3"], ["bench", "offload", "--device", "cuda"],
+                                  ["bench", "attention", "--tokens", "16"], ["bench"]])
+def test_a_flag_of_another_target_is_an_argument_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+
+
+def test_defaults_come_from_the_dataclasses():
+    parser = build_parser()
+    a = parser.parse_args(["bench", "attention"])
+    assert (a.layers, a.q_heads, a.kv_heads, a.head_dim, a.block_size, a.repeats, a.threads) == (
+        BenchShape.layers, BenchShape.num_q_heads, BenchShape.num_kv_heads, BenchShape.head_dim,
+        BenchShape.block_size, BenchShape.repeats, BenchShape.threads)
+    o = parser.parse_args(["bench", "offload"])
+    assert (o.formats, o.tokens, o.layers, o.block_size, o.repeats) == (
+        ",".join(OffloadBench.formats), OffloadBench.tokens, OffloadBench.layers, OffloadBench.block_size,
+        OffloadBench.repeats)
+    m = parser.parse_args(["bench", "memory"])
+    assert (m.formats, int(m.memory_context), m.chunk, m.malloc) == (
+        ",".join(MemoryBench.formats), MemoryBench.context, MemoryBench.chunk, MemoryBench.malloc)
+    assert AttentionBench.contexts == (1024, 4096, 16384, 32768)
+
+
+def test_bench_attention_cli_tiny_json(capsys):
+    """The CPU target end to end on a tiny grid: decode rows with ratio = ms / baseline_ms."""
+    from pagedkv.ops import cpu
+
+    if not cpu.available():
+        pytest.skip("the fast CPU kernel is not built here")
+    rc = main(["bench", "attention", "--formats", "turbo3", "--contexts", "32", "--batch", "1",
+               "--layers", "1", "--repeats", "1", "--no-prefill", "--no-memory", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["kind"], r["format"], r["context"], r["batch"]) for r in rows] == [("decode", "turbo3", 32, 1)]
+    assert rows[0]["ratio"] == pytest.approx(rows[0]["ms"] / rows[0]["baseline_ms"])
+    assert main(["bench", "attention", "--formats", "turbo3,turbo3"]) == 2  # listed twice
+    assert main(["bench", "attention", "--contexts", "0"]) == 2
+    assert "--contexts" in capsys.readouterr().err
