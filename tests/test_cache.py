@@ -26,12 +26,19 @@ def _kv(n, h=2, d=16, seed=0):
 
 # ---- config ---------------------------------------------------------------------------------
 def test_config_parses_formats_once_and_applies_high_precision_layers():
-    cfg = CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="turbo3", num_blocks=4)
+    plain = CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="turbo3", num_blocks=4)
+    assert plain.num_high_precision_layers == 0  # a name means one thing: turbo3 everywhere
+    assert CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="turbo3+hp2",
+                       num_blocks=4).num_high_precision_layers == 2
+    with pytest.raises(ConfigError, match="names its high-precision layers"):
+        CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="turbo3+hp",
+                    high_precision_layers=1, num_blocks=4)
+    cfg = CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="turbo3+hp", num_blocks=4)
     assert cfg.num_high_precision_layers == 3  # auto: 3-bit K
     names = [f.name for f in cfg.layer_formats]
     assert names == ["q8_0"] * 3 + ["turbo3"] * 2 + ["q8_0"] * 3  # default hp_format q8_0
     assert all(not isinstance(f, str) for f in cfg.layer_formats)
-    assert CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="fp8",
+    assert CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="fp8+hp",
                        num_blocks=4).num_high_precision_layers == 0
     two = CacheConfig(num_layers=8, num_kv_heads=2, head_dim=32, kv_format="turbo2",
                       high_precision_layers=2, hp_format="turbo8", num_blocks=4)

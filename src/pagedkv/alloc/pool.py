@@ -32,10 +32,14 @@ class BlockPool:
     the cache uses to validate slot mappings without walking Python lists.
     """
 
-    def __init__(self, num_blocks: int, *, trace: bool = False):
+    def __init__(self, num_blocks: int, *, trace: bool = False, max_blocks: Optional[int] = None):
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < num_blocks):
+            raise ConfigError(f"max_blocks must be None or an int >= num_blocks ({num_blocks}), "
+                              f"got {max_blocks!r}")
         self.num_blocks = num_blocks
+        self.max_blocks = num_blocks if max_blocks is None else max_blocks  # growth limit
         self._ref = [0] * num_blocks
         self._hash: list[Optional[bytes]] = [None] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -69,6 +73,11 @@ class BlockPool:
         """Blocks an allocation can take: free + cached."""
         return len(self._free) + len(self._cached)
 
+    @property
+    def headroom(self) -> int:
+        """Blocks an allocation can get: available now plus what the pool may still grow by."""
+        return len(self._free) + len(self._cached) + self.max_blocks - self.num_blocks
+
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 
@@ -91,6 +100,63 @@ class BlockPool:
         return len(self._index)
 
     # ---- allocation -----------------------------------------------------------------------
+    # ---- size ---------------------------------------------------------------------------------
+    def grow(self, new_total: int) -> None:
+        """More block ids `num_blocks .. new_total-1`, free (handed out after the current free
+        list, lowest first). The cache resizes its pools to `num_blocks` before storing."""
+        if not isinstance(new_total, int) or not self.num_blocks <= new_total <= self.max_blocks:
+            raise ConfigError(f"grow to {new_total!r} blocks: must be in [{self.num_blocks}, "
+                              f"{self.max_blocks}]")
+        extra = new_total - self.num_blocks
+        if not extra:
+            return
+        self._ref += [0] * extra
+        self._hash += [None] * extra
+        self._free = list(range(new_total - 1, self.num_blocks - 1, -1)) + self._free
+        self.in_use = self.in_use + bytearray(extra)  # new objects: no live buffer views
+        self.keyed = self.keyed + bytearray(extra)
+        self.fill = self.fill + array("i", [0]) * extra
+        self.num_blocks = new_total
+
+    def ensure(self, n: int) -> bool:
+        """Grow (doubling, capped at max_blocks) until n blocks are available; False when even
+        max_blocks is not enough (nothing changed)."""
+        avail = len(self._free) + len(self._cached)
+        if n <= avail:
+            return True
+        if n > self.headroom:
+            return False
+        self.grow(min(max(2 * self.num_blocks, self.num_blocks + n - avail), self.max_blocks))
+        return True
+
+    def compact(self, target: int) -> list[tuple[int, int]]:
+        """Renumber every held or cached block with id >= target to a free id < target and cut
+        the pool to `target` blocks. Returns the (src, dst) moves: the caller renumbers its
+        tables and moves the data, then cuts its pools. Raises ConfigError if they do not fit."""
+        live = [b for b in range(target, self.num_blocks) if self._ref[b] or b in self._cached]
+        spare = [b for b in range(target) if not self._ref[b] and b not in self._cached]
+        if not 0 < target <= self.num_blocks or len(live) > len(spare):
+            raise ConfigError(f"cannot compact {self.num_blocks} blocks to {target}")
+        moves = list(zip(live, spare))
+        for src, dst in moves:
+            self._ref[dst], self._hash[dst] = self._ref[src], self._hash[src]
+            self.in_use[dst], self.keyed[dst], self.fill[dst] = \
+                self.in_use[src], self.keyed[src], self.fill[src]
+            if self._hash[dst] is not None:
+                self._index[self._hash[dst]] = dst
+            if src in self._cached:
+                self._cached = OrderedDict((dst if b == src else b, None) for b in self._cached)
+        self._free = [b for b in range(target - 1, -1, -1)
+                      if not self._ref[b] and b not in self._cached]
+        del self._ref[target:], self._hash[target:]
+        self.in_use = self.in_use[:target]
+        self.keyed = self.keyed[:target]
+        self.fill = self.fill[:target]
+        self.num_blocks = target
+        self.max_blocks = max(self.max_blocks, target)
+        self.version += 1
+        return moves
+
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks with ref 1: from the free list, then by evicting the LRU cached blocks.
 

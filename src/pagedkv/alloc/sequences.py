@@ -1,18 +1,23 @@
-"""Sequences over the block pool: block tables, prefix hits, copy-on-write, rollback.
+"""Sequences over one block pool: block tables, prefix hits, copy-on-write, rollback, window
+reclaim and swapped entries.
 
 Plain Python, no torch. A sequence is its token ids, its block table (`array('i')`, logical block
--> physical block id) and how many of its tokens are *committed* (their K/V written in every
-layer). Positions map to slots as `slot(p) = table[p // block_size] * block_size + p % block_size`.
+-> entry) and how many of its tokens are *committed* (their K/V written in every layer). An entry
+is a resident pool block (>= 0), `RELEASED` (-1: a sliding-window group dropped a block no query
+can see any more) or a swapped record (`-2 - rid`, see `swapped_record`): swap is a state of the
+entry, counted like a block (records have reference counts here, a record is deleted when its last
+entry goes). Positions map to slots as `slot(p) = table[p // bs] * bs + p % bs`.
 
 Life of a token: `allocate` hands out its slot (copying a shared, partly filled last block first:
 the returned `copies` list of `(src, dst)` must be applied to every layer's pools before anything
 is stored); the caller stores K/V there; `commit` marks the tokens written and keys every newly
-full block in the prefix index. Only committed full blocks are ever keyed, so a prefix hit never
-returns unwritten data. Tokens whose ids are unknown (`allocate(seq, n)` with a count) are stored
-normally but the blocks holding them, and every later block of that sequence, are never keyed.
+full block in the prefix index (the one place the chain is computed: `_Seq.hashes`). Only
+committed full blocks are ever keyed, so a prefix hit never returns unwritten data. Tokens whose
+ids are unknown (`allocate(seq, n)` with a count) are stored normally but the blocks holding them,
+and every later block of that sequence, are never keyed.
 
 Every method validates first and raises (ConfigError, UnknownSequence, CacheFull) before any
-state changes.
+state changes. `check.check_sequences` is the invariant check.
 """
 
 from __future__ import annotations
@@ -22,16 +27,24 @@ from array import array
 from itertools import count
 from typing import Hashable, Iterable, Optional, Sequence, Union
 
-from ..errors import CacheFull, ConfigError, UnknownSequence
+from ..errors import CacheFull, ConfigError, InvalidInput, UnknownSequence
 from .hashing import Salt, chain_hash, root_hash
 from .pool import BlockPool
 
 _NO_UNKNOWN = sys.maxsize
+_MAX_TOKEN = (1 << 63) - 1
+RELEASED = -1
 Tokens = Union[int, Sequence[int]]
 
 
+def swapped_record(entry: int) -> Optional[int]:
+    """The record id of a swapped table entry, None for a resident or released one."""
+    return -2 - entry if entry <= -2 else None
+
+
 class _Seq:
-    __slots__ = ("tokens", "table", "committed", "first_unknown", "root", "hashes")
+    __slots__ = ("tokens", "table", "committed", "first_unknown", "root", "hashes", "dead",
+                 "published")
 
     def __init__(self, root: bytes):
         self.tokens: list[int] = []  # -1 where the id is unknown
@@ -40,9 +53,11 @@ class _Seq:
         self.first_unknown = _NO_UNKNOWN  # position of the first unknown token id
         self.root = root
         self.hashes: list[bytes] = []  # chain keys of the leading committed full blocks
+        self.dead = 0  # leading RELEASED entries (sliding-window reclaim)
+        self.published = 0  # leading blocks handed to the prefix tier (see `newly_full`)
 
 
-def _check_tokens(tokens, what: str) -> tuple[int, list[int], bool]:
+def check_tokens(tokens, what: str) -> tuple[int, list[int], bool]:
     """(n, token list, known) from a token-id sequence or a count."""
     if isinstance(tokens, int) and not isinstance(tokens, bool):
         if tokens < 0:
@@ -56,29 +71,40 @@ def _check_tokens(tokens, what: str) -> tuple[int, list[int], bool]:
             f"{type(tokens).__name__}"
         ) from None
     for t in toks:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise ConfigError(f"{what}: token ids must be non-negative ints, got {t!r}")
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _MAX_TOKEN:
+            raise ConfigError(f"{what}: token ids must be ints in [0, 2**63), got {t!r}")
     return len(toks), toks, True
 
 
 class SequenceManager:
-    """All sequences of one cache, sharing one `BlockPool`.
+    """All sequences of one block group, sharing one `BlockPool`.
 
     namespace: bytes mixed into every prefix key (model identity, format, layer layout), so
     caches of different models or formats can never hit each other's blocks.
+    window: None, or the group's sliding window W (`reclaim` then drops blocks no query at or
+    after a position can see; such a group keys nothing). prefix: key committed full blocks.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, namespace: bytes = b""):
+    def __init__(self, pool: BlockPool, block_size: int, namespace: bytes = b"", *,
+                 window: Optional[int] = None, prefix: bool = True):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         self.pool = pool
         self.block_size = block_size
         self.namespace = namespace
+        self.window = window
+        self.prefix = prefix and window is None
         self._seqs: dict[Hashable, _Seq] = {}
         self._ids = count()
         self.prefix_queries = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # swap records: rid -> references, chain key of a keyed block's record (shared by chain)
+        self.rec_refs: dict[int, int] = {}
+        self.rec_chain: dict[int, bytes] = {}
+        self._rec_by_chain: dict[bytes, int] = {}
+        self._rids = count()
+        self.dead_records: list[int] = []  # records whose last reference went: delete them
 
     # ---- lookup ---------------------------------------------------------------------------
     def _get(self, seq_id: Hashable) -> _Seq:
@@ -116,6 +142,19 @@ class SequenceManager:
         """The block table (array('i'); do not modify)."""
         return self._get(seq_id).table
 
+    def dead(self, seq_id: Hashable) -> int:
+        """Leading entries released by the window."""
+        return self._get(seq_id).dead
+
+    def first_needed(self, length: int) -> int:
+        """The first position a query at any position >= length can see (0 without a window)."""
+        return 0 if self.window is None else max(0, length - self.window + 1)
+
+    def min_length(self, seq_id: Hashable) -> int:
+        """The fewest tokens `pop` may leave (besides 0): released blocks must stay unseen."""
+        d = self._get(seq_id).dead
+        return d * self.block_size + self.window - 1 if d else 0
+
     def _new_id(self, seq_id: Optional[Hashable]) -> Hashable:
         if seq_id is None:
             seq_id = next(self._ids)
@@ -134,40 +173,71 @@ class SequenceManager:
         bs, t = self.block_size, s.table
         return [t[p // bs] * bs + p % bs for p in range(start, start + n)]
 
-    # ---- sequences ------------------------------------------------------------------------
-    def add(self, tokens: Sequence[int], salt: Salt = None, seq_id: Optional[Hashable] = None
-            ) -> tuple[Hashable, int, list[int]]:
-        """New sequence holding `tokens`, reusing cached full prefix blocks.
+    def slots(self, seq_id: Hashable, start: int, n: int) -> list[int]:
+        """Slots of positions start..start+n-1 (all resident; InvalidInput otherwise)."""
+        s = self._get(seq_id)
+        bs = self.block_size
+        if n and min(s.table[start // bs:(start + n - 1) // bs + 1]) < 0:
+            raise InvalidInput(f"positions [{start}, {start + n}) of sequence {seq_id!r} include "
+                               "released or swapped-out blocks")
+        return self._slots(s, start, n)
 
-        Returns (seq_id, hit_tokens, slots): the first `hit_tokens` tokens (whole blocks, always
-        fewer than len(tokens) so the model has at least one token to run) are already stored
-        and committed; `slots` are the slots of the other tokens, to be stored then committed.
-        """
-        n, toks, _ = _check_tokens(tokens, "add_sequence")
-        if isinstance(tokens, int):
-            raise ConfigError("add_sequence needs the prompt's token ids, not a count")
+    # ---- prefix lookup ----------------------------------------------------------------------
+    def chain(self, tokens: Sequence[int], salt: Salt = None) -> list[bytes]:
+        """Keys of the full blocks a prompt could hit (always leaving one token to run)."""
         try:
             root = root_hash(self.namespace, salt)
         except TypeError as exc:
             raise ConfigError(str(exc)) from None
+        bs, out, h = self.block_size, [], root
+        for i in range((len(tokens) - 1) // bs if tokens else 0):
+            h = chain_hash(h, tokens[i * bs:(i + 1) * bs])
+            out.append(h)
+        return out
+
+    def match(self, tokens: Sequence[int], salt: Salt = None) -> int:
+        """Leading full blocks of `tokens` the pool holds now (no change)."""
+        if not self.prefix:
+            return 0
+        n = 0
+        for h in self.chain(tokens, salt):
+            if self.pool.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    # ---- sequences ------------------------------------------------------------------------
+    def add(self, tokens: Sequence[int], salt: Salt = None, seq_id: Optional[Hashable] = None,
+            *, max_hit_blocks: Optional[int] = None, rest: bool = True
+            ) -> tuple[Hashable, int, list[int]]:
+        """New sequence holding `tokens`, reusing cached full prefix blocks.
+
+        Returns (seq_id, hit_tokens, slots): the first `hit_tokens` tokens (whole blocks, always
+        fewer than len(tokens) so the model has at least one token to run; at most
+        max_hit_blocks blocks) are already stored and committed; `slots` are the slots of the
+        other tokens, to be stored then committed. rest=False admits the hit tokens only (the
+        others come later through `allocate`)."""
+        n, toks, _ = check_tokens(tokens, "add_sequence")
+        if isinstance(tokens, int):
+            raise ConfigError("add_sequence needs the prompt's token ids, not a count")
+        keys = self.chain(toks, salt) if self.prefix else []
+        root = root_hash(self.namespace, salt)
         seq_id = self._new_id(seq_id)
         bs, pool = self.block_size, self.pool
         hits: list[int] = []
-        hashes: list[bytes] = []
-        h = root
-        for i in range((n - 1) // bs if n else 0):
-            h = chain_hash(h, toks[i * bs:(i + 1) * bs])
+        for h in keys[:max_hit_blocks]:
             b = pool.lookup(h)
             if b is None:
                 break
             hits.append(b)
-            hashes.append(h)
-        n_new = -(-n // bs) - len(hits)
+        hit_tokens = len(hits) * bs
+        held = n if rest else hit_tokens
+        n_new = -(-held // bs) - len(hits)
         revive = sum(1 for b in hits if pool.ref_count(b) == 0)
-        if n_new > pool.num_available - revive:
+        if n_new and not pool.ensure(n_new + revive):
             raise CacheFull(
                 f"add_sequence of {n} tokens needs {n_new} new blocks ({len(hits)} prefix hits); "
-                f"{pool.num_available - revive} available of {pool.num_blocks}"
+                f"{pool.headroom - revive} available of {pool.max_blocks}"
             )
         s = _Seq(root)
         for b in hits:
@@ -175,23 +245,28 @@ class SequenceManager:
         s.table.extend(hits)
         for _ in range(n_new):
             s.table.append(pool._take())
-        s.tokens = toks
-        hit_tokens = len(hits) * bs
-        if n > hit_tokens:
-            self._mark_fill(s, hit_tokens, n)
+        s.tokens = toks[:held]
+        if held > hit_tokens:
+            self._mark_fill(s, hit_tokens, held)
         s.committed = hit_tokens
-        s.hashes = hashes
+        s.hashes = keys[:len(hits)]
+        s.published = len(hits)  # a hit block is already wherever the tiers keep it
         self._seqs[seq_id] = s
         self.prefix_queries += 1
         self.prefix_query_tokens += n
         self.prefix_hit_tokens += hit_tokens
-        return seq_id, hit_tokens, self._slots(s, hit_tokens, n - hit_tokens)
+        return seq_id, hit_tokens, self._slots(s, hit_tokens, held - hit_tokens)
 
-    def _need(self, s: _Seq, n: int, shared: Optional[dict] = None) -> int:
+    def _releasable(self, s: _Seq, length: int) -> range:
+        """Table indices `reclaim` would release before appending at `length`."""
+        if self.window is None:
+            return range(0)
+        return range(s.dead, min(self.first_needed(length) // self.block_size, len(s.table)))
+
+    def _need(self, s: _Seq, n: int, shared: dict) -> int:
         """Blocks an append of n tokens takes (new blocks + a copy of a shared last block).
-
-        shared: in a batch, counts writers per shared last block: once all but one holder
-        copied it, the last writes in place (so copies = min(writers, ref - 1))."""
+        shared: counts writers per shared last block in a batch: once all but one holder copied
+        it, the last writes in place (so copies = min(writers, ref - 1))."""
         if n == 0:
             return 0
         bs = self.block_size
@@ -199,20 +274,74 @@ class SequenceManager:
         need = -(-(L + n) // bs) - len(s.table)
         if L % bs:
             last = s.table[-1]
+            if last < 0:
+                raise InvalidInput("the last block of a sequence is not resident")
             r = self.pool._ref[last]
             if r > 1:
-                if shared is None:
+                c = shared.get(last, 0)
+                if c < r - 1:
                     need += 1
-                else:
-                    c = shared.get(last, 0)
-                    if c < r - 1:
-                        need += 1
-                    shared[last] = c + 1
+                shared[last] = c + 1
         return need
+
+    def demand(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> tuple[int, int]:
+        """(blocks an append of `counts` new tokens takes, blocks its window reclaim frees):
+        no change. Shared blocks count as freed once every holder lets go."""
+        seqs = [self._get(i) for i in seq_ids]
+        shared: dict[int, int] = {}
+        need = sum(self._need(s, n, shared) for s, n in zip(seqs, counts))
+        drops: dict[int, int] = {}
+        for s, n in zip(seqs, counts):
+            if n:
+                for i in self._releasable(s, len(s.tokens)):
+                    b = s.table[i]
+                    if b >= 0:
+                        drops[b] = drops.get(b, 0) + 1
+        return need, sum(1 for b, k in drops.items() if self.pool._ref[b] == k)
+
+    def fits(self, need: int, freed: int) -> bool:
+        return need - freed <= self.pool.headroom
+
+    def full_error(self, n_tokens: int, n_seqs: int, need: int, freed: int) -> CacheFull:
+        what = "global" if self.window is None else f"sliding-window (W={self.window})"
+        pool = self.pool
+        return CacheFull(
+            f"{n_tokens} new tokens over {n_seqs} sequences: the paged cache's {what} layers need "
+            f"{need} more blocks of {self.block_size} tokens but have "
+            f"{pool.num_available + freed} free of {pool.num_blocks} (the limit allows "
+            f"{pool.max_blocks} blocks; raise max_tokens or the cache's capacity)")
+
+    def reclaim(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> None:
+        """Release, per sequence about to get new tokens, the blocks wholly before
+        `first_needed(length)`: no query at or after its current end can see them."""
+        for sid, n in zip(seq_ids, counts):
+            s = self._get(sid)
+            if n:
+                for i in self._releasable(s, len(s.tokens)):
+                    self._drop_entry(s.table[i])
+                    s.table[i] = RELEASED
+                    s.dead = i + 1
+
+    def extend(self, seq_ids: Sequence[Hashable], parsed: Sequence[tuple[int, list[int], bool]]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Append already checked tokens (`check_tokens` results; capacity from `demand`):
+        reclaim, grow as needed, copy shared last blocks. Returns (slots, copies)."""
+        counts = [p[0] for p in parsed]
+        need, freed = self.demand(seq_ids, counts)
+        self.reclaim(seq_ids, counts)
+        if not self.pool.ensure(need):  # pragma: no cover - callers check `fits` first
+            raise self.full_error(sum(counts), len(seq_ids), need, freed)
+        copies: list[tuple[int, int]] = []
+        slots: list[int] = []
+        for sid, (n, toks, known) in zip(seq_ids, parsed):
+            s = self._seqs[sid]
+            start = self._append(s, n, toks, known, copies)
+            slots.extend(self._slots(s, start, n))
+        return slots, copies
 
     def _append(self, s: _Seq, n: int, toks: list[int], known: bool,
                 copies: list[tuple[int, int]]) -> int:
-        """Append (capacity already checked); returns the first new position."""
+        """Append (reclaimed, capacity checked); returns the first new position."""
         pool, bs = self.pool, self.block_size
         L = len(s.tokens)
         if n == 0:
@@ -249,20 +378,7 @@ class SequenceManager:
 
         Returns (slots, copies): copies are (src, dst) block pairs to copy in every layer first.
         """
-        s = self._get(seq_id)
-        n, toks, known = _check_tokens(tokens, "allocate")
-        need = self._need(s, n)
-        if need > self.pool.num_available:
-            raise CacheFull(
-                f"allocate of {n} tokens for sequence {seq_id!r} needs {need} blocks; "
-                f"{self.pool.num_available} available of {self.pool.num_blocks}"
-            )
-        copies: list[tuple[int, int]] = []
-        start = self._append(s, n, toks, known, copies)
-        if n == 1:
-            p = start
-            return [s.table[p // self.block_size] * self.block_size + p % self.block_size], copies
-        return self._slots(s, start, n), copies
+        return self.allocate_batch([seq_id], [tokens])
 
     def allocate_batch(self, seq_ids: Sequence[Hashable], tokens: Sequence[Tokens]
                        ) -> tuple[list[int], list[tuple[int, int]]]:
@@ -275,28 +391,14 @@ class SequenceManager:
             )
         if len(set(seq_ids)) != len(seq_ids):
             raise ConfigError("allocate_batch: a sequence id appears twice in the batch")
-        seqs = [self._get(i) for i in seq_ids]
-        parsed = [_check_tokens(t, "allocate_batch") for t in tokens]
-        need = 0
-        shared: dict[int, int] = {}
-        for s, (n, _, _) in zip(seqs, parsed):
-            need += self._need(s, n, shared)
-        if need > self.pool.num_available:
-            raise CacheFull(
-                f"allocate_batch of {sum(p[0] for p in parsed)} tokens over {len(seqs)} "
-                f"sequences needs {need} blocks; {self.pool.num_available} available of "
-                f"{self.pool.num_blocks}"
-            )
-        copies: list[tuple[int, int]] = []
-        slots: list[int] = []
-        bs = self.block_size
-        for s, (n, toks, known) in zip(seqs, parsed):
-            start = self._append(s, n, toks, known, copies)
-            if n == 1:
-                slots.append(s.table[start // bs] * bs + start % bs)
-            else:
-                slots.extend(self._slots(s, start, n))
-        return slots, copies
+        for i in seq_ids:
+            self._get(i)
+        parsed = [check_tokens(t, "allocate") for t in tokens]
+        counts = [p[0] for p in parsed]
+        need, freed = self.demand(seq_ids, counts)
+        if not self.fits(need, freed):
+            raise self.full_error(sum(counts), len(seq_ids), need, freed)
+        return self.extend(seq_ids, parsed)
 
     def commit(self, seq_ids: Union[Hashable, Iterable[Hashable]]) -> None:
         """Mark every allocated token of the sequences as written; key newly full blocks."""
@@ -308,12 +410,24 @@ class SequenceManager:
         bs, pool = self.block_size, self.pool
         for s in seqs:
             s.committed = len(s.tokens)
+            if not self.prefix:
+                continue
             full = min(s.committed, s.first_unknown) // bs
             h = s.hashes[-1] if s.hashes else s.root
             for i in range(len(s.hashes), full):
                 h = chain_hash(h, s.tokens[i * bs:(i + 1) * bs])
                 s.hashes.append(h)
-                pool.register(s.table[i], h)
+                if s.table[i] >= 0:
+                    pool.register(s.table[i], h)
+
+    def newly_full(self, seq_id: Hashable) -> list[tuple[int, bytes]]:
+        """(pool block, chain key) of the committed, keyed blocks not handed out before (for a
+        prefix tier to publish); swapped ones are skipped (published before they left)."""
+        s = self._get(seq_id)
+        out = [(s.table[i], s.hashes[i]) for i in range(s.published, len(s.hashes))
+               if s.table[i] >= 0]
+        s.published = len(s.hashes)
+        return out
 
     def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
         """A new sequence sharing every block of `seq_id` (copy-on-write on the first write)."""
@@ -322,24 +436,73 @@ class SequenceManager:
         c = _Seq(s.root)
         c.tokens = list(s.tokens)
         c.table = array("i", s.table)
-        c.committed = s.committed
-        c.first_unknown = s.first_unknown
-        c.hashes = list(s.hashes)
+        c.committed, c.first_unknown, c.dead = s.committed, s.first_unknown, s.dead
+        c.hashes, c.published = list(s.hashes), s.published
         for b in s.table:
-            self.pool.share(b)
+            self._share_entry(b)
         self._seqs[new_id] = c
         return new_id
 
-    def pop(self, seq_id: Hashable, n: int) -> None:
-        """Roll back the last n tokens (speculative decoding); frees blocks left empty."""
+    def _share_entry(self, e: int) -> None:
+        if e >= 0:
+            self.pool.share(e)
+        elif e <= -2:
+            self.rec_refs[-2 - e] += 1
+
+    def _drop_entry(self, e: int) -> None:
+        if e >= 0:
+            self.pool.release(e)
+        elif e <= -2:
+            rid = -2 - e
+            r = self.rec_refs[rid] - 1
+            if r:
+                self.rec_refs[rid] = r
+            else:
+                del self.rec_refs[rid]
+                h = self.rec_chain.pop(rid, None)
+                if h is not None:
+                    del self._rec_by_chain[h]
+                self.dead_records.append(rid)
+
+    def pop_needs_swap_in(self, seq_id: Hashable, n: int) -> Optional[int]:
+        """The record `pop(seq_id, n)` must read back (its new partly filled last block is
+        swapped out), else None. Validates n."""
         s = self._get(seq_id)
         L = len(s.tokens)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= L:
             raise ConfigError(f"pop: n must be an int in [0, {L}] for sequence {seq_id!r}, got {n!r}")
         new_len = L - n
+        if new_len and new_len < self.min_length(seq_id):
+            raise InvalidInput(
+                f"cannot keep {new_len} tokens of sequence {seq_id!r}: its sliding-window blocks "
+                f"before position {s.dead * self.block_size} were released (keep at least "
+                f"{self.min_length(seq_id)}, or 0)")
         keep = -(-new_len // self.block_size)
+        if new_len % self.block_size:
+            return swapped_record(s.table[keep - 1])
+        return None
+
+    def pop(self, seq_id: Hashable, n: int) -> Optional[int]:
+        """Roll back the last n tokens (speculative decoding, crop); frees blocks left empty.
+        When the new last (partly filled) block was swapped out it is brought back into a fresh
+        pool block, returned (the caller writes the record's bytes there; CacheFull first)."""
+        rid = self.pop_needs_swap_in(seq_id, n)
+        s = self._get(seq_id)
+        new_len = len(s.tokens) - n
+        keep = -(-new_len // self.block_size)
+        freed = sum(1 for b in s.table[keep:] if b >= 0 and self.pool._ref[b] == 1)
+        if rid is not None and not freed and not self.pool.ensure(1):
+            raise CacheFull(f"pop of {n} tokens from sequence {seq_id!r} must read a swapped "
+                            "block back and no pool block is available")
         while len(s.table) > keep:
-            self.pool.release(s.table.pop())
+            self._drop_entry(s.table.pop())
+        back = None
+        if rid is not None:
+            if not self.pool.ensure(1):  # pragma: no cover - checked above
+                raise CacheFull("no pool block for a swap-in")
+            back = self.pool._take()
+            self._drop_entry(s.table[-1])
+            s.table[-1] = back
         if keep and self.pool._ref[s.table[-1]] == 1:
             self.pool.fill[s.table[-1]] = new_len - (keep - 1) * self.block_size
             self.pool.version += 1
@@ -348,6 +511,10 @@ class SequenceManager:
         if s.first_unknown >= new_len:
             s.first_unknown = _NO_UNKNOWN
         del s.hashes[new_len // self.block_size:]
+        s.published = min(s.published, len(s.hashes))
+        if not new_len:
+            s.dead = 0
+        return back
 
     def reset(self, seq_id: Hashable) -> None:
         """Empty a sequence (keeps its id and salt)."""
@@ -357,50 +524,77 @@ class SequenceManager:
         """Drop a sequence; its keyed blocks stay cached (LRU, tail blocks evicted first)."""
         s = self._get(seq_id)
         for b in reversed(s.table):
-            self.pool.release(b)
+            self._drop_entry(b)
         del self._seqs[seq_id]
 
     def clear(self) -> None:
         """Drop every sequence and every cached prefix."""
+        self.dead_records.extend(self.rec_refs)
+        self.rec_refs.clear()
+        self.rec_chain.clear()
+        self._rec_by_chain.clear()
         self._seqs.clear()
         self.pool.reset()
 
-    # ---- checking -------------------------------------------------------------------------
+    # ---- swap -------------------------------------------------------------------------------
+    def swap_candidates(self, seq_id: Hashable, cap: int) -> list[tuple[int, int, int, bool]]:
+        """Entries to swap out so at most `cap` blocks of the sequence stay resident: its oldest
+        full committed blocks, never the last. [(index, block, rid, new record)] (no change;
+        the caller writes each new record, then calls `swapped_out`). A keyed block already in a
+        record (another sequence swapped it) shares that record."""
+        s = self._get(seq_id)
+        resident = [i for i, b in enumerate(s.table) if b >= 0]
+        excess = len(resident) - cap
+        full = min(s.committed // self.block_size, len(s.table) - 1)
+        out = []
+        for i in resident:
+            if len(out) >= excess or i >= full:
+                break
+            b = s.table[i]
+            h = self.pool._hash[b]
+            rid = self._rec_by_chain.get(h) if h is not None else None
+            out.append((i, b, next(self._rids), True) if rid is None else (i, b, rid, False))
+        return out
+
+    def swapped_out(self, seq_id: Hashable, done: Sequence[tuple[int, int, int, bool]]) -> None:
+        """The records of `done` (from `swap_candidates`) are written: swap the entries."""
+        s = self._get(seq_id)
+        for i, b, rid, new in done:
+            assert s.table[i] == b
+            h = self.pool._hash[b]
+            if new:
+                self.rec_refs[rid] = 1
+                if h is not None and h not in self._rec_by_chain:
+                    self._rec_by_chain[h] = rid
+                    self.rec_chain[rid] = h
+            else:
+                self.rec_refs[rid] += 1
+            self.pool.release(b)
+            s.table[i] = -2 - rid
+
+    def swapped(self, seq_id: Hashable) -> list[int]:
+        """Logical indices of the sequence's swapped-out blocks."""
+        return [i for i, b in enumerate(self._get(seq_id).table) if b <= -2]
+
+    def drain_dead_records(self) -> list[int]:
+        out, self.dead_records = self.dead_records, []
+        return out
+
+    # ---- size -------------------------------------------------------------------------------
+    def compact(self, target: int) -> list[tuple[int, int]]:
+        """Cut the pool to `target` blocks, renumbering tables (see `BlockPool.compact`)."""
+        moves = self.pool.compact(target)
+        if moves:
+            m = dict(moves)
+            for s in self._seqs.values():
+                t = s.table
+                for i, b in enumerate(t):
+                    if b in m:
+                        t[i] = m[b]
+        return moves
+
     def check_invariants(self) -> None:
         """O(total) self-check (tests, debugging): AssertionError naming the first violation."""
-        pool, bs = self.pool, self.block_size
-        refs = [0] * pool.num_blocks
-        for sid, s in self._seqs.items():
-            assert len(s.table) == -(-len(s.tokens) // bs), f"{sid!r}: table length"
-            assert s.committed <= len(s.tokens), f"{sid!r}: committed > length"
-            for b in s.table:
-                refs[b] += 1
-            h = s.root
-            for i in range(len(s.tokens) // bs):
-                if i * bs + bs > min(s.committed, s.first_unknown):
-                    break
-                h = chain_hash(h, s.tokens[i * bs:(i + 1) * bs])
-                if i < len(s.hashes):
-                    assert s.hashes[i] == h, f"{sid!r}: stale chain key of block {i}"
-                bh = pool.block_hash(s.table[i])
-                assert bh is None or bh == h, f"{sid!r}: block {s.table[i]} keyed for other data"
-            if len(s.tokens) % bs and len(s.tokens) // bs < len(s.table):
-                pass  # a keyed partly-owned last block is legal (copied/unkeyed before writes)
-        free, cached = set(pool._free), set(pool._cached)
-        assert len(free) == len(pool._free), "block twice on the free list"
-        assert not free & cached, "block both free and cached"
-        for b in range(pool.num_blocks):
-            assert pool._ref[b] == refs[b], f"block {b}: ref {pool._ref[b]} but {refs[b]} holders"
-            where = (b in free) + (b in cached) + (refs[b] > 0)
-            assert where == 1, f"block {b} is in {where} places"
-            assert pool.in_use[b] == (refs[b] > 0), f"block {b}: in_use mirror"
-            assert pool.keyed[b] == (pool._hash[b] is not None), f"block {b}: keyed mirror"
-            if b in free:
-                assert pool._hash[b] is None, f"free block {b} has a key"
-            if b in cached:
-                assert pool._hash[b] is not None, f"cached block {b} has no key"
-        for key, b in pool._index.items():
-            assert pool._hash[b] == key, f"index entry of block {b} disagrees"
-        keyed = sum(1 for h in pool._hash if h is not None)
-        assert keyed == len(pool._index), "keyed blocks missing from the index"
-        assert pool.num_free + pool.num_cached + pool.num_used == pool.num_blocks
+        from .check import check_sequences
+
+        check_sequences(self)

@@ -4,7 +4,9 @@ Layers here are the model's *attention* layers, numbered 0..num_layers-1 (a hybr
 recurrent or MLP-only layers hold no KV and are not counted; the integration maps model layer
 indices to these). Format names are parsed once, here; everything below sees `KVFormat` objects.
 
-High-precision layers: the first and last N layers use `hp_format` (default q8_0: on SmolLM2
+High-precision layers (opt-in: a format name means the same bytes everywhere, so `turbo3` is
+turbo3 in every layer, as on the command line): `turbo3+hp` (N automatic), `turbo3+hp2` (N = 2)
+or `high_precision_layers=N / "auto"` make the first and last N layers use `hp_format` (default q8_0: on SmolLM2
 turbo3 with 3+3 q8_0 layers measured KL 0.0886 at 4.5 bits/element against 0.0924 at 6 with
 bf16, 2 eval windows) instead of the
 base format; per side, the more precise of the two codecs is kept, so hp never lowers precision.
@@ -18,6 +20,7 @@ over every layer's K and V block; fp8's per-layer fp32 scales are outside the bl
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Optional, Sequence, Union
@@ -35,6 +38,17 @@ FormatSpec = Union[str, KVFormat]
 
 # K code bits -> N for high_precision_layers="auto"
 AUTO_HP_BY_K_BITS = {16: 0, 8: 0, 4: 2, 3: 3, 2: 4}
+_HP_SUFFIX = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
+
+
+def split_hp(spec: FormatSpec) -> tuple[FormatSpec, Optional[Union[int, str]]]:
+    """(format, high-precision layers the name asks for): "turbo3+hp" -> ("turbo3", "auto"),
+    "turbo3+hp2" -> ("turbo3", 2), "turbo3" -> ("turbo3", None). The one parser of the suffix."""
+    if isinstance(spec, str):
+        m = _HP_SUFFIX.match(spec.strip().lower())
+        if m:
+            return m["fmt"], int(m["n"]) if m["n"] else "auto"
+    return spec, None
 
 
 @dataclass(frozen=True)
@@ -70,8 +84,10 @@ class CacheConfig:
 
     num_layers, num_kv_heads, head_dim: the attention layers and their default dims.
     layer_dims: optional per-layer (num_kv_heads, head_dim), length num_layers.
-    kv_format: one format (name or KVFormat) or one per layer.
-    high_precision_layers: N >= 0 or "auto" (see module doc); hp_format: their format.
+    kv_format: one format (name or KVFormat; "name+hp" / "name+hpN" ask for high-precision
+    layers) or one per layer.
+    high_precision_layers: None (default: what the name says, 0 for a plain name), N >= 0 or
+    "auto" (see module doc); hp_format: their format.
     block_size: tokens per block. num_blocks or memory_bytes: capacity (give exactly one).
     sliding_window: None, one W for every layer, or one (W or None) per layer. Stored for the
     integration's AttentionParams; memory of positions that left the window is not reclaimed
@@ -90,7 +106,7 @@ class CacheConfig:
     head_dim: int
     kv_format: Union[FormatSpec, Sequence[FormatSpec]] = "bf16"
     layer_dims: Optional[Sequence[tuple[int, int]]] = None
-    high_precision_layers: Union[int, str] = "auto"
+    high_precision_layers: Union[None, int, str] = None
     hp_format: FormatSpec = "q8_0"
     block_size: int = 16
     num_blocks: Optional[int] = None
@@ -127,7 +143,17 @@ class CacheConfig:
                 _pos_int(f"layer_dims[{i}] head_dim", d[1])
             _set(self, "layer_dims", dims)
 
-        # formats, parsed once
+        # formats, parsed once; a "+hp" suffix is the high-precision policy
+        name, named_hp = split_hp(self.kv_format)
+        if named_hp is not None:
+            if self.high_precision_layers is not None:
+                raise ConfigError(
+                    f"kv_format {self.kv_format!r} names its high-precision layers; do not pass "
+                    f"high_precision_layers={self.high_precision_layers!r} as well")
+            _set(self, "kv_format", name)
+            _set(self, "high_precision_layers", named_hp)
+        elif self.high_precision_layers is None:
+            _set(self, "high_precision_layers", 0)
         if isinstance(self.kv_format, (str, KVFormat)):
             fmt = parse_format(self.kv_format)
             base = (fmt,) * L

@@ -73,7 +73,7 @@ class PagedLatentCache(PagedKVCache):
     """
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "bf16", *,
-                 rope_format: Optional[str] = None, high_precision_layers: Union[int, str] = "auto",
+                 rope_format: Optional[str] = None, high_precision_layers: Union[None, int, str] = None,
                  hp_format: Union[str, KVFormat] = "q8_0", block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
                  checks: bool = True):
@@ -118,17 +118,8 @@ class LatentCacheLayer(PagedCacheLayer):
         return make_latent_layer(self.spec.latent, num_blocks, self.cache.config.block_size,
                                  device=self.device)
 
-    def _grow(self, new_total: int) -> None:
-        if self.paged is None:
-            return
-        p = self.paged
-        pool = torch.zeros(new_total, p.pool.shape[1], dtype=torch.uint8, device=p.device)
-        pool[: p.num_blocks] = p.pool
-        self.paged = replace(p, pool=pool)
-
-    def _copy_block(self, src: int, dst: int) -> None:
-        if self.paged is not None:
-            self.paged.pool[dst] = self.paged.pool[src]
+    def _pool_names(self) -> tuple[str, ...]:
+        return ("pool",)
 
     def pool_bytes(self) -> int:
         return 0 if self.paged is None else self.paged.pool.numel() + 8

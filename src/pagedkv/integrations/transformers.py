@@ -62,6 +62,7 @@ custom mask functions (bidirectional image-token masks, packed sequences) are no
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Optional, Sequence, Union
 
@@ -72,7 +73,8 @@ from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..heap import release_free_heap
 from ..ops import AttentionParams, PagedLayer, decode_attention, prefill_attention, store
-from .block_groups import BlockGroup as _Blocks
+from ..alloc.manager import BlockManager, GroupSpec
+from ..cache.tables import block_table_tensor, int_tensor
 from .calibration import CalibrationOptions, calibrate
 from .padding import PaddingMask, chunk_validity as _chunk_validity, valid_tokens as _valid_tokens
 
@@ -125,9 +127,12 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     """A transformers `Cache` storing K/V compressed in pages (see the module docstring).
 
     model_or_config: the model (its `.config` is used) or a HF config.
-    kv_format: a format name / KVFormat, or one per layer.
-    high_precision_layers, hp_format: the first/last N layers' format ("auto": N from the K
-    codec, see `pagedkv.cache.config`); pass 0 to use `kv_format` everywhere.
+    kv_format: a format name / KVFormat, or one per layer. A name means what it means on the
+    command line: "turbo3" is turbo3 in every layer (5040 B/token on SmolLM2);
+    "turbo3+hp" adds the automatic first/last high-precision layers (3+3 q8_0: 6480 B/token),
+    "turbo3+hp2" two at each end.
+    high_precision_layers, hp_format: the same policy as an argument (N, or "auto": N from the
+    K codec, see `pagedkv.cache.config`); None (default) = what the name says.
     key_centring: None = on when some layer's K codec is not bf16.
     value_centring: store v - v_centre (the first chunk's values weighted by their squared
     attention, `calibration.attention_value_centre`) and add v_centre to the attention output:
@@ -160,7 +165,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     _seq_lens_memo: Optional[tuple] = None
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
-                 high_precision_layers: Union[int, str] = "auto", hp_format: Union[str, KVFormat] = "q8_0",
+                 high_precision_layers: Union[None, int, str] = None, hp_format: Union[str, KVFormat] = "q8_0",
                  key_centring: Optional[bool] = None, value_centring: Optional[bool] = None,
                  key_scaling: bool = False,
                  block_size: int = 16,
@@ -201,6 +206,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         layers = [PagedCacheLayer(self, spec) for spec in self.config.layers]
         _, cache_utils = _transformers()
         cache_utils.Cache.__init__(self, layers=layers)
+        _watch_input_ids(model_or_config)
 
     def __new__(cls, *args, **kwargs):
         # Subclass transformers' Cache lazily so importing pagedkv never imports transformers.
@@ -211,8 +217,9 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     # ---- storage shared by the layers ---------------------------------------------------------
     def _make_groups(self, block_size: int, max_tokens: Optional[int], reclaim_sliding: bool = True) -> None:
         """One block group per distinct sliding window (None = the global layers), each with its
-        own block ids, tables and pools. `self.blocks` is the global group (the first sliding
-        group when every layer slides). With max_tokens every group may hold at most
+        own block ids, tables and pools, all managed by one `pagedkv.alloc.BlockManager` (rows
+        are its sequences). `self.blocks` is the global group (the first sliding group when
+        every layer slides). With max_tokens every group may hold at most
         ceil(max_tokens / block_size) blocks: the global group is allocated at that size, a
         sliding group starts small and grows on demand (it holds at most what the global group
         holds, usually far less: each row's last W tokens plus the chunk being stored).
@@ -220,35 +227,52 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         cap = -(-max_tokens // block_size) if max_tokens else None
         windows = [s.sliding_window if reclaim_sliding else None for s in self.config.layers]
         keys = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-        self.groups: list[_Blocks] = []
+        specs = []
         for w in keys:
             initial = cap if (cap is not None and w is None) else min(cap or 16, 16)
-            self.groups.append(_Blocks(block_size, initial, cap, window=w,
-                                       layers=[i for i, x in enumerate(windows) if x == w]))
+            specs.append(GroupSpec(w, initial, cap if cap is not None else _UNBOUNDED))
+        self.core = BlockManager(specs, block_size, self.config.fingerprint)
+        self.groups = [GroupView(self, i, w, [j for j, x in enumerate(windows) if x == w])
+                       for i, w in enumerate(keys)]
         self.blocks = self.groups[0]
         self._group_of = {i: g for g in self.groups for i in g.layers}
+        self._rows: list[int] = []
+        self._sids = itertools.count()
+        self._plan: Optional[tuple] = None  # (key, StepPlan, {(group, device): slots})
+        self._uncommitted = False
+        self._tables: dict = {}  # (group, device) -> int32 tables of the current step
+        self._next_ids: Optional[torch.Tensor] = None  # input_ids of the running forward
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
 
     @property
     def batch_rows(self) -> int:
-        return len(self.blocks.tables)
-
-    def _grower(self, group: _Blocks):
-        def grow(new_total: int) -> None:
-            for i in group.layers:
-                self.layers[i]._grow(new_total)
-        return grow
+        return len(self._rows)
 
     def _ensure_rows(self, batch: int) -> None:
-        if not self.blocks.tables:
-            for g in self.groups:
-                g.tables = [[] for _ in range(batch)]
-                g.dead = [0] * batch
-                g.changed()
-        elif batch != len(self.blocks.tables):
+        if not self._rows:
+            for _ in range(batch):
+                sid = next(self._sids)
+                self.core.add(sid, [], rest=True)
+                self._rows.append(sid)
+            self._changed()
+        elif batch != len(self._rows):
             raise InvalidInput(
-                f"batch size {batch} differs from the cache's {len(self.blocks.tables)} rows; "
+                f"batch size {batch} differs from the cache's {len(self._rows)} rows; "
                 "use a fresh PagedKVCache per batch (or batch_select_indices)"
             )
+
+    def _changed(self) -> None:
+        """Rows or tables changed outside a step: the next chunk plans afresh."""
+        self._plan = None
+        self._tables = {}
+
+    def _commit(self) -> None:
+        """Every layer stored the last step: its tokens are committed (full blocks with known
+        token ids become prefix hits for later sequences)."""
+        if self._uncommitted:
+            self.core.commit(self._rows)
+            self._uncommitted = False
 
     def _slots(self, start: int, count: int, device) -> torch.Tensor:
         """Slots for positions start..start+count of every row (row-major) in the global group.
@@ -256,52 +280,78 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         return self._slots_rows([start] * self.batch_rows, [count] * self.batch_rows, device)
 
     def _slots_rows(self, starts: Sequence[int], counts: Sequence[int], device,
-                    group: Optional[_Blocks] = None) -> torch.Tensor:
-        """Slots (in `group`, default the global one) for positions starts[r]..starts[r]+counts[r]
-        of each row r, row-major: a sliding group first releases the blocks no query at or after
-        starts[r] can see; then blocks are allocated (all or none: CacheFull before any change)
-        and shared blocks about to be written are copied. int64 [sum(counts)]."""
+                    group: Optional["GroupView"] = None, valid: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
+        """Slots (in `group`, default the global one) for the next counts[r] tokens of each row
+        r (stored after its starts[r] tokens), row-major. The first layer of a forward to store
+        asks the block manager for the step of every group at once (window reclaim, growth,
+        compaction, copy-on-write: all or nothing, CacheFull before any change) and applies its
+        plan to every layer's pools; the other layers find it here. int64 [sum(counts)]."""
         g = self.blocks if group is None else group
-        starts, counts = tuple(starts), tuple(counts)
-        memo = g.slots_memo
-        if memo is not None and memo[0] == g.version and memo[1] == starts and memo[2] == counts \
-                and memo[3] == str(device):
-            return memo[4]  # another layer of the group stores the same chunk: same blocks, same slots
-        bs = g.block_size
-        plan, new_blocks = [], 0
-        for row, (table, start, count) in enumerate(zip(g.tables, starts, counts)):
-            if not count:
-                continue
-            need = -(-(start + count) // bs)
-            first_written = start // bs
-            cow = bool(start % bs and first_written < len(table) and g.ref[table[first_written]] > 1)
-            plan.append((row, table, need, first_written, cow))
-            new_blocks += cow + max(0, need - len(table))
-        if new_blocks > len(g.free):
-            g.check(new_blocks, g.reclaimable(starts))  # CacheFull before any change
-        g.reclaim(starts)
-        grow = self._grower(g)
-        shrink = g.shrink_plan(new_blocks)
-        if shrink is not None:  # no layer of the group has stored this chunk yet: pools can move
-            for i in g.layers:
-                self.layers[i]._shrink(*shrink)
-            g.shrink(*shrink)
-        g.reserve(new_blocks, grow)
-        for row, table, need, first_written, cow in plan:
-            if cow:
-                self._copy_on_write(g, row, first_written)
-            if need > len(table):
-                ids = g.take(need - len(table), grow)
-                g.changed(row, len(table), ids)
-                table.extend(ids)
-        n = torch.tensor(list(counts), dtype=torch.long)
-        rows = torch.repeat_interleave(torch.arange(len(counts)), n)
-        first = torch.cumsum(n, 0) - n  # index of each row's first new token
-        pos = torch.arange(int(n.sum())) - first[rows] + torch.tensor(list(starts), dtype=torch.long)[rows]
-        tables = g.table_tensor(torch.device("cpu")).long()
-        slots = (tables[rows, pos // bs] * bs + pos % bs).to(device)
-        g.slots_memo = (g.version, starts, counts, str(device), slots)
+        key = (tuple(starts), tuple(counts))
+        if self._plan is None or self._plan[0] != key:
+            self._commit()
+            plan = self.core.step(self._rows, self._step_tokens(counts, valid))
+            for view, gs in zip(self.groups, plan.groups):
+                for i in view.layers:
+                    self.layers[i]._apply(gs)
+            self._plan = (key, plan, {})
+            self._tables = {}
+            self._uncommitted = True
+        memo = self._plan[2]
+        slots = memo.get((g.index, str(device)))
+        if slots is None:
+            slots = int_tensor(self._plan[1].groups[g.index].slots, torch.int64, device)
+            memo[(g.index, str(device))] = slots
         return slots
+
+    def _step_tokens(self, counts: Sequence[int], valid: Optional[torch.Tensor]) -> list:
+        """Per row the token ids of the chunk (from the forward's input_ids, valid columns
+        only) or, when they are unknown, the count (such blocks are never prefix keys)."""
+        ids, self._next_ids = self._next_ids, None
+        if ids is None or ids.dim() != 2 or ids.shape[0] != len(counts):
+            return list(counts)
+        rows = ids.detach().cpu().tolist() if valid is None else \
+            [r.tolist() for r in ids.detach().cpu()[valid.cpu()].split(list(counts))]
+        if [len(r) for r in rows] != list(counts):
+            return list(counts)
+        return rows
+
+    def begin(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+              reuse: bool = True) -> int:
+        """Start a new batch reusing this cache's stored prefixes: call before
+        `model.generate(input_ids, past_key_values=cache)` (or `cache=cache`). The previous rows
+        are dropped (their committed full blocks stay cached); each new row takes the longest
+        run of whole blocks its prompt shares with what the cache stored before (the same run
+        for every row, always leaving one token to compute, none for padded rows or when some
+        layers slide). Returns the hit tokens: `generate` then computes only the rest.
+        input_ids int [B, T]; attention_mask [B, T] or None; reuse=False starts the batch
+        without prefix hits (the layers keep their statistics)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise InvalidInput(f"begin needs input_ids int [batch, tokens], got "
+                               f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        self._flush()
+        self._commit()
+        rows = input_ids.detach().cpu().tolist()
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        hit = 0 if padded or not reuse or not self.layers[0].is_initialized else \
+            min(self.core.main.match(r) for r in rows)
+        for sid in self._rows:
+            self.core.free(sid)
+        self._rows = []
+        for r in rows:
+            sid = next(self._sids)
+            self.core.add(sid, r, rest=False, max_hit_blocks=hit)
+            self._rows.append(sid)
+        for layer in self.layers:
+            layer.length = hit * self.config.block_size
+            layer.pending = None
+        self._valid, self._lens_memo = None, None
+        self._valid_version += 1
+        self._changed()
+        self.prefix_hit_tokens += hit * self.config.block_size * len(rows)
+        self.prefix_query_tokens += sum(len(r) for r in rows)
+        return hit * self.config.block_size
 
     # ---- per-row lengths (padded batches) -----------------------------------------------------
     def row_lengths(self, columns: int) -> list[int]:
@@ -340,57 +390,47 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self._lens_memo = None
         self._valid_version += 1
 
-    def _copy_on_write(self, g: _Blocks, row: int, index: int) -> None:
-        old = g.tables[row][index]
-        (new,) = g.take(1, self._grower(g))
-        for i in g.layers:
-            self.layers[i]._copy_block(old, new)
-        g.release(old)
-        g.tables[row][index] = new
-        g.changed(row, index, [new])
-
-    def block_table_tensor(self, device, group: Optional[_Blocks] = None) -> torch.Tensor:
-        """int32 [rows, max_blocks] of `group` (default: the global one; unused entries 0)."""
-        return (self.blocks if group is None else group).table_tensor(device)
+    def block_table_tensor(self, device, group: Optional["GroupView"] = None) -> torch.Tensor:
+        """int32 [rows, max_blocks] of `group` (default: the global one): entries past a row's
+        table and released entries read as block 0, which the ops never read."""
+        g = self.blocks if group is None else group
+        key = (g.index, str(device))
+        t = self._tables.get(key)
+        if t is None:
+            seqs = self.core.groups[g.index]
+            t = block_table_tensor([seqs.table(s) for s in self._rows], torch.device("cpu"))
+            t = t.clamp(min=0).to(device)
+            self._tables[key] = t
+        return t
 
     def _flush(self) -> None:
         for layer in self.layers:
             layer.flush()
 
     def _rearrange_rows(self, sources: Sequence[int]) -> None:
-        """New row i = old row sources[i]; full blocks are shared (refcounted), a shared partial
-        block is copied when it is next written."""
+        """New row i = old row sources[i] (fork, then the old rows are freed): blocks are
+        shared (one reference count per holder), a shared partial block is copied when it is
+        next written."""
         self._flush()
+        self._commit()
         if self._valid is not None:
             self._valid = self._valid[torch.tensor(list(sources), dtype=torch.long)]
             self._lens_memo = None
             self._valid_version += 1
-        for g in self.groups:
-            old = g.tables
-            new = []
-            for s in sources:
-                ids = list(old[s])
-                for b in ids:
-                    if b >= 0:
-                        g.ref[b] += 1
-                new.append(ids)
-            for ids in old:
-                for b in ids:
-                    g.release(b)
-            g.tables = new
-            g.dead = [g.dead[s] for s in sources]
-            g.changed()
+        new = [self.core.fork(self._rows[s], next(self._sids)) for s in sources]
+        for sid in self._rows:
+            self.core.free(sid)
+        self._rows = new
+        self._changed()
 
     def _truncate(self, length: Union[int, Sequence[int]]) -> None:
-        """Release the blocks past `length` tokens (one int for every row, or one per row)."""
+        """Drop each row's tokens past `length` (one int for every row, or one per row)."""
         lengths = [length] * self.batch_rows if isinstance(length, int) else list(length)
-        for g in self.groups:
-            for r, (table, n) in enumerate(zip(g.tables, lengths)):
-                need = -(-n // g.block_size)
-                while len(table) > need:
-                    g.release(table.pop())
-                g.dead[r] = min(g.dead[r], len(table))
-            g.changed()
+        for sid, n in zip(self._rows, lengths):
+            cur = self.core.length(sid)
+            if cur > n:
+                self.core.pop(sid, cur - n)
+        self._changed()
 
     # ---- transformers Cache API ---------------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -451,13 +491,14 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                     )
 
     def reset(self) -> None:
-        self._truncate(0)
+        """Drop every row, every stored prefix and every layer's statistics."""
+        self.core.clear()
+        self._rows = []
+        self._uncommitted = False
         self._valid = None
         self._lens_memo = None
         self._valid_version += 1
-        for g in self.groups:
-            g.tables, g.dead = [], []
-            g.changed()
+        self._changed()
         for layer in self.layers:
             layer.reset()
 
@@ -470,7 +511,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         """Bytes of every layer's K and V pools as allocated now (plus fp8 scales / centres)."""
         return sum(layer.pool_bytes() for layer in self.layers)
 
-    def group_bytes_per_block(self, group: _Blocks) -> int:
+    def group_bytes_per_block(self, group: "GroupView") -> int:
         """Bytes one block id of `group` takes, summed over its layers' K and V blocks."""
         specs = self.config.layers
         return sum(specs[i].k_block_bytes + specs[i].v_block_bytes for i in group.layers)
@@ -493,6 +534,60 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     @property
     def layer_formats(self) -> tuple[KVFormat, ...]:
         return self.config.layer_formats
+
+
+def _note_input_ids(module, args, kwargs):
+    """Forward pre-hook: hand the forward's input_ids to the PagedKVCache it runs with, so the
+    chunk's blocks are keyed by their token ids (prefix hits across `generate` calls)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, PagedKVCache):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache._next_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
+def _watch_input_ids(model) -> None:
+    if hasattr(model, "register_forward_pre_hook") and not getattr(model, "_pagedkv_ids_hook", False):
+        model.register_forward_pre_hook(_note_input_ids, with_kwargs=True)
+        model._pagedkv_ids_hook = True
+
+
+_UNBOUNDED = 1 << 40  # "grow on demand": a block-id limit no pool reaches
+
+
+class GroupView:
+    """Read-only view of one block group of a PagedKVCache (tests, accounting): its window,
+    layers, and per row its table (-1 = released by the window) and released count."""
+
+    def __init__(self, cache: "PagedKVCache", index: int, window: Optional[int], layers: list[int]):
+        self.cache, self.index, self.window, self.layers = cache, index, window, layers
+        self.block_size = cache.config.block_size
+
+    @property
+    def seqs(self):
+        return self.cache.core.groups[self.index]
+
+    @property
+    def name(self) -> str:
+        return "global" if self.window is None else f"sliding-window (W={self.window})"
+
+    @property
+    def tables(self) -> list[list[int]]:
+        return [list(self.seqs.table(s)) for s in self.cache._rows]
+
+    @property
+    def dead(self) -> list[int]:
+        return [self.seqs.dead(s) for s in self.cache._rows]
+
+    @property
+    def used(self) -> int:
+        return self.seqs.pool.num_used
+
+    @property
+    def num_blocks(self) -> int:
+        return self.seqs.pool.num_blocks
+
+    def first_needed(self, length: int) -> int:
+        return self.seqs.first_needed(length)
 
 
 _CONCRETE: dict = {}
@@ -547,7 +642,7 @@ class PagedCacheLayer:
         self.centre_values = cache.value_centring and spec.format.v.name != "bf16"
         self.v_centre: Optional[torch.Tensor] = None  # float32 [H, D]
         self.device = cache.config.device
-        self.group: _Blocks = cache._group_of[spec.index]
+        self.group: GroupView = cache._group_of[spec.index]
 
     def __repr__(self):
         return f"PagedCacheLayer({self.spec.index}, {self.spec.format.name}, len={self.length})"
@@ -564,34 +659,32 @@ class PagedCacheLayer:
             v_scale=torch.ones(1, dtype=torch.float32, device=dev),
         )
 
-    def _grow(self, new_total: int) -> None:
+    def _pool_names(self) -> tuple[str, ...]:
+        return ("k_pool", "v_pool")
+
+    def _apply(self, step) -> None:
+        """Apply one group step of the block manager's plan to this layer's pools: moves then
+        a cut (new tensors, so the memory is returned), or growth; then copy-on-write."""
         if self.paged is None:
             return
         p = self.paged
-        k = torch.zeros(new_total, p.k_pool.shape[1], dtype=torch.uint8, device=p.device)
-        v = torch.zeros(new_total, p.v_pool.shape[1], dtype=torch.uint8, device=p.device)
-        k[: p.num_blocks] = p.k_pool
-        v[: p.num_blocks] = p.v_pool
-        self.paged = replace(p, k_pool=k, v_pool=v)
-
-    def _copy_block(self, src: int, dst: int) -> None:
-        if self.paged is not None:
-            self.paged.k_pool[dst] = self.paged.k_pool[src]
-            self.paged.v_pool[dst] = self.paged.v_pool[src]
-
-    def _shrink(self, new_total: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Move blocks src to dst, then cut the pools to new_total blocks (new tensors, so the
-        memory is returned)."""
-        if self.paged is None:
-            return
-        p = self.paged
-        pools = {}
-        for name in ("k_pool", "v_pool"):
+        changes = {}
+        for name in self._pool_names():
             pool = getattr(p, name)
-            if src:
-                pool[torch.tensor(list(dst), device=pool.device)] = pool[torch.tensor(list(src), device=pool.device)]
-            pools[name] = pool[:new_total].clone()
-        self.paged = replace(p, **pools)
+            if step.moves:
+                src = torch.tensor([m[0] for m in step.moves], device=pool.device)
+                pool[torch.tensor([m[1] for m in step.moves], device=pool.device)] = pool[src]
+            if pool.shape[0] > step.num_blocks:
+                pool = pool[:step.num_blocks].clone()
+            elif pool.shape[0] < step.num_blocks:
+                grown = torch.zeros(step.num_blocks, pool.shape[1], dtype=pool.dtype, device=pool.device)
+                grown[:pool.shape[0]] = pool
+                pool = grown
+            if step.copies:
+                src = torch.tensor([c[0] for c in step.copies], device=pool.device)
+                pool[torch.tensor([c[1] for c in step.copies], device=pool.device)] = pool[src]
+            changes[name] = pool
+        self.paged = replace(p, **changes)
 
     def pool_bytes(self) -> int:
         if self.paged is None:
@@ -650,7 +743,7 @@ class PagedCacheLayer:
                 k = k.float() * self.k_mult
             if self.v_centre is not None:
                 v = v.float() - self.v_centre
-            slots = cache._slots_rows(starts, counts, self.paged.device, self.group)
+            slots = cache._slots_rows(starts, counts, self.paged.device, self.group, valid)
             store(self.paged, k, v, slots, backend=cache.backend, checks=cache.checks)
         cache._record(start, valid, b, t)
 
