@@ -184,3 +184,23 @@ def test_fused_path_uses_a_backend_fused_kernel_when_it_has_one():
     store_k_fused(b, k, torch.arange(5), pos, rope=RopeSpec(), backend="reference")
     assert calls == [torch.Size([5, 2, 64])]
     assert torch.equal(a.k_pool, b.k_pool)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "turbo3", "q8_0"])
+def test_fused_store_applies_the_layer_transform(codec):
+    """k_mult / k_centre on the layer: the fused path stores norm_rope(k) * k_mult - k_centre
+    (the same bytes as storing those keys into a layer without the transform) and returns the
+    keys before the transform; store_v subtracts v_centre."""
+    torch.manual_seed(6)
+    h, d = 2, 64
+    k, v = torch.randn(7, h, d) * 2, torch.randn(7, h, d) + 3
+    mult, centre, vc = torch.rand(h, d) + 0.5, torch.randn(h, d), torch.randn(h, d) + 3
+    pos, slots, norm = torch.arange(7), torch.tensor([0, 3, -1, 5, 6, 9, 17]), NormSpec(torch.rand(d) + 0.5)
+    layer = make_layer(CODECS[codec], CODECS[codec], 2, 16, h, d, k_centre=centre, k_mult=mult, v_centre=vc)
+    bare = make_layer(CODECS[codec], CODECS[codec], 2, 16, h, d)
+    got = store_k_fused(layer, k, slots, pos, norm=norm, rope=RopeSpec())
+    store_v(layer, v, slots)
+    want = norm_rope(k, pos, norm, RopeSpec())
+    torch.testing.assert_close(got, want)
+    store(bare, want * mult - centre, v - vc, slots)
+    assert torch.equal(layer.k_pool, bare.k_pool) and torch.equal(layer.v_pool, bare.v_pool)

@@ -124,6 +124,57 @@ def test_k_centre_is_exact_with_cap_and_sinks(k):
         assert err_centred < 0.5 * err_plain, (err_centred, err_plain)
 
 
+TRANSFORM_PARAMS = [AttentionParams(scale=0.125),
+                    AttentionParams(scale=0.125, soft_cap=20.0, sinks=torch.tensor([0.5, -1.0, 2.0, 1.0, 0.0, -0.5]))]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.name for f in FORMATS])
+def test_every_pair_with_the_layer_transform(fmt):
+    """k_mult, k_centre and v_centre set (keys with per-channel scales over ~e^+-1 and an offset,
+    values with a per-head offset): the op's output equals attention over the dequantized rows
+    with the transform undone (fp32 rounding only, sinks included: v_centre enters times the
+    token weights' sum) and attention over the untransformed K/V within the codec's error."""
+    case = make_case(fmt.k, fmt.v, seq_lens=[19, 1, 33], num_kv_heads=2, group=3, head_dim=64,
+                     transform=True, seed=11)
+    assert case.layer.k_mult is not None and case.layer.v_centre is not None
+    for params in TRANSFORM_PARAMS:
+        _check_case(case, params)
+
+
+def test_bf16_transform_is_nearly_exact():
+    """bf16 with the transform (sinks and soft-cap on): within bf16 rounding of attention over
+    the untransformed K/V."""
+    params = TRANSFORM_PARAMS[1]
+    case = make_case(CODECS["bf16"], CODECS["bf16"], seq_lens=[40, 7], num_kv_heads=2, group=3,
+                     transform=True, seed=12)
+    for mode in ("decode", "prefill"):
+        exact = oracle_outputs(case, params, mode=mode, quantized=False)
+        out = run_op(case, params, mode=mode).double()
+        assert rms(out - exact) <= 2e-2 * rms(exact), (mode, rms(out - exact), rms(exact))
+
+
+def test_transform_tensors_are_validated():
+    from pagedkv.errors import InvalidInput
+    from pagedkv.ops import api, make_layer
+
+    layer = make_layer(CODECS["turbo3"], CODECS["turbo3"], 2, 16, 2, 64)
+    k = torch.randn(3, 2, 64)
+    slots = torch.arange(3)
+    bad_shape = make_layer(CODECS["turbo3"], CODECS["turbo3"], 2, 16, 2, 64, v_centre=torch.zeros(2, 32))
+    with pytest.raises(InvalidInput, match=r"layer.v_centre must be None or float32 \[2, 64\]"):
+        api.store(bad_shape, k, k, slots)
+    zero = torch.ones(2, 64)
+    zero[1, 3] = 0.0
+    for name, value, match in (("k_mult", zero, "k_mult holds zeros"),
+                               ("k_centre", torch.full((2, 64), float("nan")), "k_centre holds NaN"),
+                               ("v_centre", torch.full((2, 64), float("inf")), "v_centre holds NaN or Inf")):
+        bad = make_layer(CODECS["turbo3"], CODECS["turbo3"], 2, 16, 2, 64, **{name: value})
+        with pytest.raises(InvalidInput, match=match):
+            api.store(bad, k, k, slots)
+        assert not bool(bad.k_pool.any()) and not bool(bad.v_pool.any())  # nothing was written
+    api.store(layer, k, k, slots)
+
+
 @pytest.mark.parametrize("threshold", [1e-3, 2e-2])
 def test_sparse_v_error_is_bounded_and_measured(threshold):
     case = make_case(CODECS["turbo3"], CODECS["turbo3"], seq_lens=[90, 60], group=3, q_scale=3.0, seed=7)

@@ -66,8 +66,10 @@ def test_store_writes_the_reference_bytes(name):
     t, h, d = 23, 2, 64
     k, v, slots = _store_inputs(0, t, h, d)
     centre = torch.randn(h, d, generator=torch.Generator().manual_seed(1))
-    layers = [make_layer(codec, codec, 4, 16, h, d, k_scale=0.5, v_scale=2.0, k_centre=centre, device=DEVICE)
-              for _ in range(2)]
+    tgen = torch.Generator().manual_seed(2)
+    k_mult, v_centre = torch.rand(h, d, generator=tgen) + 0.5, torch.randn(h, d, generator=tgen)
+    layers = [make_layer(codec, codec, 4, 16, h, d, k_scale=0.5, v_scale=2.0, k_centre=centre,
+                         k_mult=k_mult, v_centre=v_centre, device=DEVICE) for _ in range(2)]
     api.store(layers[0], k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), backend="reference")
     api.store(layers[1], k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), backend=BACKEND)
     # On a GPU the WHT sums in another order than the reference's cuBLAS matmul: an element within
@@ -124,7 +126,8 @@ def test_store_then_attend():
     """The Triton store feeding the Triton attention, compared with the reference end to end."""
     cases = [CheckCase("turbo3", "turbo2", seq_lens=(40, 7), centre=True, k_offset=3.0),
              CheckCase("q4_0", "turbo4", seq_lens=(25,), head_dim=96, group=2),
-             CheckCase("bf16", "fp8", seq_lens=(17, 3), sliding_window=8)]
+             CheckCase("bf16", "fp8", seq_lens=(17, 3), sliding_window=8),
+             CheckCase("turbo4", "q4_0", seq_lens=(30, 6), group=2, transform=True, sinks=True)]
     check_backend(**ATTN, store=tr.store, cases=cases, device=DEVICE, **TOL)
 
 
@@ -243,7 +246,9 @@ def test_fused_norm_rope_store_k(name, norm_on, rope_kind):
         pos = torch.stack([pos, pos // 3, pos % 5])
     pos = pos.to(DEVICE)
     centre = torch.randn(h, d, generator=gen)
-    layers = [make_layer(codec, codec, 3, 16, h, d, k_scale=0.25, k_centre=centre, device=DEVICE) for _ in range(3)]
+    k_mult = (torch.rand(h, d, generator=gen) + 0.5) if norm_on else None  # k_mult: the torch prologue
+    layers = [make_layer(codec, codec, 3, 16, h, d, k_scale=0.25, k_centre=centre, k_mult=k_mult, device=DEVICE)
+              for _ in range(3)]
     want = store_k_fused(layers[0], k, slots, pos, norm=norm, rope=rope, backend="reference")
     got = store_k_fused(layers[1], k, slots, pos, norm=norm, rope=rope, backend=BACKEND)  # the hook
     assert bool((triton_fused(layers[2], k, slots, pos, norm=norm, rope=rope) == got).all())

@@ -6,7 +6,7 @@
 - `oracle_attention(...)`: fp64 attention of one sequence over given K/V; torch SDPA when the
   case has no soft-cap / sinks / sparse-V, else plain math (sinks as an extra softmax column).
 - `oracle_outputs(case, ...)`: decode / prefill outputs of a whole case from the oracle.
-- `expected_error_rms(...)`: the output error a codec's measured NMSE predicts (first order):
+- `expected_error_rms(...)`: the output error a codec's measured error predicts (first order):
   V error sum_j p_j e_j and K error sum_j p_j ds_j (v_j - o), with e, ds from the NMSE.
 """
 
@@ -29,7 +29,9 @@ class Case:
     """One batch of sequences stored in a layer.
 
     k, v: per sequence float32 [n_b, H, D] as given to store (keys include the centre).
-    k_deq, v_deq: the same after the codec round trip (float64, original basis, centre added).
+    k_deq, v_deq: the same after the codec round trip (float64, original basis, the layer's
+    transform undone: k_deq = (roundtrip(k * k_mult - k_centre) + k_centre) / k_mult,
+    v_deq = roundtrip(v - v_centre) + v_centre).
     q_decode: float32 [B, Hq, D] (query at position n_b - 1).
     q_prefill: float32 [Tq, Hq, D] packed; query_start_loc int32 [B+1]; q_lens per sequence.
     """
@@ -60,12 +62,16 @@ def make_case(k_codec: Codec, v_codec: Codec, *, seq_lens: Sequence[int], q_lens
               num_kv_heads: int = 2, group: int = 1, head_dim: int = 64, block_size: int = 16,
               k_offset: float = 0.0, centre: bool = False, k_scale: float = 1.0, v_scale: float = 1.0,
               q_scale: float = 1.0, seed: int = 0, spare_blocks: int = 3, store_backend="reference",
-              device: torch.device | str = "cpu") -> Case:
+              transform: bool = False, device: torch.device | str = "cpu") -> Case:
     """Random K/V for `seq_lens` stored through shuffled block tables (plus padding slots -1).
 
     k_offset: magnitude of a per-head constant added to every key (real keys have a large mean);
     centre: set layer.k_centre to the mean key per head (stored keys become k - centre).
     q_lens: prefill query counts per sequence (default min(n, 5)).
+    transform: give the data what the per-layer transform is for (per-channel key scales spread
+    over ~e^+-1, a value offset per head) and set layer.k_mult (the inverse key scales),
+    layer.k_centre (the mean multiplied key) and layer.v_centre (the mean value); drawn from
+    their own generator, so the other draws of a seed do not change.
     device: where the layer, tables and queries live (the unquantized K/V stay on the CPU).
     store_backend: backend of the store (default the reference; None = automatic dispatch).
     """
@@ -83,11 +89,20 @@ def make_case(k_codec: Codec, v_codec: Codec, *, seq_lens: Sequence[int], q_lens
     offset = k_offset * torch.randn(h, d, generator=gen)
     ks = [torch.randn(n, h, d, generator=gen) + offset for n in seq_lens]
     vs = [torch.randn(n, h, d, generator=gen) for n in seq_lens]
-    k_centre = None
-    if centre:
+    k_centre = k_mult = v_centre = None
+    if transform:
+        tgen = torch.Generator().manual_seed(10_000 + seed)
+        spread = torch.exp(torch.randn(h, d, generator=tgen))
+        v_offset = 3.0 * torch.randn(h, d, generator=tgen)
+        ks = [kb * spread + 2.0 * spread * torch.randn(h, d, generator=tgen) for kb in ks]
+        vs = [vb + v_offset for vb in vs]
+        k_mult = 1.0 / spread
+        k_centre = torch.cat([kb * k_mult for kb in ks]).mean(0) if sum(seq_lens) else torch.zeros(h, d)
+        v_centre = torch.cat(vs).mean(0) if sum(seq_lens) else torch.zeros(h, d)
+    elif centre:
         k_centre = torch.cat(ks).mean(0) if sum(seq_lens) else torch.zeros(h, d)
     layer = make_layer(k_codec, v_codec, num_blocks, bs, h, d, k_scale=k_scale, v_scale=v_scale,
-                       k_centre=k_centre, device=device)
+                       k_centre=k_centre, k_mult=k_mult, v_centre=v_centre, device=device)
 
     # One store call for the whole batch, with padding rows (slot -1) between sequences.
     rows_k, rows_v, slots = [], [], []
@@ -101,8 +116,12 @@ def make_case(k_codec: Codec, v_codec: Codec, *, seq_lens: Sequence[int], q_lens
               backend=store_backend)
 
     c = torch.zeros(h, d) if k_centre is None else k_centre
-    k_deq = [codec_ref.roundtrip(k_codec, kb - c, _tensor_scale(k_codec, k_scale)).double() + c.double() for kb in ks]
-    v_deq = [codec_ref.roundtrip(v_codec, vb, _tensor_scale(v_codec, v_scale)).double() for vb in vs]
+    m = torch.ones(h, d) if k_mult is None else k_mult
+    vc = torch.zeros(h, d) if v_centre is None else v_centre
+    k_deq = [(codec_ref.roundtrip(k_codec, kb * m - c, _tensor_scale(k_codec, k_scale)).double() + c.double())
+             / m.double() for kb in ks]
+    v_deq = [codec_ref.roundtrip(v_codec, vb - vc, _tensor_scale(v_codec, v_scale)).double() + vc.double()
+             for vb in vs]
 
     hq = h * group
     q_decode = q_scale * torch.randn(len(seq_lens), hq, d, generator=gen)
@@ -190,27 +209,18 @@ def run_op(case: Case, params: AttentionParams, *, mode: str, backend="reference
     return f(case.q_prefill, case.layer, case.block_tables, case.seq_lens, case.query_start_loc, params)
 
 
-def measured_nmse(exact: list, deq: list, centre: Optional[torch.Tensor] = None) -> float:
-    """Codec NMSE measured on a case: mean squared round-trip error / mean square of what was stored."""
-    c = 0.0 if centre is None else centre.cpu().double()
-    err = sum(float(((d - e.double()) ** 2).sum()) for e, d in zip(exact, deq))
-    power = sum(float(((e.double() - c) ** 2).sum()) for e in exact)
-    return err / max(power, 1e-30)
-
-
 def expected_error_rms(case: Case, params: AttentionParams, *, mode: str) -> float:
-    """RMS output error (per element) predicted from the codecs' NMSE measured on this case.
+    """RMS output error (per element) predicted from the codecs' error measured on this case.
 
-    First order, with iid per-element errors of variance nmse * (mean square of the stored
-    values): a K error moves logit j by ds_j = scale * q . e_kj (variance
-    scale^2 |q|^2 nmse_k ms(k - c)) and the output by sum_j p_j ds_j (v_j - o); a V error moves
-    it by sum_j p_j e_vj. Independent errors add in quadrature.
+    First order, with iid per-element errors of the measured mean square (in the original
+    basis: the codec's NMSE times the mean square of what was stored, mapped back through the
+    layer's transform): a K error moves logit j by ds_j = scale * q . e_kj (variance
+    scale^2 |q|^2 ms(e_k)) and the output by sum_j p_j ds_j (v_j - o); a V error moves it by
+    sum_j p_j e_vj. Independent errors add in quadrature.
     """
     layer = case.layer
-    nmse_k = measured_nmse(case.k, case.k_deq, layer.k_centre)
-    nmse_v = measured_nmse(case.v, case.v_deq)
-    c = 0.0 if layer.k_centre is None else layer.k_centre.cpu().double()
-    ms_k = sum(float(((k.double() - c) ** 2).sum()) for k in case.k) / max(sum(k.numel() for k in case.k), 1)
+    ms_err_k = _mean_square_error(case.k, case.k_deq)
+    ms_err_v = _mean_square_error(case.v, case.v_deq)
     total, count = 0.0, 0
     positions = decode_positions(case) if mode == "decode" else prefill_positions(case)
     starts = case.query_start_loc.tolist()
@@ -226,12 +236,17 @@ def expected_error_rms(case: Case, params: AttentionParams, *, mode: str) -> flo
         vv = case.v[b].double().repeat_interleave(hq // layer.num_kv_heads, dim=1).transpose(0, 1)  # [Hq, n, D]
         spread = ((vv[:, None, :, :] - out.transpose(0, 1)[:, :, None, :]) ** 2).mean(-1)  # [Hq, Tq, n]
         q2 = (q.cpu().double() ** 2).sum(-1).transpose(0, 1)  # [Hq, Tq]
-        var_s = params.scale ** 2 * q2 * nmse_k * ms_k  # logit error variance
+        var_s = params.scale ** 2 * q2 * ms_err_k  # logit error variance
         e_k = var_s * (p ** 2 * spread).sum(-1)
-        e_v = nmse_v * float((vv ** 2).mean()) * (p ** 2).sum(-1)
+        e_v = ms_err_v * (p ** 2).sum(-1)
         total += float((e_k + e_v).sum())
         count += e_k.numel()
     return (total / max(count, 1)) ** 0.5
+
+
+def _mean_square_error(exact: list, deq: list) -> float:
+    err = sum(float(((d - e.double()) ** 2).sum()) for e, d in zip(exact, deq))
+    return err / max(sum(e.numel() for e in exact), 1)
 
 
 def sparse_interval(case: Case, params: AttentionParams, *, mode: str):
@@ -239,7 +254,9 @@ def sparse_interval(case: Case, params: AttentionParams, *, mode: str):
 
     The reference drops the set S of positions with exact weight p_j < t; a fast path may drop
     any subset of S, so o_fast - o_ref = sum over the kept part of S of p_j v_j, which lies
-    elementwise in [sum_S min(0, p_j v_j), sum_S max(0, p_j v_j)].
+    elementwise in [sum_S min(0, p_j v_j), sum_S max(0, p_j v_j)]. With a value centre c only
+    the stored residual v_j - c is dropped (c enters with the weights' full sum), so v_j - c
+    stands for v_j there.
     """
     t = params.sparse_v_threshold
     exact = AttentionParams(scale=params.scale, sliding_window=params.sliding_window,
@@ -256,7 +273,8 @@ def sparse_interval(case: Case, params: AttentionParams, *, mode: str):
             continue
         _, p = oracle_attention(q, case.k_deq[b], case.v_deq[b], pos, exact, return_weights=True)
         dropped = p * (p < t)  # [Hq, Tq, n]
-        vv = case.v_deq[b].repeat_interleave(q.shape[1] // case.layer.num_kv_heads, dim=1).transpose(0, 1)  # [Hq, n, D]
+        vc = 0.0 if case.layer.v_centre is None else case.layer.v_centre.cpu().double()
+        vv = (case.v_deq[b] - vc).repeat_interleave(q.shape[1] // case.layer.num_kv_heads, dim=1).transpose(0, 1)  # [Hq, n, D]
         lo.append((dropped @ vv.clamp(max=0)).transpose(0, 1))
         hi.append((dropped @ vv.clamp(min=0)).transpose(0, 1))
     return torch.cat(lo), torch.cat(hi)

@@ -51,6 +51,7 @@ class CheckCase:
     soft_cap: Optional[float] = None
     sinks: bool = False
     sparse_v_threshold: float = 0.0
+    transform: bool = False
     seed: int = 0
 
     @property
@@ -58,7 +59,7 @@ class CheckCase:
         extras = [f"{k}={v}" for k, v in (("window", self.sliding_window), ("cap", self.soft_cap),
                                           ("sparse", self.sparse_v_threshold or None))
                   if v is not None]
-        extras += ["sinks"] * self.sinks + ["centre"] * self.centre
+        extras += ["sinks"] * self.sinks + ["centre"] * self.centre + ["transform"] * self.transform
         return (f"k={self.k_codec} v={self.v_codec} H={self.num_kv_heads}x{self.group} D={self.head_dim} "
                 f"bs={self.block_size} lens={list(self.seq_lens)} {' '.join(extras)}").strip()
 
@@ -74,7 +75,7 @@ class CheckCase:
                          q_lens=self.q_lens, num_kv_heads=self.num_kv_heads, group=self.group,
                          head_dim=self.head_dim, block_size=self.block_size, centre=self.centre,
                          k_offset=self.k_offset, seed=self.seed, store_backend=store_backend,
-                         device=device)
+                         transform=self.transform, device=device)
 
 
 def all_pairs() -> list:
@@ -83,9 +84,12 @@ def all_pairs() -> list:
 
 
 def default_cases(pairs: Optional[Iterable] = None) -> list:
-    """A compact grid: every pair on a tiny ragged batch, then settings on a few pairs."""
+    """A compact grid: every pair on a tiny ragged batch (every other pair with the per-layer
+    transform k_mult / k_centre / v_centre, so each codec meets it on both sides), then settings
+    on a few pairs (the transform with sinks, soft-cap, sparse V and prefill among them)."""
     pairs = all_pairs() if pairs is None else list(pairs)
-    cases = [CheckCase(k, v, seq_lens=(19, 1, 33), num_kv_heads=1, group=2) for k, v in pairs]
+    cases = [CheckCase(k, v, seq_lens=(19, 1, 33), num_kv_heads=1, group=2, transform=bool(i % 2))
+             for i, (k, v) in enumerate(pairs)]
     few = [("turbo3", "turbo3"), ("fp8", "turbo2"), ("bf16", "turbo4"), ("turbo4", "q8_0")]
     for (k, v), extra in zip(itertools.cycle(few), [
         dict(group=1, head_dim=128, block_size=32),
@@ -94,6 +98,10 @@ def default_cases(pairs: Optional[Iterable] = None) -> list:
         dict(group=3, sparse_v_threshold=1e-2),
         dict(centre=True, k_offset=4.0, seq_lens=(70, 5)),
         dict(q_lens=(37, 1, 20), sliding_window=9, soft_cap=20.0),
+        dict(group=3, sinks=True, soft_cap=20.0, transform=True, seq_lens=(40, 0, 9)),
+        dict(group=3, sparse_v_threshold=1e-2, transform=True),
+        dict(q_lens=(30, 1, 12), sinks=True, transform=True, head_dim=128),
+        dict(group=4, num_kv_heads=2, transform=True, sliding_window=12, seq_lens=(50, 3)),
     ]):
         cases.append(CheckCase(k, v, **extra))
     return cases

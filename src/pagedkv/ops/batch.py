@@ -19,8 +19,16 @@ class PagedLayer:
 
     k_pool, v_pool: uint8 [num_blocks, k/v block bytes] (data section then scale section).
     k_scale, v_scale: float32 [1]; the fp8 per-layer tensor scale (1.0 for other codecs).
-    k_centre: optional float32 [num_kv_heads, head_dim]; stored keys are k - k_centre and
-    attention adds q . k_centre back, so results stay exact with soft-cap and sinks.
+
+    The per-layer transform (all optional float32 [num_kv_heads, head_dim], None = identity),
+    applied by every backend's store and attention so callers never transform around the ops:
+    - k_mult: stored keys are `k * k_mult - k_centre`; attention divides q by k_mult (per kv
+      head, broadcast over its GQA group), so q . k is unchanged;
+    - k_centre: in the multiplied space (as `integrations.calibration.Calibration` defines it);
+      attention adds (q / k_mult) . k_centre back to every logit, so results stay exact with
+      soft-cap and sinks;
+    - v_centre: stored values are `v - v_centre`; attention adds v_centre times the sum of the
+      token weights (one minus the sinks' weight; before any sparse-V drop) to the output.
     """
 
     k_pool: torch.Tensor
@@ -33,6 +41,13 @@ class PagedLayer:
     k_scale: torch.Tensor
     v_scale: torch.Tensor
     k_centre: Optional[torch.Tensor] = None
+    k_mult: Optional[torch.Tensor] = None
+    v_centre: Optional[torch.Tensor] = None
+
+    @property
+    def has_transform(self) -> bool:
+        """True when any of k_mult / k_centre / v_centre is set."""
+        return self.k_mult is not None or self.k_centre is not None or self.v_centre is not None
 
     @property
     def num_blocks(self) -> int:
@@ -64,11 +79,13 @@ class AttentionParams:
 
 def make_layer(k_codec: Codec, v_codec: Codec, num_blocks: int, block_size: int,
                num_kv_heads: int, head_dim: int, *, k_scale: float = 1.0, v_scale: float = 1.0,
-               k_centre: Optional[torch.Tensor] = None,
+               k_centre: Optional[torch.Tensor] = None, k_mult: Optional[torch.Tensor] = None,
+               v_centre: Optional[torch.Tensor] = None,
                device: torch.device | str = "cpu") -> PagedLayer:
     """A PagedLayer with zeroed pools sized from the codecs (tests, benchmarks, simple callers).
 
     Pools: uint8 [num_blocks, codec.block_bytes(block_size, num_kv_heads, head_dim)] per side.
+    k_centre / k_mult / v_centre: the per-layer transform (see PagedLayer), float [H, D] or None.
     Raises ConfigError if a codec cannot store `head_dim`.
     """
     from ..errors import ConfigError
@@ -88,5 +105,11 @@ def make_layer(k_codec: Codec, v_codec: Codec, num_blocks: int, block_size: int,
         head_dim=head_dim,
         k_scale=torch.tensor([float(k_scale)], dtype=torch.float32, device=device),
         v_scale=torch.tensor([float(v_scale)], dtype=torch.float32, device=device),
-        k_centre=None if k_centre is None else k_centre.to(device, torch.float32),
+        k_centre=_f32(k_centre, device),
+        k_mult=_f32(k_mult, device),
+        v_centre=_f32(v_centre, device),
     )
+
+
+def _f32(x: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    return None if x is None else x.to(device, torch.float32).contiguous()

@@ -159,7 +159,8 @@ def store_k_fused(layer: PagedLayer, k: torch.Tensor, slot_mapping: torch.Tensor
 
     k: float [T, num_kv_heads, head_dim] (projection output, before norm and RoPE);
     slot_mapping: int64 [T] (negative = skip); positions: int [T] ([3, T] when
-    rope.multimodal; unused without rope). Returns float32 [T, H, D] (before k_centre).
+    rope.multimodal; unused without rope). Returns float32 [T, H, D] (before k_mult and k_centre,
+    which the store applies: `pagedkv.ops.transform`).
     """
     validate.check_store(layer, k, None, slot_mapping, checks)
     _check_fused(layer, k, positions, norm, rope, slot_mapping)

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..errors import InvalidInput
+from . import transform
 from .batch import AttentionParams, PagedLayer
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,7 +38,8 @@ def check_finite(name: str, x: torch.Tensor) -> None:
         raise InvalidInput(f"{name} holds NaN or Inf values")
 
 
-def check_layer(layer) -> None:
+def check_layer(layer, values: bool = False) -> None:
+    """Types, shapes and devices of the layer's tensors; with `values`, the transform's values."""
     if not isinstance(layer, PagedLayer):
         raise InvalidInput(f"layer must be a PagedLayer, got {type(layer).__name__}")
     dev = layer.k_pool.device
@@ -60,19 +62,25 @@ def check_layer(layer) -> None:
         s = getattr(layer, side)
         if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1:
             raise InvalidInput(f"layer.{side} must be a float32 [1] tensor, got {s!r}")
-    if layer.k_centre is not None:
-        c = layer.k_centre
+    for name in ("k_centre", "k_mult", "v_centre"):
+        c = getattr(layer, name)
+        if c is None:
+            continue
         if (not isinstance(c, torch.Tensor) or c.dtype != torch.float32
                 or tuple(c.shape) != (layer.num_kv_heads, layer.head_dim) or c.device != dev):
             raise InvalidInput(
-                f"layer.k_centre must be float32 [{layer.num_kv_heads}, {layer.head_dim}] on {dev}, "
-                f"got {getattr(c, 'dtype', type(c))} {tuple(getattr(c, 'shape', ()))}"
+                f"layer.{name} must be None or float32 [{layer.num_kv_heads}, {layer.head_dim}] on "
+                f"{dev}, got {getattr(c, 'dtype', type(c))} {tuple(getattr(c, 'shape', ()))}"
             )
+    if values:
+        why = transform.check_values(layer)
+        if why is not None:
+            raise InvalidInput(why)
 
 
 def check_store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 slot_mapping: torch.Tensor, values: bool) -> None:
-    check_layer(layer)
+    check_layer(layer, values)
     dev = layer.device
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), dim=1, device=dev)
     t = slot_mapping.shape[0]
@@ -158,7 +166,7 @@ def _check_tables(layer: PagedLayer, block_tables, seq_lens, batch: int, values:
 
 
 def check_decode(q, layer, block_tables, seq_lens, params, values: bool) -> None:
-    check_layer(layer)
+    check_layer(layer, values)
     _check_q(q, layer)
     _check_tables(layer, block_tables, seq_lens, q.shape[0], values)
     check_params(params, q.shape[1], layer.device)
@@ -167,7 +175,7 @@ def check_decode(q, layer, block_tables, seq_lens, params, values: bool) -> None
 
 
 def check_prefill(q, layer, block_tables, seq_lens, query_start_loc, params, values: bool) -> None:
-    check_layer(layer)
+    check_layer(layer, values)
     _check_q(q, layer)
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), dim=1, device=layer.device)
     batch = seq_lens.shape[0]

@@ -1,12 +1,15 @@
 """Python side of the fast CPU attention: describe the codecs, prepare q, call the C kernel.
 
 What happens around the kernel (once per call, O(Tq * Hq * D), never O(context)):
-- q float [Tq, Hq, D] -> fp32; rotated by the WHT when K is stored rotated; multiplied by
+- q float [Tq, Hq, D] -> fp32, divided by `layer.k_mult` (per kv head, `ops.transform`);
+  rotated by the WHT when K is stored rotated; multiplied by
   `params.scale` (and the fp8 K tensor scale), so the kernel's score is a plain dot product;
 - `layer.k_centre` [H, D] -> a per-query bias `scale * q . k_centre` [Tq, Hq] added to every
   score (keys are stored as k - centre, before the rotation);
 - the output [Tq, Hq, D] fp32 is multiplied by the fp8 V tensor scale (inside the kernel) and
-  un-rotated when V is stored rotated, then cast to q's dtype.
+  un-rotated when V is stored rotated; `layer.v_centre` is added (times each row's token-weight
+  sum: 1, or 0 for an empty decode row; with sinks the kernel does not report the sinks' weight,
+  so that one case runs the reference ops instead, `_reference_attention`); then cast to q's dtype.
 
 A codec side is described to the kernel by its properties (`side_desc`): code bits, how a code
 becomes a value (bf16 raw, E4M3 bits, int8, or a table lookup), group size and scale type, the
@@ -26,6 +29,7 @@ from ...codecs import wht
 from ...codecs.catalogue import Codec, ScaleType, ValueKind
 from ...codecs.floats import e4m3_table
 from ...errors import InvalidInput
+from .. import transform
 from ..batch import AttentionParams, PagedLayer
 
 EK_BF16, EK_LUT, EK_E4M3, EK_I8 = 0, 1, 2, 3
@@ -131,10 +135,12 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     """
     if layer.k_pool.stride(1) != 1 or layer.v_pool.stride(1) != 1:
         raise InvalidInput("the CPU kernel needs pools with contiguous rows (stride 1 along bytes)")
+    if layer.v_centre is not None and params.sinks is not None:
+        return _reference_attention(q, layer, block_tables, seq_lens, query_start_loc, params)
     tq, hq, hd = q.shape
     h = layer.num_kv_heads
     g = hq // h
-    qf = q.float()
+    qf = transform.query_for_keys(layer, q)
     q_scale = params.scale * _tensor_scale(layer.k_codec, layer.k_scale)
     # one query-sized buffer either way (scaled in place after the rotation's copy)
     qk = wht.rotate(qf).mul_(q_scale) if layer.k_codec.rotated else (qf * q_scale).contiguous()
@@ -184,4 +190,18 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     if layer.v_codec.rotated:  # into the query buffer, dead by now: no third [Tq, Hq, D] buffer
         del bias
         out = torch.matmul(out, wht.rotation_matrix(hd, out.device), out=qk)
+    if layer.v_centre is not None:
+        transform.add_value_centre(layer, out, transform.rows_weight_sum(lens, qsl, hq, out.device))
     return out.to(q.dtype)
+
+
+def _reference_attention(q, layer, block_tables, seq_lens, query_start_loc, params) -> torch.Tensor:
+    """The reference ops for the one case the kernel cannot finish (v_centre with sinks needs the
+    sinks' weight, which the kernel does not return): decode when every sequence has one query
+    (an empty sequence then gives zeros, as in decode), else packed prefill."""
+    from .. import reference
+
+    qsl = query_start_loc.long()
+    if bool(((qsl[1:] - qsl[:-1]) == 1).all()):
+        return reference.decode_attention(q, layer, block_tables, seq_lens, params)
+    return reference.prefill_attention(q, layer, block_tables, seq_lens, query_start_loc, params)

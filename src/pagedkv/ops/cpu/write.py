@@ -1,7 +1,8 @@
 """Python side of the fast CPU cache write: describe the codec, rotate if needed, call the C store.
 
 `store(layer, k, v, slot_mapping)` has the reference signature (`pagedkv.ops.reference.store`)
-and writes the same bytes: per side, keys centred by `layer.k_centre`, fp8 divided by its tensor
+and writes the same bytes: per side, keys multiplied by `layer.k_mult` (in torch, before the C
+call) and centred by `layer.k_centre`, values centred by `layer.v_centre`, fp8 divided by its tensor
 scale, rows with a negative slot skipped. For a rotated codec the rows are centred and rotated
 here in torch exactly as the reference does (same ops on the same kept rows, so the rotated
 values are bit-identical); everything else happens in one C call per side (`store_kernel.c`):
@@ -29,6 +30,7 @@ import torch
 from ...codecs import wht
 from ...codecs.catalogue import Codec, ScaleType, ValueKind
 from ...errors import InvalidInput
+from .. import transform
 from ..batch import PagedLayer
 from ..reference.store import store_side as reference_store_side
 
@@ -176,6 +178,7 @@ def store(lib, layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.T
           slot_mapping: torch.Tensor) -> None:
     """Reference-signature store (plus the loaded library): K side first, then V."""
     if k is not None:
-        store_side(lib, layer, layer.k_codec, layer.k_pool, layer.k_scale, k, layer.k_centre, slot_mapping)
+        store_side(lib, layer, layer.k_codec, layer.k_pool, layer.k_scale, transform.keys_to_store(layer, k),
+                   layer.k_centre, slot_mapping)
     if v is not None:
-        store_side(lib, layer, layer.v_codec, layer.v_pool, layer.v_scale, v, None, slot_mapping)
+        store_side(lib, layer, layer.v_codec, layer.v_pool, layer.v_scale, v, layer.v_centre, slot_mapping)

@@ -6,7 +6,9 @@ computes fp32 attention and un-rotates the output once when V is rotated. It mat
 sequence's context in fp32 at a time: fine for an oracle, not for speed.
 
 Semantics (the fast paths must match):
-- logits s_j = scale * (q . (k_j - c) + q . c) with c = layer.k_centre (or 0), then soft-cap
+- the per-layer transform (`pagedkv.ops.transform`): q' = q / layer.k_mult (or q); stored keys
+  are k_j * k_mult - c with c = layer.k_centre (or 0), stored values v_j - layer.v_centre;
+- logits s_j = scale * (q' . (k_j m - c) + q' . c) (= scale * q . k_j), then soft-cap
   `cap * tanh(s / cap)`;
 - visibility: key j is seen by a query at position p iff j <= p and (no window or j > p - W);
 - sinks (one logit per q head, used as given: not scaled, not capped) join the denominator:
@@ -14,6 +16,8 @@ Semantics (the fast paths must match):
 - sparse V: with threshold t > 0, positions with p_j < t contribute nothing; the kept weights
   are NOT renormalised, so out = sum_{p_j >= t} p_j v_j (a fast path skips the V reads of a
   subset of these positions, see docs/internals.md "Sparse V");
+- value centre: out += v_centre * sum_j p_j (all token weights, before the sparse-V drop: 1
+  without sinks, less with them), so the centre itself is exact even under sparse V;
 - a decode sequence of length 0 (batch padding) outputs zeros;
 - the output has q's dtype; all arithmetic is fp32.
 """
@@ -26,6 +30,7 @@ from ...codecs import reference as codec_ref
 from ...codecs import wht
 from ...codecs.catalogue import Codec
 from ...codecs.layout import block_views
+from .. import transform
 from ..batch import AttentionParams, PagedLayer
 from .store import tensor_scale
 
@@ -57,7 +62,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, lay
     """
     tq, hq, d = q.shape
     h = layer.num_kv_heads
-    qf = q.float().reshape(tq, h, hq // h, d)
+    qf = transform.query_for_keys(layer, q).reshape(tq, h, hq // h, d)
     qk = wht.rotate(qf) if layer.k_codec.rotated else qf
     s = torch.einsum("thgd,nhd->hgtn", qk, k)
     if layer.k_centre is not None:
@@ -103,12 +108,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     """
     tq, hq, d = q.shape
     p = attention_weights(q, k, q_pos, layer, params)
+    weight_sum = p.sum(-1).permute(2, 0, 1).reshape(tq, hq) if layer.v_centre is not None else None
     if params.sparse_v_threshold > 0:
         p = torch.where(p < params.sparse_v_threshold, torch.zeros_like(p), p)
     out = torch.einsum("hgtn,nhd->thgd", p, v)
     if layer.v_codec.rotated:
         out = wht.unrotate(out)
-    return out.reshape(tq, hq, d)
+    out = out.reshape(tq, hq, d)
+    if weight_sum is not None:
+        transform.add_value_centre(layer, out, weight_sum)
+    return out
 
 
 def _sequence_kv(layer: PagedLayer, block_table: torch.Tensor, n: int):

@@ -12,6 +12,7 @@ import torch
 from ...codecs import reference as codec_ref
 from ...codecs.catalogue import Codec, ScaleType
 from ...codecs.layout import block_views
+from .. import transform
 from ..batch import PagedLayer
 
 
@@ -43,13 +44,17 @@ def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor
     """Write new keys and values into the layer's pools.
 
     k, v: float [T, num_kv_heads, head_dim] (either may be None to store one side only);
-    slot_mapping: int64 [T], negative = skip. Keys are stored as k - layer.k_centre when a
-    centre is set; fp8 uses layer.k_scale / layer.v_scale as its tensor scale.
+    slot_mapping: int64 [T], negative = skip. Keys are stored as k * layer.k_mult -
+    layer.k_centre, values as v - layer.v_centre (each term when set, `pagedkv.ops.transform`);
+    fp8 uses layer.k_scale / layer.v_scale as its tensor scale.
     """
     if k is not None:
-        kf = k.float()
+        kf = transform.keys_to_store(layer, k).float()
         if layer.k_centre is not None:
             kf = kf - layer.k_centre.to(kf.device, torch.float32)
         store_side(layer, layer.k_codec, layer.k_pool, layer.k_scale, kf, slot_mapping)
     if v is not None:
-        store_side(layer, layer.v_codec, layer.v_pool, layer.v_scale, v.float(), slot_mapping)
+        vf = v.float()
+        if layer.v_centre is not None:
+            vf = vf - layer.v_centre.to(vf.device, torch.float32)
+        store_side(layer, layer.v_codec, layer.v_pool, layer.v_scale, vf, slot_mapping)

@@ -11,7 +11,9 @@ Launch plan (one query token per sequence):
 
 Rotation bookends: q is rotated once before the kernel when K is stored rotated; the output is
 un-rotated once after the reduce when V is; q . k_centre is added to every logit (a per-row
-bias computed once). All accumulation is fp32.
+bias computed once). The per-layer transform (`pagedkv.ops.transform`): q is divided by k_mult
+first; with v_centre the reduce also writes each row's token-weight sum W (sinks excluded) and
+v_centre * W is added after the un-rotation. All accumulation is fp32.
 
 Sparse V (threshold t > 0) needs each weight's final value, which split-K only knows after the
 reduce, so it runs the same kernels twice: PASS 1 reads only K to get the partial statistics,
@@ -33,6 +35,7 @@ import triton.language as tl
 
 from ...codecs import wht
 from ...errors import ConfigError
+from .. import transform
 from ..batch import AttentionParams, PagedLayer
 from .common import dot, load_rows, soft_cap_logits
 from .spec import codec_spec, codec_tables
@@ -152,11 +155,13 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_p
 
 
 @triton.jit
-def _reduce_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, lens_ptr, out_ptr, gm_ptr, gz_ptr,
+def _reduce_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, lens_ptr, out_ptr, gm_ptr, gz_ptr, w_ptr,
                    HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, MODE: tl.constexpr,
-                   HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HAS_SINKS: tl.constexpr, WANT_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
     """MODE 0: merge partials into the output; 1: merge statistics only (sparse V, to gm/gz);
-    2: sum the already-normalised partial outputs (sparse V)."""
+    2: sum the already-normalised partial outputs (sparse V). WANT_W (modes 0 and 1): also write
+    the row's token-weight sum sum_j p_j (the sinks' weight excluded; 0 for an empty row)."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     row = b * HQ + hq
@@ -179,8 +184,11 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, lens_ptr, out_ptr, gm_ptr, 
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         w = tl.exp(m - mx)  # empty partitions (m = -inf) weigh 0
         z = tl.sum(w * l, axis=0)
+        zt = z
         if HAS_SINKS:
             z += tl.exp(sink - mx)
+        if WANT_W:
+            tl.store(w_ptr + row, zt / tl.where(z > 0, z, 1.0))
         if MODE == 1:
             tl.store(gm_ptr + row, mx)
             tl.store(gz_ptr + row, tl.where(z > 0, z, 1.0))
@@ -224,8 +232,9 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int
 
 
 def prepare_query(q: torch.Tensor, layer: PagedLayer):
-    """(q in the K basis, fp32 contiguous; q . k_centre float32 [..., Hq] or None)."""
-    qf = q.float()
+    """(q / k_mult in the K basis, fp32 contiguous; (q / k_mult) . k_centre float32 [..., Hq] or
+    None)."""
+    qf = transform.query_for_keys(layer, q)
     qk = wht.rotate(qf) if layer.k_codec.rotated else qf
     qc = None
     if layer.k_centre is not None:
@@ -306,17 +315,21 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
             layer.k_scale, layer.v_scale, block_tables, seq_lens, m, l, acc, gm, gz,
             block_tables.stride(0), float(params.scale), float(params.soft_cap or 1.0),
             int(params.sliding_window or 0), float(params.sparse_v_threshold))
-    rargs = dict(HQ=hq, D=d, NUM_SPLITS=splits, HAS_SINKS=params.sinks is not None,
+    want_w = layer.v_centre is not None
+    wsum = torch.zeros(bsz, hq, dtype=torch.float32, device=dev) if want_w else gm
+    rargs = dict(HQ=hq, D=d, NUM_SPLITS=splits, HAS_SINKS=params.sinks is not None, WANT_W=want_w,
                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
     grid, rgrid = (bsz, h, splits), (bsz, hq)
     if params.sparse_v_threshold > 0:
         _decode_kernel[grid](*args, PASS=1, **common)
-        _reduce_kernel[rgrid](m, l, acc, sinks, seq_lens, out, gm, gz, MODE=1, **rargs)
+        _reduce_kernel[rgrid](m, l, acc, sinks, seq_lens, out, gm, gz, wsum, MODE=1, **rargs)
         _decode_kernel[grid](*args, PASS=2, **common)
-        _reduce_kernel[rgrid](m, l, acc, sinks, seq_lens, out, gm, gz, MODE=2, **rargs)
+        _reduce_kernel[rgrid](m, l, acc, sinks, seq_lens, out, gm, gz, wsum, MODE=2, **rargs)
     else:
         _decode_kernel[grid](*args, PASS=0, **common)
-        _reduce_kernel[rgrid](m, l, acc, sinks, seq_lens, out, gm, gz, MODE=0, **rargs)
+        _reduce_kernel[rgrid](m, l, acc, sinks, seq_lens, out, gm, gz, wsum, MODE=0, **rargs)
     if layer.v_codec.rotated:
         out = wht.unrotate(out)
+    if want_w:
+        transform.add_value_centre(layer, out, wsum)
     return out.to(q.dtype)

@@ -8,7 +8,8 @@ position seq_lens[b] - q_len_b + j; keys run from 0 (or the window start) to the
 query position, read through the block table and decoded in registers like decode. fp32 online
 softmax; sinks start the running max / sum; sparse V (t > 0) makes a first pass over K for the
 final statistics, then a second pass keeps p >= t and reads only the V rows someone keeps.
-Rotation bookends and q . k_centre as in decode.
+Rotation bookends, q . k_centre and the per-layer transform as in decode (with v_centre the
+kernel writes each row's token-weight sum, sinks excluded, and the launcher adds v_centre times it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ...codecs import wht
+from .. import transform
 from ..batch import AttentionParams, PagedLayer
 from .common import dot, load_rows, soft_cap_logits
 from .decode import check_precision, prepare_query, side_args, values_are_keys
@@ -55,7 +57,7 @@ def _scores(q, qc, k_pool, k_tab, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, 
 
 @triton.jit
 def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_ptr,
-                    bt_ptr, lens_ptr, qsl_ptr, tiles_ptr, sinks_ptr, out_ptr,
+                    bt_ptr, lens_ptr, qsl_ptr, tiles_ptr, sinks_ptr, out_ptr, w_ptr,
                     bt_stride, scale, soft_cap, window, threshold, B,
                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                     BS: tl.constexpr,
@@ -66,7 +68,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_
                     V_ROW_DATA: tl.constexpr, V_ROW_SCALE: tl.constexpr, V_DATA_END: tl.constexpr,
                     V_BLOCK_BYTES: tl.constexpr,
                     HAS_QC: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
-                    HAS_SINKS: tl.constexpr, SPARSE: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT: tl.constexpr,
+                    HAS_SINKS: tl.constexpr, WANT_W: tl.constexpr, SPARSE: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     V_IS_K: tl.constexpr):
     tid = tl.program_id(0)
@@ -160,6 +162,12 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_
         out = acc
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if WANT_W:  # sum of the token weights: 1, less the sinks' weight exp(sink - m) / l
+        wt = tl.where(l_i > 0, 1.0, 0.0)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + kvh * G + g, mask=g < G, other=0.0)
+            wt = 1.0 - tl.exp(sink - m_i) / tl.where(l_i > 0, l_i, 1.0)
+        tl.store(w_ptr + qrow, wt, mask=row_ok)
     tl.store(out_ptr + qrow[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -206,18 +214,22 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     tiles = torch.zeros(bsz + 1, dtype=torch.int32, device=dev)
     tiles[1:] = torch.cumsum((q_lens + block_q - 1) // block_q, 0)
     sinks = params.sinks.to(dev, torch.float32).contiguous() if params.sinks is not None else out
+    want_w = layer.v_centre is not None
+    wsum = torch.zeros(tq, hq, dtype=torch.float32, device=dev) if want_w else out
     grid = (triton.cdiv(tq, block_q) + bsz, h)
     _prefill_kernel[grid](
         qk, qc if qc is not None else out, layer.k_pool, layer.v_pool, k_tab, v_tab,
-        layer.k_scale, layer.v_scale, block_tables, seq_lens, query_start_loc, tiles, sinks, out,
+        layer.k_scale, layer.v_scale, block_tables, seq_lens, query_start_loc, tiles, sinks, out, wsum,
         block_tables.stride(0), float(params.scale), float(params.soft_cap or 1.0),
         int(params.sliding_window or 0), float(params.sparse_v_threshold), bsz,
         H=h, G=g, GP=gp, D=d, BS=layer.block_size, HAS_QC=qc is not None,
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,
-        HAS_SINKS=params.sinks is not None, SPARSE=params.sparse_v_threshold > 0,
+        HAS_SINKS=params.sinks is not None, WANT_W=want_w, SPARSE=params.sparse_v_threshold > 0,
         SEARCH_STEPS=max(1, bsz.bit_length()), DOT=dot_kind, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, V_IS_K=v_is_k, **consts, num_warps=8 if block_m * block_d >= 2048 else 4,
     )
     if layer.v_codec.rotated:
         out = wht.unrotate(out)
+    if want_w:
+        transform.add_value_centre(layer, out, wsum)
     return out.to(q.dtype)

@@ -1,6 +1,6 @@
 """Triton store: encode new K/V rows and scatter them into their slots, one kernel for every codec.
 
-One program encodes BLOCK_T tokens of one kv head: load (optionally subtract k_centre), rotate
+One program encodes BLOCK_T tokens of one kv head: load (optionally subtract the centre: k_centre or v_centre), rotate
 with the WHT as a matmul by the rotation matrix (rotated codecs), find the group scales, encode
 each element, pack the codes 8 at a time into `BITS` bytes (the little-endian bit stream of
 docs/internals.md) and write codes and scales at `slot`. The encode rules are the reference
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ...codecs import wht
+from .. import transform
 from ..batch import PagedLayer
 from .common import bf16_bits, bf16_round, e4m3_bits, e4m3_value, fp16_bits, round_half_even
 from .spec import ENC_BF16, ENC_E4M3, ENC_INT, ENC_TABLE, SCALE_TENSOR, codec_spec, codec_tables
@@ -198,7 +199,7 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
                block_t: int = 16, prologue: Optional[dict] = None) -> None:
     """Encode x float [T, H, D] with `codec` into `pool` at `slot_mapping` (int64 [T], <0 skip).
 
-    centre: optional float32 [H, D] subtracted first (keys). prologue: the fused K path's extra
+    centre: optional float32 [H, D] subtracted first (k_centre or v_centre). prologue: the fused K path's extra
     kernel arguments (`fused.py`). Inputs are already validated.
     """
     t, h, d = x.shape
@@ -240,6 +241,7 @@ def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor
           slot_mapping: torch.Tensor) -> None:
     """Triton twin of `pagedkv.ops.reference.store` (same signature and bytes; see module doc)."""
     if k is not None:
-        store_side(layer, layer.k_codec, layer.k_pool, layer.k_scale, k, slot_mapping, layer.k_centre)
+        store_side(layer, layer.k_codec, layer.k_pool, layer.k_scale, transform.keys_to_store(layer, k),
+                   slot_mapping, layer.k_centre)
     if v is not None:
-        store_side(layer, layer.v_codec, layer.v_pool, layer.v_scale, v, slot_mapping, None)
+        store_side(layer, layer.v_codec, layer.v_pool, layer.v_scale, v, slot_mapping, layer.v_centre)
