@@ -73,7 +73,7 @@ def test_keys_separate_models_formats_layouts_and_tenants(tmp_path, change):
 def test_corrupted_stored_block_is_a_miss_and_is_recomputed(tmp_path, baseline):
     a = _cache(tmp_path)
     ToyLM(a).generate(PROMPT, 8)
-    files = sorted((tmp_path / "prefix").rglob("pkv1.*"), key=lambda p: p.stat().st_mtime_ns)
+    files = sorted((tmp_path / "prefix").rglob("pkv*"), key=lambda p: p.stat().st_mtime_ns)
     assert len(files) == 6
     # damage the third published block (tokens 16..23): hits stop before it
     raw = bytearray(files[2].read_bytes())
@@ -85,6 +85,15 @@ def test_corrupted_stored_block_is_a_miss_and_is_recomputed(tmp_path, baseline):
     assert rb.hit_tokens == 16 and rb.prefilled == 29
     assert rb.tokens == baseline.tokens
     b.seqs.check_invariants()
+    # the damaged entry was deleted and b's publish replaced it: the next cache hits it all
+    # (SET-NX publishing used to keep the bad value forever)
+    assert b.offload_stats()["prefix"]["damaged_removed"] == 1
+    c = _cache(tmp_path)
+    rc = ToyLM(c).generate(PROMPT, 8)
+    assert rc.hit_tokens == 32 and rc.tokens == baseline.tokens  # up to the truncated block 4
+    assert c.offload_stats()["prefix"]["damaged_removed"] == 1
+    rd = ToyLM(_cache(tmp_path)).generate(PROMPT, 8)
+    assert rd.hit_tokens == 40 and rd.tokens == baseline.tokens
 
 
 def test_disk_full_while_publishing_warns_once_and_continues(tmp_path, baseline, monkeypatch):
@@ -100,6 +109,7 @@ def test_disk_full_while_publishing_warns_once_and_continues(tmp_path, baseline,
     assert ra.tokens == baseline.tokens
     tier_warnings = [w for w in caught if issubclass(w.category, TierWarning)]
     assert len(tier_warnings) == 1 and "no space left" in str(tier_warnings[0].message)
+    assert str(tier_warnings[0].message).count(a.prefix.tier.name) == 1  # named once, not twice
     assert a.offload_stats()["prefix"]["publish_failures"] == 6
     assert list((tmp_path / "prefix" / ".tmp").iterdir()) == []
     a.seqs.check_invariants()

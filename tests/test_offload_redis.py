@@ -25,6 +25,7 @@ redis = pytest.importorskip("redis", reason="the redis client package is not ins
 PROMPT = [(11 * i + 2) % 97 for i in range(45)]
 CFG = dict(num_layers=2, num_kv_heads=2, head_dim=32, kv_format="q8_0", block_size=8,
            num_blocks=32, high_precision_layers=0, model_id="toy-redis")
+SECRET = "test-secret-0123456789"
 
 
 def _free_port() -> int:
@@ -72,7 +73,8 @@ def server(tmp_path):
 
 def _cache(url, **kw):
     return TieredCache(CacheConfig(**CFG), OffloadConfig(prefix_store="redis", redis_url=url,
-                                                         redis_timeout_s=0.5, **kw))
+                                                         redis_timeout_s=0.5, store_secret=SECRET,
+                                                         **kw))
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +88,9 @@ _CHILD = textwrap.dedent("""
     from pagedkv.cache import CacheConfig
     from pagedkv.offload import OffloadConfig, TieredCache
     from pagedkv.bench.toy import ToyLM
-    cfg, url, prompt = json.loads(sys.argv[1])
-    cache = TieredCache(CacheConfig(**cfg), OffloadConfig(prefix_store="redis", redis_url=url))
+    cfg, url, prompt, secret = json.loads(sys.argv[1])
+    cache = TieredCache(CacheConfig(**cfg), OffloadConfig(prefix_store="redis", redis_url=url,
+                                                          store_secret=secret))
     run = ToyLM(cache).generate(prompt, 8)
     print(json.dumps({"hit_tokens": run.hit_tokens, "prefilled": run.prefilled,
                       "tokens": run.tokens, "stats": cache.offload_stats()["prefix"]}))
@@ -95,7 +98,7 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(url):
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([CFG, url, PROMPT])],
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([CFG, url, PROMPT, SECRET])],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -105,7 +108,7 @@ def test_two_processes_share_a_prefix(server, baseline):
     first = _child(server.url)
     assert first["hit_tokens"] == 0 and first["prefilled"] == 45
     assert first["stats"]["blocks_published"] == 6
-    assert len(server.client.keys("pagedkv:pkv1.*")) == 6
+    assert len(server.client.keys("pagedkv:pkv2.*")) == 6
     second = _child(server.url)
     assert second["hit_tokens"] == 40 and second["prefilled"] == 5  # loaded, not recomputed
     assert second["stats"]["blocks_loaded"] == 5
@@ -184,7 +187,8 @@ def test_hung_server_times_out_once_then_misses_fast(baseline):
     try:
         url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
         cache = TieredCache(CacheConfig(**CFG), OffloadConfig(
-            prefix_store="redis", redis_url=url, redis_timeout_s=0.3, redis_retry_after_s=60))
+            prefix_store="redis", redis_url=url, redis_timeout_s=0.3, redis_retry_after_s=60,
+            store_secret=SECRET))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             t0 = time.perf_counter()
@@ -222,7 +226,7 @@ def test_range_reads_and_key_prefix(server):
 def test_prefix_lookup_batches_round_trips(server, baseline):
     ToyLM(_cache(server.url)).generate(PROMPT, 8)
     b = _cache(server.url)
-    calls = {"mget": 0, "get": 0}
+    calls = {"pipeline": 0, "mget": 0, "get": 0}
     client = b.prefix.tier.client
     for name in calls:
         real = getattr(client, name)
@@ -232,6 +236,9 @@ def test_prefix_lookup_batches_round_trips(server, baseline):
             return _real(*a, **kw)
 
         setattr(client, name, counted)
+    new = b.add_sequence(PROMPT)
+    assert new.hit_tokens == 40
+    assert calls == {"pipeline": 1, "mget": 0, "get": 0}  # 5 blocks in one round trip
+    b.free(new.seq_id)
     run = ToyLM(b).generate(PROMPT, 8)
     assert run.hit_tokens == 40 and run.tokens == baseline.tokens
-    assert calls == {"mget": 1, "get": 0}  # 5 blocks in one round trip

@@ -11,6 +11,8 @@ prompts load their prefixes from the store.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
@@ -25,7 +27,7 @@ class TieredMachine(base.CacheMachine):
         super().__init__()
         self.store = MemoryTier()
         self.cache = TieredCache(
-            base._config(), OffloadConfig(resident_blocks_per_seq=1, swap="memory", prefetch=False),
+            dataclasses.replace(base._config(), model_id="stateful"), OffloadConfig(resident_blocks_per_seq=1, swap="memory", prefetch=False),
             prefix_tier=self.store)
 
     @rule(data=st.data())

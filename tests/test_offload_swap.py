@@ -200,10 +200,12 @@ def test_corrupted_swap_record_raises_swap_lost(tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     q = torch.randn(1, 4, 32)
     tc.decode_attention(0, q, [run.seq_id], m.params[0])  # layer 0 sections are intact
-    with pytest.raises(SwapLost, match="checksum"):
+    # the error names the sequence and tokens whose K/V is gone, not an internal record key
+    with pytest.raises(SwapLost, match=r"layer 2 .* sequence 0 \(tokens 0\.\.7\)") as err:
         tc.decode_attention(2, q, [run.seq_id], m.params[2])
+    assert keys[0] not in str(err.value)
     tier.delete(keys[1])  # a record gone from the tier
-    with pytest.raises(SwapLost):
+    with pytest.raises(SwapLost, match=r"sequence 0 \(tokens 8\.\.15\)"):
         tc.decode_attention(0, q, [run.seq_id], m.params[0])
     tc.close()
 

@@ -5,14 +5,19 @@
   `SwapFileTier` (fixed-size slots in one file: the disk swap), `RedisTier` (shared across
   processes and machines), `MemoryTier` (tests, benchmarks, swap in memory).
 - `record`: the checksummed byte format of one stored block (every layer, K and V).
+- `keys` / `store` / `identity`: keyed store keys and sealed records (the operator's secret),
+  namespaces, and the model identity a shared prefix store requires (`weights_identity`).
 See docs/offload.md.
 """
 
 from .config import OffloadConfig, default_cache_dir
 from .disk import DiskTier
-from .prefix import PrefixStore, store_key
+from .identity import store_identity, weights_identity
+from .keys import StoreKeys
+from .prefix import PrefixStore
 from .record import BlockLayout, RecordError, decode_record, encode_record, parse_header
 from .swap import SwapSpace
+from .store import open_prefix_store
 from .swapfile import SwapFileTier
 from .tiered import TieredCache
 from .tiers import MemoryTier, SwapLost, Tier, TierWarning, TierWriteError
@@ -20,7 +25,8 @@ from .tiers import MemoryTier, SwapLost, Tier, TierWarning, TierWriteError
 __all__ = [
     "OffloadConfig", "default_cache_dir", "TieredCache",
     "Tier", "MemoryTier", "DiskTier", "SwapFileTier", "TierWarning", "TierWriteError", "SwapLost",
-    "PrefixStore", "store_key", "SwapSpace",
+    "PrefixStore", "StoreKeys", "open_prefix_store", "store_identity", "weights_identity",
+    "SwapSpace",
     "BlockLayout", "RecordError", "encode_record", "decode_record", "parse_header",
 ]
 

@@ -17,11 +17,12 @@ environment is read): library callers pass paths explicitly or accept `~/.cache/
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 from ..errors import ConfigError
+from .keys import check_namespace, secret_bytes
 
 SWAP_KINDS = ("disk", "memory")
 PREFIX_KINDS = ("none", "disk", "redis")
@@ -51,6 +52,13 @@ class OffloadConfig:
     prefix_store: "none", "disk" or "redis"; prefix_dir: None = `<cache_dir>/prefix`;
     prefix_limit_bytes: the disk store's size (LRU eviction).
     redis_url, redis_prefix, redis_timeout_s, redis_retry_after_s, redis_ttl_s: the Redis tier.
+    store_secret: the operator's secret (str or bytes, >= 16 bytes) that store keys and record
+    MACs are derived from (`keys.py`); required for Redis (every process sharing the server
+    passes the same one), a disk store without one uses `<prefix_dir>/.secret` (generated 0600).
+    Never printed in the config's repr.
+    store_namespace: a key namespace (`[0-9A-Za-z_-]`, e.g. one per tenant): Redis keys start
+    `redis_prefix + namespace + ":"` (confine a Redis ACL user to that pattern), a disk store
+    lives in `<prefix_dir>/<namespace>/`; mixed into every key and MAC.
     prefetch: read the next layer's swapped blocks in a background thread during attention.
     cache_dir: root of the default directories (None = `default_cache_dir()`).
     """
@@ -69,6 +77,8 @@ class OffloadConfig:
     redis_ttl_s: Optional[int] = None
     prefetch: bool = True
     cache_dir: Optional[str] = None
+    store_secret: Union[None, str, bytes] = field(default=None, repr=False)
+    store_namespace: str = ""
 
     def __post_init__(self) -> None:
         _pos_int_or_none("resident_blocks_per_seq", self.resident_blocks_per_seq)
@@ -83,6 +93,9 @@ class OffloadConfig:
         if self.prefix_limit_bytes is None:
             raise ConfigError("prefix_limit_bytes must be a positive integer, got None")
         _pos_int_or_none("redis_ttl_s", self.redis_ttl_s)
+        if self.store_secret is not None:
+            secret_bytes(self.store_secret)
+        check_namespace(self.store_namespace)
         if not isinstance(self.prefetch, bool):
             raise ConfigError(f"prefetch must be a bool, got {self.prefetch!r}")
 
@@ -98,4 +111,6 @@ class OffloadConfig:
         return Path(self.swap_dir).expanduser() if self.swap_dir else self.root() / "swap"
 
     def prefix_path(self) -> Path:
-        return Path(self.prefix_dir).expanduser() if self.prefix_dir else self.root() / "prefix"
+        """The disk prefix store's directory (`<prefix_dir>/<store_namespace>` with one)."""
+        base = Path(self.prefix_dir).expanduser() if self.prefix_dir else self.root() / "prefix"
+        return base / self.store_namespace if self.store_namespace else base

@@ -1,26 +1,41 @@
 """The disk tier: one file per value under a directory, with a size limit and LRU eviction.
 
-Files live at `root/<first two key chars>/<key>`; a write goes to a temporary file in
-`root/.tmp/` and is moved into place with `os.replace`, so a reader sees the whole old value, the
-whole new value, or nothing -- never half a block. A write that fails (ENOSPC, EDQUOT, any
-OSError) removes its temporary file and raises `TierWriteError`; the index is only updated after
-a successful rename, so the tier (and whatever cache uses it) stays consistent.
+Files live at `root/<fan>/<key>`, `<fan>` two hex digits of a hash of the key (256
+subdirectories, whatever the keys look like); a write goes to a temporary file in `root/.tmp/`
+and is moved into place with `os.replace`, so a reader sees the whole old value, the whole new
+value, or nothing -- never half a block. A write that fails (ENOSPC, EDQUOT, any OSError) removes
+its temporary file and raises `TierWriteError`; the index is only updated after a successful
+rename, so the tier (and whatever cache uses it) stays consistent.
+
+Reads treat the directory as untrusted: a value is opened non-blocking without following a
+symlink, must be a regular file (a FIFO or device placed there is never read, so it cannot hang
+the caller), and with an expected size (`get(key, size)`) a file of any other length is
+reported unusable without being read; at most that many bytes are ever read.
 
 Size limit: `limit_bytes` counts value bytes. With `evict=True` (the prefix store) the least
 recently used files are deleted to make room; with `evict=False` (a store whose data must
 never be dropped) a write beyond the limit raises `TierWriteError` instead. Recency is tracked in
 this process and mirrored in file mtimes (touched on a hit), so another process opening the same
-directory starts from a sensible LRU order. Several processes may share a directory: values are
-immutable and renames atomic; each process enforces the limit on what it knows of.
+directory starts from a sensible LRU order. The directory is scanned once per process, at the
+first write that needs the index (a reader never scans); every tier on the same directory in
+this process shares that index. Several processes may share a directory: values are immutable
+and renames atomic; each process enforces the limit on what it knows of.
+
+A directory that exists but cannot be written (a read-only mount, another user's store) opens
+read-only: reads work, writes raise `TierWriteError` naming why.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
+import threading
 import time
+import weakref
 from collections import OrderedDict
+from hashlib import blake2b
 from pathlib import Path
 from typing import Optional, Union
 
@@ -29,6 +44,49 @@ from .tiers import Tier, TierWriteError
 
 _TMP = ".tmp"
 _STALE_TMP_S = 3600.0
+_HEX = frozenset("0123456789abcdef")
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def fan_out(key: str) -> str:
+    """The subdirectory of `key`: two hex digits of its hash (uniform over 256 directories)."""
+    return blake2b(key.encode(), digest_size=1).hexdigest()
+
+
+class _Index:
+    """What one process knows of a directory's files: key -> size, least recently used first.
+    Shared by every DiskTier on that directory in the process; filled by one scan, lazily."""
+
+    def __init__(self) -> None:
+        self.sizes: OrderedDict[str, int] = OrderedDict()
+        self.used = 0
+        self.scanned = False
+        self.lock = threading.RLock()
+
+    def forget(self, key: str) -> None:
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.used -= size
+
+    def add(self, key: str, size: int) -> None:
+        self.forget(key)
+        self.sizes[key] = size
+        self.used += size
+
+
+_INDEXES: "weakref.WeakValueDictionary[tuple, _Index]" = weakref.WeakValueDictionary()
+_INDEXES_LOCK = threading.Lock()
+
+
+def _shared_index(root: Path) -> _Index:
+    st = root.stat()
+    where = (os.path.realpath(root), st.st_dev, st.st_ino)
+    with _INDEXES_LOCK:
+        idx = _INDEXES.get(where)
+        if idx is None:
+            idx = _Index()
+            _INDEXES[where] = idx
+        return idx
 
 
 class DiskTier(Tier):
@@ -36,7 +94,8 @@ class DiskTier(Tier):
 
     root: directory (created). limit_bytes: None = unbounded. evict: LRU-evict to make room
     (True) or refuse writes over the limit (False). fsync: fsync each file before the rename
-    (durable across power loss; slower).
+    (durable across power loss; slower). `read_only` is True when the directory cannot be
+    written (then every write raises TierWriteError).
     """
 
     name = "disk"
@@ -48,102 +107,161 @@ class DiskTier(Tier):
                                         or limit_bytes <= 0):
             raise ConfigError(f"disk tier limit_bytes must be a positive int or None, got {limit_bytes!r}")
         self.root = Path(root).expanduser()
+        self.read_only = False
+        self._why_read_only = ""
         try:
-            (self.root / _TMP).mkdir(parents=True, exist_ok=True)
+            (self.root / _TMP).mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not os.access(self.root / _TMP, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "permission denied", str(self.root / _TMP))
         except OSError as exc:
-            raise ConfigError(f"disk tier directory {str(self.root)!r} cannot be created: {exc}") from None
+            if not self.root.is_dir():
+                raise ConfigError(
+                    f"disk tier directory {str(self.root)!r} cannot be created: {exc}") from None
+            self.read_only = True
+            self._why_read_only = exc.strerror or str(exc)
         self.name = f"disk tier {self.root}"
         self.limit_bytes = limit_bytes
         self.evict = evict
         self.fsync = fsync
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
-        self._used = 0
-        self._scan()
+        self._idx = _shared_index(self.root)
 
     # ---- index ------------------------------------------------------------------------------
-    def _scan(self) -> None:
+    def _ensure_scanned(self) -> None:
+        """Index the directory's files once per process (oldest mtime first); called with the
+        index lock held. Removes stale temporaries and files of the old `pk/`-style layout."""
+        idx = self._idx
+        if idx.scanned:
+            return
+        idx.scanned = True
         found = []
         now = time.time()
-        for sub in self.root.iterdir():
+        try:
+            subs = list(os.scandir(self.root))
+        except OSError:
+            return
+        for sub in subs:
             if sub.name == _TMP:
-                for t in sub.iterdir():
-                    try:
-                        if now - t.stat().st_mtime > _STALE_TMP_S:
-                            t.unlink()
-                    except OSError:
-                        pass
+                if not self.read_only:
+                    self._remove_stale_tmp(sub.path, now)
                 continue
-            if not sub.is_dir() or len(sub.name) != 2:
+            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
                 continue
-            for f in sub.iterdir():
+            stale_layout = not set(sub.name) <= _HEX
+            try:
+                entries = list(os.scandir(sub.path))
+            except OSError:
+                continue
+            for f in entries:
+                if stale_layout or fan_out(f.name) != sub.name:
+                    if not self.read_only:  # unreachable by any key: free its space
+                        _unlink_quietly(f.path)
+                    continue
                 try:
-                    st = f.stat()
+                    st = f.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                found.append((st.st_mtime, f.name, st.st_size))
+                if stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime, f.name, st.st_size))
+        known = dict(idx.sizes)  # touched or written before the scan: most recent
+        idx.sizes.clear()
+        idx.used = 0
         for _, name, size in sorted(found):
-            self._index[name] = size
-            self._used += size
+            if name not in known:
+                idx.add(name, size)
+        for name, size in known.items():
+            idx.add(name, size)
 
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def _path(self, key: str) -> Path:
-        return self.root / key[:2] / key
-
-    def _forget(self, key: str) -> None:
-        size = self._index.pop(key, None)
-        if size is not None:
-            self._used -= size
-
-    def _touch(self, key: str, size: int) -> None:
-        with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-            else:
-                self._index[key] = size
-                self._used += size
+    @staticmethod
+    def _remove_stale_tmp(path: str, now: float) -> None:
         try:
-            os.utime(self._path(key))
+            for t in os.scandir(path):
+                try:
+                    if now - t.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S:
+                        os.unlink(t.path)
+                except OSError:
+                    pass
         except OSError:
             pass
 
+    @property
+    def used_bytes(self) -> int:
+        with self._idx.lock:
+            self._ensure_scanned()
+            return self._idx.used
+
+    def __len__(self) -> int:
+        with self._idx.lock:
+            self._ensure_scanned()
+            return len(self._idx.sizes)
+
+    def _path(self, key: str) -> Path:
+        return self.root / fan_out(key) / key
+
+    def _touch(self, key: str, size: int) -> None:
+        with self._idx.lock:
+            if key in self._idx.sizes:
+                self._idx.sizes.move_to_end(key)
+            else:
+                self._idx.add(key, size)
+        if not self.read_only:
+            try:
+                os.utime(self._path(key))
+            except OSError:
+                pass
+
     # ---- reads ------------------------------------------------------------------------------
-    def _get(self, key: str) -> Optional[bytes]:
+    def _read(self, key: str, start: int, length: Optional[int], exact: Optional[int]
+              ) -> Optional[bytes]:
+        """Bytes [start, start+length) (length None: to the end) of key's file, None if absent,
+        b"" if it is not a regular file or (with `exact`) not exactly `exact` bytes long."""
         try:
-            with open(self._path(key), "rb") as f:
-                data = f.read()
+            fd = os.open(self._path(key), _OPEN_FLAGS)
         except FileNotFoundError:
-            with self._lock:
-                self._forget(key)
+            with self._idx.lock:
+                self._idx.forget(key)
             return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink planted under the key: never followed
+                return b""
+            self._warn_once("read", f"read of {key} failed ({exc}); treated as a miss")
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (exact is not None and st.st_size != exact):
+                return b""
+            end = st.st_size if length is None else min(st.st_size, start + length)
+            parts, pos = [], start
+            while pos < end:
+                chunk = os.pread(fd, end - pos, pos)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                pos += len(chunk)
+            return b"".join(parts)
         except OSError as exc:
             self._warn_once("read", f"read of {key} failed ({exc}); treated as a miss")
             return None
-        self._touch(key, len(data))
+        finally:
+            os.close(fd)
+
+    def _get(self, key: str) -> Optional[bytes]:
+        data = self._read(key, 0, None, None)
+        if data:
+            self._touch(key, len(data))
+        return data
+
+    def _get_sized(self, key: str, size: int) -> Optional[bytes]:
+        data = self._read(key, 0, size, size)
+        if data:
+            self._touch(key, len(data))
         return data
 
     def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
-        try:
-            with open(self._path(key), "rb") as f:
-                f.seek(start)
-                data = f.read(length)
-        except FileNotFoundError:
-            with self._lock:
-                self._forget(key)
-            return None
-        except OSError as exc:
-            self._warn_once("read", f"read of {key} failed ({exc}); treated as a miss")
-            return None
-        return data
+        return self._read(key, start, length, None)
 
     # ---- writes -----------------------------------------------------------------------------
     def _make_room(self, key: str, size: int) -> None:
-        """Evict (or refuse) so that `size` more bytes fit; called with the lock held."""
+        """Evict (or refuse) so that `size` more bytes fit; called with the index lock held."""
         if self.limit_bytes is None:
             return
         if size > self.limit_bytes:
@@ -151,40 +269,45 @@ class DiskTier(Tier):
                 f"{self.name}: a value of {size} bytes is larger than the whole tier "
                 f"(limit_bytes={self.limit_bytes})"
             )
-        need = self._used - self._index.get(key, 0) + size - self.limit_bytes
+        self._ensure_scanned()
+        idx = self._idx
+        need = idx.used - idx.sizes.get(key, 0) + size - self.limit_bytes
         if need <= 0:
             return
         if not self.evict:
             raise TierWriteError(
                 f"{self.name} is full: {size} more bytes exceed limit_bytes={self.limit_bytes} "
-                f"({self._used} used; this tier never evicts)"
+                f"({idx.used} used; this tier never evicts)"
             )
-        for victim in list(self._index):
+        for victim in list(idx.sizes):
             if need <= 0:
                 break
             if victim == key:
                 continue
-            vsize = self._index[victim]
+            vsize = idx.sizes[victim]
             try:
                 self._path(victim).unlink()
             except FileNotFoundError:
                 pass
             except OSError:
                 continue
-            self._forget(victim)
+            idx.forget(victim)
             self.stats.evictions += 1
             need -= vsize
 
     def _put(self, key: str, value: bytes, if_absent: bool) -> bool:
+        if self.read_only:
+            raise TierWriteError(f"{self.name} is read-only ({self._why_read_only}); "
+                                 f"{key} was not stored")
         path = self._path(key)
         if if_absent and path.exists():
             self._touch(key, len(value))
             return True
-        with self._lock:
+        with self._idx.lock:
             self._make_room(key, len(value))
         tmp = None
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=key[:16] + ".", dir=self.root / _TMP)
             with os.fdopen(fd, "wb") as f:
                 f.write(value)
@@ -204,14 +327,9 @@ class DiskTier(Tier):
             ) from exc
         finally:
             if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-        with self._lock:
-            self._forget(key)
-            self._index[key] = len(value)
-            self._used += len(value)
+                _unlink_quietly(tmp)
+        with self._idx.lock:
+            self._idx.add(key, len(value))
         return True
 
     def _delete(self, key: str) -> None:
@@ -221,10 +339,20 @@ class DiskTier(Tier):
             pass
         except OSError:
             return
-        with self._lock:
-            self._forget(key)
+        with self._idx.lock:
+            self._idx.forget(key)
 
     def clear(self) -> None:
         """Delete every value this tier knows of."""
-        for key in list(self._index):
+        with self._idx.lock:
+            self._ensure_scanned()
+            keys = list(self._idx.sizes)
+        for key in keys:
             self._delete(key)
+
+
+def _unlink_quietly(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

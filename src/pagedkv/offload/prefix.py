@@ -1,10 +1,14 @@
 """The shared prefix store: publish full blocks, load a new sequence's prefix block by block.
 
-Key of a block: `pkv1.<blake2b(layout fingerprint | chain hash)>` where the chain hash is the
-cache's own prefix key (`pagedkv.alloc.hashing`: every token id up to the block's end, the cache
-fingerprint -- model id, formats, dims -- and the sequence's salt, for tenant isolation) and the
-layout fingerprint pins what the bytes mean (codecs, codebooks, fp8 scales, key centre). The
-record (`record.py`) is bound to the chain hash, so a value stored under the wrong key is a miss.
+Key of a block: `StoreKeys.key(layout, chain)` (`keys.py`), a keyed MAC from the operator's
+secret over the store identity (model identity, formats, dims, sliding windows), the namespace,
+the layout fingerprint (codecs, codebooks, scales, calibration) and the chain hash (the cache's
+own prefix key, `pagedkv.alloc.hashing`: every token id up to the block's end and the salt). The
+stored value is the record (`record.py`) bound to that key and sealed with a MAC; the chain hash
+is never stored. Lookups read at most the expected value size.
+
+An entry that is present but fails its checks (damaged, truncated, forged, another type) is
+deleted when found, so the block's next publish replaces it (publishing skips existing keys).
 
 `load` walks a prompt's full blocks in order: a block already in memory is kept; otherwise the
 store is asked; the first miss ends the walk (later blocks depend on it). Loaded blocks are written
@@ -17,21 +21,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from hashlib import blake2b
 from typing import Optional, Sequence
 
 from ..alloc import BlockPool
 from ..alloc.hashing import Salt, chain_hash, root_hash
 from ..ops.batch import PagedLayer
-from .record import BlockLayout, encode_record, read_block, try_decode_record, write_block
+from .keys import StoreKeys
+from .record import BlockLayout, read_block, write_block
 from .tiers import Tier, TierWriteError
 
 log = logging.getLogger(__name__)
-
-
-def store_key(layout: BlockLayout, chain: bytes) -> str:
-    """The tier key of the block whose prefix chain hash is `chain`."""
-    return "pkv1." + blake2b(layout.fingerprint + chain, digest_size=20).hexdigest()
 
 
 @dataclass
@@ -42,15 +41,19 @@ class PrefixStats:
     publish_failures: int = 0
     bytes_loaded: int = 0
     bytes_published: int = 0
+    damaged_removed: int = 0  # entries that failed their checks and were deleted
 
 
 class PrefixStore:
     """Publishes and loads whole blocks (every layer) through one tier."""
 
-    def __init__(self, tier: Tier, batch_blocks: int = 8):
-        """batch_blocks: blocks looked up per round trip on a remote tier (`Tier.get_many`); a
-        miss ends the walk, so a larger batch can fetch a few values that are not used."""
+    def __init__(self, tier: Tier, keys: StoreKeys, batch_blocks: int = 8):
+        """keys: the store keys and seals (`store.open_prefix_store` builds them from the
+        configs). batch_blocks: blocks looked up per round trip on a remote tier
+        (`Tier.get_many`); a miss ends the walk, so a larger batch can fetch a few values that
+        are not used."""
         self.tier = tier
+        self.keys = keys
         self.batch_blocks = batch_blocks
         self.stats = PrefixStats()
 
@@ -98,14 +101,14 @@ class PrefixStore:
                     for j in range(i, min(nfull, i + ahead)):
                         h = chain_hash(h, tokens[j * bs:(j + 1) * bs])
                         chains.append(h)
-                    vals = self.tier.get_many([store_key(layout, c) for c in chains])
-                    batch = list(zip(chains, vals))[::-1]
-                h_i, raw = batch.pop()
-                sections = try_decode_record(raw, layout, h_i)
+                    keys = [self.keys.key(layout, c) for c in chains]
+                    vals = self.tier.get_many(keys, size=self.keys.size(layout, keys[0]))
+                    batch = list(zip(chains, keys, vals))[::-1]
+                h_i, key, raw = batch.pop()
+                sections = self.keys.open(raw, layout, key)
                 if sections is None:
                     if raw is not None:
-                        log.warning("prefix store: entry for block %d failed its checks; "
-                                    "recomputing", i)
+                        self._remove_damaged(key, i)
                     break
                 b = pool.allocate_one()
                 write_block(layers, b, sections)
@@ -132,8 +135,10 @@ class PrefixStore:
             return 0
         if not self.tier.remote:
             return sum(self.publish(layers, layout, b, c) for b, c in blocks)
-        recs = [(store_key(layout, c), encode_record(layout, c, read_block(layers, b)))
-                for b, c in blocks]
+        recs = []
+        for b, c in blocks:
+            key = self.keys.key(layout, c)
+            recs.append((key, self.keys.seal(layout, key, read_block(layers, b))))
         res = self.tier.put_many(recs, if_absent=True)
         for (_, rec), ok in zip(recs, res):
             if ok:
@@ -147,9 +152,10 @@ class PrefixStore:
                 chain: bytes) -> bool:
         """Store pool block `block` (prefix key `chain`) unless already stored. Never raises for
         tier faults (returns False)."""
-        rec = encode_record(layout, chain, read_block(layers, block))
+        key = self.keys.key(layout, chain)
+        rec = self.keys.seal(layout, key, read_block(layers, block))
         try:
-            ok = self.tier.put(store_key(layout, chain), rec, if_absent=True)
+            ok = self.tier.put(key, rec, if_absent=True)
         except TierWriteError as exc:
             self.tier._warn_once("write", f"{exc}; prefix blocks are not published until it has room")
             ok = False
@@ -159,3 +165,10 @@ class PrefixStore:
         else:
             self.stats.publish_failures += 1
         return ok
+
+    def _remove_damaged(self, key: str, block: int) -> None:
+        """Delete an entry that failed its checks, so that the next publish replaces it."""
+        log.warning("prefix store: the entry of block %d (%s in %s) failed its checks; deleted "
+                    "it, recomputing from there", block, key, self.tier.name)
+        self.tier.delete(key)
+        self.stats.damaged_removed += 1

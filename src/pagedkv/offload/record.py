@@ -12,7 +12,7 @@ Byte layout (little-endian, `struct` formats in brackets):
       key_len [H] | key (key_len bytes: what the record is stored under, bound into checksums)
       per layer: k_name_len [B] | k codec name | v_name_len [B] | v codec name
                  | num_kv_heads [H] | head_dim [H] | k_bytes [I] | v_bytes [I]
-                 | k_scale [f] | v_scale [f] | meaning digest [8s] (codec tables + key centre)
+                 | k_scale [f] | v_scale [f] | meaning digest [8s] (codec tables + calibration)
       payload_len [Q] (bytes after the header) | header digest [16s] (blake2b of all the above)
     then per layer: K bytes | V bytes | section check [I]
       section check = crc32(header digest | layer index [H] | K | V)
@@ -81,15 +81,17 @@ class LayerLayout:
     v_bytes: int
     k_scale: float
     v_scale: float
-    meaning: bytes  # 8 bytes: digest of both codecs' tables and the key centre
+    meaning: bytes  # 8 bytes: digest of both codecs' tables and the calibration (centres, k_mult)
 
     @classmethod
     def from_layer(cls, pl: PagedLayer) -> "LayerLayout":
         h = blake2b(digest_size=8, person=b"pagedkv-layer")
         h.update(_codec_digest(pl.k_codec))
         h.update(_codec_digest(pl.v_codec))
-        if pl.k_centre is not None:
-            h.update(b"c" + pl.k_centre.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
+        for tag, t in ((b"c", pl.k_centre), (b"m", getattr(pl, "k_mult", None)),
+                       (b"v", getattr(pl, "v_centre", None))):  # calibration changes the bytes
+            if t is not None:
+                h.update(tag + t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
         # round-trip the scales through float32 so the header compares equal after parsing
         ks, vs = (struct.unpack("<f", struct.pack("<f", float(t.reshape(-1)[0])))[0]
                   for t in (pl.k_scale, pl.v_scale))

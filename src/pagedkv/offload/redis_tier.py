@@ -1,7 +1,9 @@
 """The Redis tier: a shared store of compressed blocks that several processes or machines use.
 
-Values are records (`record.py`) under `prefix + key`. Everything that can go wrong with the
-server is a miss, never an exception in the caller's run:
+Values are records (`record.py`) under `prefix + key`. Reads with an expected size
+(the prefix store's) are bounded: `STRLEN` then `GETRANGE` of at most that many bytes, in one
+pipelined round trip, so an oversized value planted under a key costs nothing to skip. Everything
+that can go wrong with the server is a miss, never an exception in the caller's run:
 - down / refused / slow (socket timeouts): the read or write is a miss or a skipped write, ONE
   `TierWarning` is issued, and the tier stays quiet for `retry_after_s` (no request is sent:
   misses are instant) before it tries the server again; on success it logs that it is back;
@@ -126,11 +128,37 @@ class RedisTier(Tier):
         ok, v = self._call("reading", self.client.get, self._k(key))
         return v if ok else None
 
-    def _get_many(self, keys: list[str]) -> list[Optional[bytes]]:
+    def _get_sized(self, key: str, size: int) -> Optional[bytes]:
+        return self._get_many([key], size)[0]
+
+    def _get_many(self, keys: list[str], size: Optional[int]) -> list[Optional[bytes]]:
+        """MGET, or with `size` one pipeline of STRLEN + GETRANGE(0, size - 1) per key: a value
+        of another length (or another type) is b"" and at most `size` bytes come back."""
         if not keys:
             return []
-        ok, vals = self._call("reading", self.client.mget, [self._k(k) for k in keys])
-        return list(vals) if ok else [None] * len(keys)
+        if size is None:
+            ok, vals = self._call("reading", self.client.mget, [self._k(k) for k in keys])
+            return list(vals) if ok else [None] * len(keys)
+
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.strlen(self._k(k))
+                pipe.getrange(self._k(k), 0, size - 1)
+            return pipe.execute(raise_on_error=False)
+
+        ok, res = self._call("reading", run)
+        if not ok:
+            return [None] * len(keys)
+        out: list[Optional[bytes]] = []
+        for n, v in zip(res[0::2], res[1::2]):
+            if isinstance(n, Exception) or isinstance(v, Exception):
+                out.append(b"")  # WRONGTYPE: something else lives under the key
+            elif n == 0:
+                out.append(None)
+            else:
+                out.append(v if n == size and len(v) == size else b"")
+        return out
 
     def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
         if length == 0:

@@ -117,7 +117,7 @@ class SwapSpace:
             out = decode_record(raw, layout, key.encode())
         except RecordError as exc:
             raise SwapLost(f"swapped block {key} in {self.tier.name} is unusable ({exc}); its "
-                           "K/V cannot be restored") from None
+                           "K/V cannot be restored", keys=(key,)) from None
         self.stats.read_s += time.perf_counter() - t0
         self.stats.swap_ins += 1
         self.stats.bytes_read += len(raw)
@@ -169,10 +169,11 @@ class SwapSpace:
             old = self._pending.get(nxt)
             if old is None or old[0] != keys:
                 self._pending[nxt] = (keys, self._pool.submit(self._fetch, layout, nxt, keys))
-        for key, item in zip(keys, got):
-            if item is None:
-                raise SwapLost(f"swapped block {key} (layer {layer}) in {self.tier.name} is "
-                               "missing or failed its checksum; its K/V cannot be restored")
+        bad = tuple(key for key, item in zip(keys, got) if item is None)
+        if bad:
+            raise SwapLost(f"{len(bad)} swapped block(s) (layer {layer}) in {self.tier.name} are "
+                           "missing or failed their checksum; their K/V cannot be restored",
+                           keys=bad)
         return got  # type: ignore[return-value]
 
     def _drop_pending(self) -> None:

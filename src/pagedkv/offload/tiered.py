@@ -47,12 +47,12 @@ from ..errors import CacheFull, ConfigError
 from ..ops import api as ops
 from ..ops.batch import AttentionParams, PagedLayer
 from .config import OffloadConfig
-from .disk import DiskTier
 from .prefix import PrefixStore
 from .record import BlockLayout, write_block
 from .swap import SwapSpace
+from .store import open_prefix_store
 from .swapfile import SwapFileTier
-from .tiers import MemoryTier, Tier
+from .tiers import MemoryTier, SwapLost, Tier
 
 
 _HOST = re.sub(r"[^0-9A-Za-z_.]", "_", socket.gethostname())[:40] or "host"
@@ -135,18 +135,8 @@ class TieredCache(PagedCache):
         self._ph_refs = 0
 
         # prefix store
-        self.prefix: Optional[PrefixStore] = None
-        if prefix_tier is None and offload.prefix_store == "disk":
-            prefix_tier = DiskTier(offload.prefix_path(), offload.prefix_limit_bytes, evict=True)
-        elif prefix_tier is None and offload.prefix_store == "redis":
-            from .redis_tier import RedisTier
-
-            prefix_tier = RedisTier(offload.redis_url, prefix=offload.redis_prefix,
-                                    timeout_s=offload.redis_timeout_s,
-                                    retry_after_s=offload.redis_retry_after_s,
-                                    ttl_s=offload.redis_ttl_s)
-        if prefix_tier is not None:
-            self.prefix = PrefixStore(prefix_tier)
+        # prefix store (ConfigError without a model identity, or Redis without a secret)
+        self.prefix: Optional[PrefixStore] = open_prefix_store(config, offload, prefix_tier)
         self._salt: dict[Hashable, Salt] = {}
         self._chains: dict[Hashable, list[bytes]] = {}  # chain keys of considered full blocks
         self._no_publish: set[Hashable] = set()
@@ -172,8 +162,8 @@ class TieredCache(PagedCache):
         Loaded blocks stay cached (evictable) even if the admission then fails."""
         loaded = 0
         if self.prefix is not None and not isinstance(tokens, (int, str, bytes)):
-            try:
-                toks = list(tokens)
+            try:  # a tensor / ndarray of ids, as PagedCache accepts
+                toks = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
             except TypeError:
                 toks = None  # the admission below raises its own error
             if toks is not None:
@@ -190,7 +180,8 @@ class TieredCache(PagedCache):
 
     def _loadable(self, toks: list, salt: Salt, seq_id: Optional[Hashable]) -> bool:
         """Whether the admission of `toks` would be accepted (so a store lookup is worth it)."""
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63
+                   for t in toks):
             return False
         if seq_id is not None and seq_id in self.seqs:
             return False
@@ -264,7 +255,10 @@ class TieredCache(PagedCache):
                     f"pop of {n} tokens from sequence {seq_id!r} must read swapped block "
                     f"{keep - 1} back and no pool block is available"
                 )
-            sections = self.swap.read_whole(self.layout, sw[keep - 1])  # type: ignore[union-attr]
+            try:
+                sections = self.swap.read_whole(self.layout, sw[keep - 1])  # type: ignore[union-attr]
+            except SwapLost as exc:
+                raise self._lost(exc, None) from None
         super().pop(seq_id, n)
         self._changed()
         for i in [i for i in sw if i >= keep]:
@@ -373,6 +367,22 @@ class TieredCache(PagedCache):
         self._changed()
         return True
 
+    def _lost(self, exc: SwapLost, layer: Optional[int]) -> SwapLost:
+        """The SwapLost a caller sees: the sequences and token ranges whose K/V is gone."""
+        lost = set(exc.keys)
+        bs = self.block_size
+        hit = []
+        for sid, sw in self._swapped.items():
+            idx = sorted(i for i, key in sw.items() if key in lost)
+            if idx:
+                spans = ", ".join(f"{i * bs}..{(i + 1) * bs - 1}" for i in idx)
+                hit.append(f"sequence {sid!r} (tokens {spans})")
+        where = "" if layer is None else f" of layer {layer}"
+        return SwapLost(f"K/V{where} swapped out to {self.swap.tier.name} cannot be read back "  # type: ignore[union-attr]
+                        f"intact (removed or corrupted outside pagedkv) for "
+                        f"{'; '.join(hit) or 'no live sequence'}: free and recompute them",
+                        keys=exc.keys)
+
     def _drop_entry(self, seq_id: Hashable, i: int) -> None:
         """Forget swapped entry i whose placeholder reference was already released."""
         key = self._swapped[seq_id].pop(i)
@@ -460,7 +470,10 @@ class TieredCache(PagedCache):
         plan = self._plan(seq_ids)
         if not plan.keys:
             return pl, plan.block_tables, plan.seq_lens
-        got = self.swap.read_layer(self.layout, layer, plan.keys)  # type: ignore[union-attr]
+        try:
+            got = self.swap.read_layer(self.layout, layer, plan.keys)  # type: ignore[union-attr]
+        except SwapLost as exc:
+            raise self._lost(exc, layer) from None
         n_res, n_sw = int(plan.resident.numel()), len(plan.keys)
         pools = []
         for side, pool in ((0, pl.k_pool), (1, pl.v_pool)):

@@ -1,8 +1,12 @@
 """The storage tiers below memory share one small interface: bytes in, bytes (or a miss) out.
 
-A tier maps string keys (`[0-9A-Za-z_.-]`, at most 200 characters) to immutable byte values:
-- `get(key)` -> bytes or None (a miss: absent, or the tier is unreachable);
-- `get_many(keys)` -> a list of the above (one round trip on a remote tier);
+A tier maps string keys (`[0-9A-Za-z_.-]`, at most 200 characters, starting with a letter, digit
+or `_`, so a key can never name `.`, `..` or a hidden file) to immutable byte values:
+- `get(key, size=None)` -> bytes or None (a miss: absent, or the tier is unreachable). With
+  `size` (what the caller expects), a value of any other length, or one that is not a plain
+  value (a FIFO or device on disk, another Redis type), is returned as `b""` (present but
+  unusable, so the caller can repair it) without being read: at most `size` bytes are read;
+- `get_many(keys, size=None)` -> a list of the above (one round trip on a remote tier);
 - `get_range(key, start, length)` -> exactly `length` bytes or None;
 - `put_many(items)`: several puts (one round trip on a remote tier);
 - `put(key, value)`: atomic (a reader never sees half a value). A failure that the caller must
@@ -23,7 +27,7 @@ from typing import Optional
 
 from ..errors import ConfigError, PagedKVError
 
-_KEY = re.compile(r"^[0-9A-Za-z_.\-]{1,200}$")
+_KEY = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z_.\-]{0,199}$")
 
 
 class TierWriteError(PagedKVError, OSError):
@@ -31,7 +35,14 @@ class TierWriteError(PagedKVError, OSError):
 
 
 class SwapLost(PagedKVError):
-    """A swapped-out block could not be read back intact (its file was removed or corrupted)."""
+    """A swapped-out block could not be read back intact (its file was removed or corrupted).
+
+    `keys`: the swap records concerned (internal names; the cache turns them into the sequences
+    and blocks they hold before the error reaches the caller)."""
+
+    def __init__(self, message: str, keys: tuple = ()):
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
 class TierWarning(UserWarning):
@@ -40,8 +51,14 @@ class TierWarning(UserWarning):
 
 def check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY.match(key):
-        raise ConfigError(f"tier key must match [0-9A-Za-z_.-]{{1,200}}, got {key!r}")
+        raise ConfigError("tier key must be 1-200 characters of [0-9A-Za-z_.-] starting with a "
+                          f"letter, digit or '_', got {key!r}")
     return key
+
+
+def _check_size(size: Optional[int]) -> None:
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise ConfigError(f"expected value size must be a positive int or None, got {size!r}")
 
 
 @dataclass
@@ -74,17 +91,20 @@ class Tier:
         self._lock = threading.Lock()
 
     # ---- public, counted --------------------------------------------------------------------
-    def get(self, key: str) -> Optional[bytes]:
+    def get(self, key: str, size: Optional[int] = None) -> Optional[bytes]:
+        """The value, None (a miss), or with `size` b"" for a value that is not `size` bytes."""
         check_key(key)
-        v = self._get(key)
+        _check_size(size)
+        v = self._get(key) if size is None else self._get_sized(key, size)
         self._count_read(v)
         return v
 
-    def get_many(self, keys: list[str]) -> list[Optional[bytes]]:
+    def get_many(self, keys: list[str], size: Optional[int] = None) -> list[Optional[bytes]]:
         """`get` of several keys (one round trip on a remote tier)."""
         for key in keys:
             check_key(key)
-        vals = self._get_many(keys)
+        _check_size(size)
+        vals = self._get_many(keys, size)
         for v in vals:
             self._count_read(v)
         return vals
@@ -149,7 +169,7 @@ class Tier:
     def _count_read(self, v: Optional[bytes]) -> None:
         with self._lock:
             self.stats.gets += 1
-            if v is None:
+            if not v:  # absent, or present but unusable (b"")
                 self.stats.misses += 1
             else:
                 self.stats.hits += 1
@@ -161,8 +181,9 @@ class Tier:
             self.stats.faults += 1
             first = kind not in self._warned
             self._warned.add(kind)
-        if first:
-            warnings.warn(f"{self.name}: {message}", TierWarning, stacklevel=4)
+        if first:  # name the tier once (a TierWriteError's message already starts with it)
+            text = message if message.startswith(self.name) else f"{self.name}: {message}"
+            warnings.warn(text, TierWarning, stacklevel=4)
 
     def _recovered(self, kind: str) -> None:
         self._warned.discard(kind)
@@ -171,8 +192,15 @@ class Tier:
     def _get(self, key: str) -> Optional[bytes]:
         raise NotImplementedError
 
-    def _get_many(self, keys: list[str]) -> list[Optional[bytes]]:
-        return [self._get(k) for k in keys]
+    def _get_sized(self, key: str, size: int) -> Optional[bytes]:
+        """Override to read at most `size` bytes (this default fetches the whole value)."""
+        v = self._get(key)
+        return v if v is None or len(v) == size else b""
+
+    def _get_many(self, keys: list[str], size: Optional[int]) -> list[Optional[bytes]]:
+        if size is None:
+            return [self._get(k) for k in keys]
+        return [self._get_sized(k, size) for k in keys]
 
     def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
         v = self._get(key)
