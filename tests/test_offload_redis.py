@@ -4,7 +4,6 @@ that dies, hangs or runs out of memory costs hits (one warning), never data or t
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.offload import OffloadConfig, TieredCache, TierWarning
 from pagedkv.bench.toy import ToyLM
+from helpers.redis_server import RedisServer
 
 redis = pytest.importorskip("redis", reason="the redis client package is not installed")
 
@@ -28,47 +28,15 @@ CFG = dict(num_layers=2, num_kv_heads=2, head_dim=32, kv_format="q8_0", block_si
 SECRET = "test-secret-0123456789"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp_path):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.skip("redis-server binary not found (Debian: apt-get install redis-server; "
-                        "`make test` installs it)")
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(tmp_path), "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.kill()
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
 @pytest.fixture
 def server(tmp_path):
-    s = Server(tmp_path)
-    yield s
+    s = RedisServer(tmp_path)
+    if s.exe is None:
+        pytest.skip("redis-server binary not found (Debian: apt-get install redis-server; "
+                    "`make test` installs it)")
+    yield s.start()
     s.kill()
+
 
 
 def _cache(url, **kw):
