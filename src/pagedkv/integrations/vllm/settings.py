@@ -1,0 +1,142 @@
+"""What a vLLM user asks of pagedkv: one typed settings object, parsed once at the edge.
+
+The settings come from vLLM's `additional_config` (`--additional-config '{"pagedkv": {...}}'`)
+or, when that has no "pagedkv" entry, from the environment variable `PAGEDKV_VLLM` (read once
+by the plugin when vLLM loads it). Either holds a JSON object, or just a format name:
+
+    {"kv_format": "turbo3"}                       every layer turbo3 (+ high-precision layers)
+    {"kv_format": ["q8_0", "turbo3", ...]}        one format per attention layer
+    {"kv_format": "turbo3", "high_precision_layers": 0, "value_centring": false}
+
+Keys (anything else is refused, naming the key):
+- kv_format: a pagedkv format name (`pagedkv formats`) or one per attention layer. Required.
+- high_precision_layers: N >= 0 or "auto" (default; see `pagedkv.cache.config`), hp_format (q8_0).
+- key_centring / value_centring: None = pagedkv's defaults (keys: on for a non-bf16 K codec;
+  values: on for a non-bf16 V codec, off in layers with attention sinks), or true / false.
+- key_scaling: per-channel key multipliers (default false, as in the transformers cache).
+- calibration: None = fit the statistics once at engine start on pagedkv's fixed calibration
+  text (`calibration_text.py`, never the evaluation text) with the served model's own weights;
+  or a path to a file written by `python -m pagedkv.integrations.vllm.calibrate`.
+- calibration_tokens: tokens of the calibration text (default 512).
+- cache_dir: where fitted statistics are kept between engine starts (default
+  $XDG_CACHE_HOME/pagedkv/vllm or ~/.cache/pagedkv/vllm); None in a dict to disable.
+- backend: the pagedkv ops backend ("cpu", "triton", "reference"; default: automatic).
+- checks: run the ops' value checks on every call (default false: vLLM's inputs are trusted).
+
+Nothing here imports vLLM, so the main test suite checks the parsing without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+from ...errors import ConfigError
+from ...formats import parse_format
+
+ENV_VAR = "PAGEDKV_VLLM"
+CONFIG_KEY = "pagedkv"
+DEFAULT_CALIBRATION_TOKENS = 512
+
+_KEYS = ("kv_format", "high_precision_layers", "hp_format", "key_centring", "value_centring",
+         "key_scaling", "calibration", "calibration_tokens", "cache_dir", "backend", "checks")
+
+
+def default_cache_dir(environ: Mapping[str, str]) -> str:
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pagedkv", "vllm")
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """pagedkv's settings for one vLLM engine (see the module docstring for every field)."""
+
+    kv_format: Union[str, tuple[str, ...]]
+    high_precision_layers: Union[int, str] = "auto"
+    hp_format: str = "q8_0"
+    key_centring: Optional[bool] = None
+    value_centring: Optional[bool] = None
+    key_scaling: bool = False
+    calibration: Optional[str] = None
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    cache_dir: Optional[str] = field(default=None)
+    backend: Optional[str] = None
+    checks: bool = False
+
+    def __post_init__(self) -> None:
+        fmt = self.kv_format
+        if isinstance(fmt, (list, tuple)):
+            if not fmt:
+                raise ConfigError("pagedkv kv_format: an empty list; give a format name or one per layer")
+            object.__setattr__(self, "kv_format", tuple(fmt))
+            names = fmt
+        else:
+            names = (fmt,)
+        for name in names:
+            parse_format(name)  # ConfigError naming the value and the accepted forms
+        parse_format(self.hp_format)
+        hp = self.high_precision_layers
+        if hp != "auto" and (isinstance(hp, bool) or not isinstance(hp, int) or hp < 0):
+            raise ConfigError(f"pagedkv high_precision_layers must be an int >= 0 or 'auto', got {hp!r}")
+        for name in ("key_centring", "value_centring"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ConfigError(f"pagedkv {name} must be true, false or null, got {v!r}")
+        for name in ("key_scaling", "checks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"pagedkv {name} must be true or false, got {getattr(self, name)!r}")
+        n = self.calibration_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 16:
+            raise ConfigError(f"pagedkv calibration_tokens must be an int >= 16, got {n!r}")
+        if self.calibration is not None and not os.path.isfile(str(self.calibration)):
+            raise ConfigError(f"pagedkv calibration {self.calibration!r} is not a file; pass a file "
+                              "written by `python -m pagedkv.integrations.vllm.calibrate`, or null "
+                              "to fit at engine start")
+        if self.backend is not None and self.backend not in ("cpu", "triton", "reference"):
+            raise ConfigError(f"pagedkv backend must be cpu, triton, reference or null, got {self.backend!r}")
+
+    @property
+    def label(self) -> str:
+        """A short name for logs: the format (or 'per-layer') and the hp setting."""
+        fmt = self.kv_format if isinstance(self.kv_format, str) else "per-layer"
+        return f"{fmt} (high_precision_layers={self.high_precision_layers})"
+
+
+def parse_settings(value: Any, environ: Optional[Mapping[str, str]] = None) -> VllmSettings:
+    """Settings from a format name, a JSON string, or a dict (keys as in the module docstring)."""
+    environ = os.environ if environ is None else environ
+    if isinstance(value, VllmSettings):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"pagedkv settings are not valid JSON ({exc}): {text!r}") from None
+        else:
+            value = {"kv_format": text}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"pagedkv settings must be a format name or an object, got {value!r}")
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise ConfigError(f"pagedkv settings: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(_KEYS)}")
+    if "kv_format" not in value:
+        raise ConfigError("pagedkv settings need kv_format (a pagedkv format name, e.g. turbo3, "
+                          "or one per attention layer)")
+    kwargs = dict(value)
+    if "cache_dir" not in kwargs:
+        kwargs["cache_dir"] = default_cache_dir(environ)
+    return VllmSettings(**kwargs)
+
+
+def settings_from(additional_config: Any, env_value: Optional[str]) -> Optional[VllmSettings]:
+    """The engine's pagedkv settings: `additional_config["pagedkv"]`, else the environment
+    variable's value (read once by the plugin), else None (pagedkv stays out of the way)."""
+    if isinstance(additional_config, Mapping) and additional_config.get(CONFIG_KEY) is not None:
+        return parse_settings(additional_config[CONFIG_KEY])
+    if env_value:
+        return parse_settings(env_value)
+    return None

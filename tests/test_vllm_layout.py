@@ -1,0 +1,98 @@
+"""The vLLM backend's parts that need no vLLM: settings parsing and pages as pool views.
+
+The engine tests themselves run in their own environment (tests_vllm/, `make test-vllm`).
+"""
+
+import pytest
+import torch
+
+from pagedkv import ops
+from pagedkv.errors import ConfigError
+from pagedkv.formats import all_formats, parse_format
+from pagedkv.integrations.vllm.fit import FitPlan
+from pagedkv.integrations.vllm.layout import (check_geometry, content_bytes, layer_formats, page_bytes,
+                                              paged_layer)
+from pagedkv.integrations.vllm.settings import parse_settings, settings_from
+from pagedkv.ops.batch import AttentionParams, make_layer
+
+
+def test_settings_forms_and_opt_in():
+    assert parse_settings("turbo3").kv_format == "turbo3"
+    s = parse_settings('{"kv_format": ["bf16", "turbo3"], "high_precision_layers": 0}', environ={})
+    assert s.kv_format == ("bf16", "turbo3") and s.high_precision_layers == 0
+    assert settings_from({}, None) is None  # nothing named: pagedkv stays out of vLLM's way
+    assert settings_from({"other": 1}, None) is None
+    assert settings_from({}, "turbo4").kv_format == "turbo4"
+    assert settings_from({"pagedkv": {"kv_format": "fp8"}}, "turbo4").kv_format == "fp8"
+
+
+@pytest.mark.parametrize("value, needle", [
+    ({"kv_format": "turbo9"}, "turbo9"),
+    ({"kv_format": "turbo3", "colour": 1}, "colour"),
+    ({}, "kv_format"),
+    ({"kv_format": "turbo3", "high_precision_layers": -1}, "high_precision_layers"),
+    ({"kv_format": "turbo3", "calibration": "/no/such/file"}, "/no/such/file"),
+    ({"kv_format": "turbo3", "backend": "gpu"}, "gpu"),
+    ("{not json", "JSON"),
+])
+def test_settings_errors_name_the_value(value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_settings(value, environ={})
+
+
+def test_page_is_exactly_the_catalogue_block_for_every_format():
+    for fmt in all_formats():
+        for hd in (64, 128):
+            check_geometry(fmt, 16, 3, hd)
+            assert 16 * 3 * content_bytes(fmt, hd) == page_bytes(fmt, 16, 3, hd)
+
+
+def test_layer_formats_follow_the_high_precision_policy():
+    f = layer_formats("turbo3", "auto", "q8_0", 30, [(3, 64)] * 30)
+    assert [x.name for x in f[:3] + f[-3:]] == ["q8_0"] * 6 and f[3].name == "turbo3"
+    assert len(set(layer_formats(["bf16", "turbo3"], 0, "q8_0", 2, [(3, 64)] * 2))) == 2
+    with pytest.raises(ConfigError):
+        layer_formats(["bf16"] * 3, 0, "q8_0", 2, [(3, 64)] * 2)
+    with pytest.raises(ConfigError, match="head_dim"):
+        layer_formats("turbo3", 0, "q8_0", 1, [(3, 40)])
+
+
+def test_fit_plan_defaults_match_the_transformers_cache():
+    fmts = [parse_format("q8_0"), parse_format("bf16k_turbo3v"), parse_format("bf16")]
+    p = FitPlan.build(fmts, None, None, False, [False, True, False])
+    assert p.key_centring and p.value_centring == (True, False, False) and p.needed
+    assert not FitPlan.build([parse_format("bf16")], None, None, False).needed
+
+
+@pytest.mark.parametrize("name", ["bf16", "turbo3", "q4_0", "fp8k_turbo3v", "turbo4k_q8_0v"])
+def test_views_of_a_vllm_page_equal_contiguous_pools(name):
+    """K and V pools as strided views of vLLM's [blocks, H, N, C] page (two layers interleaved
+    block-outermost, so the row stride is larger than the page): same bytes and the same
+    attention as pools of their own."""
+    fmt = parse_format(name)
+    h, d, n, nb = 3, 64, 16, 5
+    c = content_bytes(fmt, d)
+    g = torch.Generator().manual_seed(0)
+    backing = torch.zeros(nb, 2, h, n, c, dtype=torch.uint8)  # [B, L, H, N, C]: BLHNC
+    page = backing[:, 1]
+    cal_scale = torch.tensor([0.05])
+    from pagedkv.integrations.calibration import Calibration
+
+    cal = Calibration(k_scale=cal_scale if fmt.k.name == "fp8" else None)
+    view = paged_layer(page, fmt, h, d, cal)
+    own = make_layer(fmt.k, fmt.v, nb, n, h, d, k_scale=float(view.k_scale), v_scale=float(view.v_scale))
+    t = 37
+    k = torch.randn(t, h, d, generator=g)
+    v = torch.randn(t, h, d, generator=g)
+    slots = torch.randperm(nb * n, generator=g)[:t].sort().values
+    for layer in (view, own):
+        ops.store(layer, k, v, slots)
+    assert torch.equal(view.k_pool, own.k_pool) and torch.equal(view.v_pool, own.v_pool)
+    assert int(backing[:, 0].sum()) == 0  # the other layer's pages untouched
+    lens = torch.tensor([20, 33], dtype=torch.int32)
+    tables = torch.stack([torch.unique(slots // n)[:3].int()] * 2)
+    q = torch.randn(2, 9, d, generator=g)
+    params = AttentionParams(scale=d ** -0.5)
+    a = ops.decode_attention(q, view, tables, lens, params)
+    b = ops.decode_attention(q, own, tables, lens, params)
+    assert torch.equal(a, b)
