@@ -1,0 +1,186 @@
+"""vLLM serving throughput: vLLM's own KV formats against pagedkv's, same prompts, one run.
+
+    .venv-vllm/bin/python benchmarks/vllm_serving.py [--budgets 64MiB,1GiB] [--json]
+
+Configurations: vLLM bf16 (its CPU backend, model in bf16), vLLM fp8 (kv_cache_dtype=fp8; needs
+AVX-512 on CPU, reported as unsupported otherwise), and pagedkv fp8 / turbo4 / turbo3 /
+fp8k_turbo3v pages (pagedkv's defaults: automatic high-precision layers, statistics fitted at
+engine start). Every configuration serves the same prompts (distinct windows of
+`pydoc_data.topics`, `--prompt-tokens` each, prefix caching off) with greedy decoding of
+`--max-tokens` tokens, submitted at once, under each KV budget (`kv_cache_memory_bytes`): a
+small one where bf16 is KV-bound and a large one where nothing is.
+
+Per configuration and budget: KV capacity in tokens (what vLLM reports), the most requests
+vLLM ran at once (overlap of scheduled..last-token intervals), output tokens/s over the whole
+run, mean time to first token, total time, each also as a ratio to vLLM bf16 under the same
+budget. Each engine runs in a fresh child process (one vLLM engine per process), one after the
+other, so every row sees the same machine state; the table prints at the end (`--json` prints
+the rows as JSON instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(ROOT, ".venv-vllm", "smollm2-hf")
+CONFIGS = ("vllm-bf16", "vllm-fp8", "pagedkv-fp8", "pagedkv-turbo4", "pagedkv-turbo3",
+           "pagedkv-fp8k_turbo3v")
+UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    t = text.strip().lower()
+    for unit, mult in UNITS.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def engine_kwargs(config: str, budget: int, args) -> dict:
+    kw = dict(model=args.model, dtype=args.dtype, enforce_eager=True, kv_cache_memory_bytes=budget,
+              max_model_len=args.prompt_tokens + args.max_tokens + 16, enable_prefix_caching=False,
+              disable_log_stats=False, distributed_executor_backend="uni", seed=0,
+              max_num_seqs=args.prompts)
+    kind, fmt = config.split("-", 1)
+    if kind == "vllm":
+        if fmt != "bf16":
+            kw["kv_cache_dtype"] = fmt
+    else:
+        kw["additional_config"] = {"pagedkv": {"kv_format": fmt}}
+    return kw
+
+
+def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """n distinct token windows of `length` (BOS first) spread over pydoc_data.topics."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from pagedkv.eval.text import bos_id, default_text, make_windows, tokenize
+
+    return [w.tolist() for w in make_windows(tokenize(tokenizer, default_text()), n, length, bos_id(tokenizer))]
+
+
+def run_one(config: str, budget: int, args) -> dict:
+    """One engine, one run (in this process). Returns the row's raw numbers."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(config, budget, args))
+    start_s = time.perf_counter() - t0
+    cc = llm.llm_engine.vllm_config.cache_config
+    ids = prompts(llm.get_tokenizer(), args.prompts, args.prompt_tokens)
+    sp = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, temperature=0.0,
+                        ignore_eos=True)
+    t1 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp, use_tqdm=False)
+    total = time.perf_counter() - t1
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    spans = [(o.metrics.scheduled_ts, o.metrics.last_token_ts) for o in outs if o.metrics is not None]
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    ttft = [o.metrics.first_token_latency for o in outs if o.metrics is not None]
+    return {"config": config, "budget_bytes": budget, "capacity_tokens": int(cc.num_gpu_blocks) * int(cc.block_size),
+            "concurrency": peak, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
+            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None, "total_s": total,
+            "engine_start_s": start_s, "sample": outs[0].outputs[0].text[:60]}
+
+
+def child(config: str, budget: int, args) -> dict:
+    """Run one configuration in a fresh process; a failed start becomes a row with its error."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", config, "--budget", str(budget),
+           "--model", args.model, "--dtype", args.dtype, "--prompts", str(args.prompts),
+           "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens)]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    err = [ln for ln in p.stderr.splitlines() if "Error" in ln or "error" in ln]
+    return {"config": config, "budget_bytes": budget, "error": (err[-1] if err else f"exit {p.returncode}")[-160:]}
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    base = {r["budget_bytes"]: r for r in rows if r["config"] == "vllm-bf16" and "error" not in r}
+    for r in rows:
+        b = base.get(r["budget_bytes"])
+        if b is None or "error" in r:
+            continue
+        r["ratio"] = {k: (r[k] / b[k] if b[k] else None)
+                      for k in ("capacity_tokens", "concurrency", "output_tok_s", "mean_ttft_s", "total_s")
+                      if r.get(k) is not None and b.get(k) is not None}
+    return rows
+
+
+def table(rows: list[dict], args) -> str:
+    head = (f"{args.prompts} prompts x {args.prompt_tokens} tokens + {args.max_tokens} new (greedy), "
+            f"model dtype {args.dtype}, eager; ratios to vLLM bf16 at the same KV budget")
+    cols = ("KV budget", "config", "KV tokens", "x", "concurrency", "x", "out tok/s", "x",
+            "mean TTFT s", "x", "total s", "x")
+    lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        mib = f"{r['budget_bytes'] / (1 << 20):g} MiB"
+        if "error" in r:
+            lines.append(f"| {mib} | {r['config']} | not supported here: {r['error']} |")
+            continue
+        q = r.get("ratio", {})
+
+        def f(k, fmt):
+            v = r.get(k)
+            return "" if v is None else fmt.format(v)
+
+        def x(k):
+            return f"{q[k]:.2f}x" if q.get(k) is not None else ""
+        lines.append(f"| {mib} | {r['config']} | {r['capacity_tokens']:,} | {x('capacity_tokens')} | "
+                     f"{r['concurrency']} | {x('concurrency')} | {f('output_tok_s', '{:.1f}')} | "
+                     f"{x('output_tok_s')} | {f('mean_ttft_s', '{:.1f}')} | {x('mean_ttft_s')} | "
+                     f"{f('total_s', '{:.1f}')} | {x('total_s')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--budgets", default="64MiB,1GiB", help="KV budgets (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(args.one, args.budget, args)), flush=True)
+        return 0
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        if c not in CONFIGS and not c.startswith("pagedkv-"):
+            p.error(f"--configs: unknown {c!r}; accepted: {', '.join(CONFIGS)} or pagedkv-<format>")
+    rows, failed = [], {}
+    for budget in (parse_bytes(b) for b in args.budgets.split(",")):
+        for c in configs:
+            if c in failed:  # a start that failed once (e.g. no AVX-512 for vLLM fp8) fails again
+                rows.append(dict(failed[c], budget_bytes=budget))
+                continue
+            rows.append(child(c, budget, args))
+            if "error" in rows[-1]:
+                failed[c] = rows[-1]
+            print(f"done {c} @ {budget >> 20} MiB: {rows[-1].get('output_tok_s', rows[-1].get('error'))}",
+                  file=sys.stderr, flush=True)
+    rows = with_ratios(rows)
+    print(json.dumps(rows, indent=2) if args.json else table(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
