@@ -67,8 +67,8 @@ def test_fit_plan_defaults_match_the_transformers_cache():
 @pytest.mark.parametrize("name", ["bf16", "turbo3", "q4_0", "fp8k_turbo3v", "turbo4k_q8_0v"])
 def test_views_of_a_vllm_page_equal_contiguous_pools(name):
     """K and V pools as strided views of vLLM's [blocks, H, N, C] page (two layers interleaved
-    block-outermost, so the row stride is larger than the page): same bytes and the same
-    attention as pools of their own."""
+    block-outermost, so the row stride is larger than the page), with the layer's statistics
+    (centres, key multipliers): same bytes and the same attention as pools of their own."""
     fmt = parse_format(name)
     h, d, n, nb = 3, 64, 16, 5
     c = content_bytes(fmt, d)
@@ -78,9 +78,12 @@ def test_views_of_a_vllm_page_equal_contiguous_pools(name):
     cal_scale = torch.tensor([0.05])
     from pagedkv.integrations.calibration import Calibration
 
-    cal = Calibration(k_scale=cal_scale if fmt.k.name == "fp8" else None)
+    stats = {"k_centre": torch.randn(h, d, generator=g), "k_mult": torch.rand(h, d, generator=g) + 0.5,
+             "v_centre": torch.randn(h, d, generator=g)}
+    cal = Calibration(k_scale=cal_scale if fmt.k.name == "fp8" else None, **stats)
     view = paged_layer(page, fmt, h, d, cal)
-    own = make_layer(fmt.k, fmt.v, nb, n, h, d, k_scale=float(view.k_scale), v_scale=float(view.v_scale))
+    own = make_layer(fmt.k, fmt.v, nb, n, h, d, k_scale=float(view.k_scale), v_scale=float(view.v_scale),
+                     **stats)
     t = 37
     k = torch.randn(t, h, d, generator=g)
     v = torch.randn(t, h, d, generator=g)

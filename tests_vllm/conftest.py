@@ -17,3 +17,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+import pytest  # noqa: E402
+
+from engine import capacity_tokens, engine, greedy, prompt_logprobs  # noqa: E402
+from workloads import FIRST_TOKENS, PROMPTS, eval_windows, prefix_prompt  # noqa: E402
+
+ENGINES = ("native", "bf16", "turbo4", "turbo3", "fp8k_turbo3v")
+
+
+@pytest.fixture(scope="session")
+def runs():
+    """Every engine of the suite, started once each, one after the other: what its tests need."""
+    out = {}
+    for name in ENGINES:
+        with engine(None if name == "native" else {"kv_format": name}) as llm:
+            tok = llm.get_tokenizer()
+            r = {"capacity": capacity_tokens(llm), "vllm_config": llm.llm_engine.vllm_config}
+            if name in ("native", "bf16"):
+                r["windows"] = [tok(p)["input_ids"] for p in PROMPTS]
+                r["prompt_logprobs"] = prompt_logprobs(llm, r["windows"], k=5)
+                r["greedy"] = greedy(llm, PROMPTS, FIRST_TOKENS)
+            if name != "native":
+                r["logprobs"] = prompt_logprobs(llm, eval_windows(tok))
+            if name == "turbo3":
+                r["prefix"] = [greedy(llm, [prefix_prompt()], 16)[0] for _ in range(2)]
+            out[name] = r
+    return out

@@ -2,50 +2,35 @@
 
 Both engines run the fp32 model; vLLM's own cache then holds fp32 K/V and pagedkv's bf16 pages
 round them to 8 significant bits (relative error <= 2^-9), which is all that differs. Teacher
-forced prompt log-probabilities must agree to within what that rounding moves (measured: mean
-|difference| ~1e-3 nats), and greedy text must agree for the first tokens.
+forced prompt log-probabilities must agree to within what that rounding moves (mean |difference|
+below 0.01 nats, none above 0.1), and greedy text must agree for the first tokens.
 """
 
 import pytest
 
-from engine import KV_BYTES, capacity_tokens, engine, greedy, prompt_logprobs
+from engine import KV_BYTES
+from workloads import FIRST_TOKENS
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "A paged KV cache stores the keys and values of every token in fixed-size blocks, so that",
-    "Q: What is the boiling point of water at sea level?\nA:",
-]
-FIRST_TOKENS = 8
-
-
-def _run(llm):
-    tok = llm.get_tokenizer()
-    windows = [tok(p)["input_ids"] for p in PROMPTS]
-    return {"logprobs": prompt_logprobs(llm, windows, k=5), "windows": windows,
-            "greedy": greedy(llm, PROMPTS, FIRST_TOKENS), "capacity": capacity_tokens(llm)}
+@pytest.fixture(scope="module")
+def native(runs):
+    return runs["native"]
 
 
 @pytest.fixture(scope="module")
-def native():
-    with engine(None) as llm:
-        return _run(llm)
-
-
-@pytest.fixture(scope="module")
-def paged(native):  # after `native`: one engine at a time
-    with engine({"kv_format": "bf16"}) as llm:
-        return _run(llm)
+def paged(runs):
+    return runs["bf16"]
 
 
 def test_prompt_logprobs_match_vllms_own_backend(native, paged):
     diffs = []
-    for a_win, b_win, ids in zip(native["logprobs"], paged["logprobs"], native["windows"]):
+    for a_win, b_win, ids in zip(native["prompt_logprobs"], paged["prompt_logprobs"], native["windows"]):
         for pos, (a, b) in enumerate(zip(a_win, b_win)):
             t = ids[pos + 1]  # the actual next token is always reported
             diffs.append(abs(a[t] - b[t]))
     assert len(diffs) > 40
     mean = sum(diffs) / len(diffs)
+    print(f"MEASURED bf16 pages vs vLLM CPU_ATTN: {len(diffs)} positions, mean |dlogprob| {mean:.2e}, "
+          f"max {max(diffs):.2e}")
     assert mean < 0.01, f"mean |logprob difference| {mean:.5f}"
     assert max(diffs) < 0.1, f"max |logprob difference| {max(diffs):.5f}"
 

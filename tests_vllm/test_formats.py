@@ -10,39 +10,11 @@ windows through two front doors, and agree within KL_FACTOR.
 
 import pytest
 
-from engine import KV_BYTES, capacity_tokens, coarse_kl, engine, greedy, model_dir, prompt_logprobs
+from engine import KV_BYTES, coarse_kl, model_dir
+from workloads import WINDOW_TOKENS, WINDOWS
 
 FORMATS = ("turbo4", "turbo3", "fp8k_turbo3v")
-WINDOWS, WINDOW_TOKENS = 2, 256
 KL_FACTOR = 3.0
-
-
-def _eval_windows(tokenizer):
-    """The windows `pagedkv eval --windows 2 --window-tokens 256` uses (default text)."""
-    from pagedkv.eval.text import bos_id, default_text, make_windows, tokenize
-
-    return [w.tolist() for w in make_windows(tokenize(tokenizer, default_text()), WINDOWS,
-                                              WINDOW_TOKENS, bos_id(tokenizer))]
-
-
-def _prefix_prompt(tokenizer):
-    text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
-    return text + "\nSummary:"
-
-
-@pytest.fixture(scope="module")
-def runs():
-    out = {}
-    for name in ("bf16",) + FORMATS:
-        with engine({"kv_format": name}) as llm:
-            tok = llm.get_tokenizer()
-            r = {"capacity": capacity_tokens(llm), "logprobs": prompt_logprobs(llm, _eval_windows(tok)),
-                 "vllm_config": llm.llm_engine.vllm_config}
-            if name == "turbo3":
-                prompt = _prefix_prompt(tok)
-                r["prefix"] = [greedy(llm, [prompt], 16)[0] for _ in range(2)]
-            out[name] = r
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +74,7 @@ def test_capacity_of_every_format_as_vllm_computes_it(runs):
 def test_prompt_logprobs_agree_with_pagedkv_eval(runs, eval_kl, name):
     kl = coarse_kl(runs["bf16"]["logprobs"], runs[name]["logprobs"])
     ref = eval_kl[name]
+    print(f"MEASURED {name}: vLLM prompt-logprob KL {kl:.5f}, pagedkv eval KL {ref:.5f}, ratio {kl / ref:.2f}")
     assert ref > 0 and ref / KL_FACTOR < kl < ref * KL_FACTOR, f"vLLM KL {kl:.5f}, pagedkv eval KL {ref:.5f}"
 
 

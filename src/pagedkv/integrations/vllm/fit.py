@@ -61,12 +61,13 @@ class FitPlan:
               value_centring: Optional[bool], key_scaling: bool,
               has_sinks: Optional[Sequence[bool]] = None) -> "FitPlan":
         """The transformers cache's defaults: key centring on when some K codec is not bf16;
-        value centring on for non-bf16 V, off in layers with attention sinks."""
+        value centring on for non-bf16 V, by default off in layers with attention sinks (exact
+        there too: the ops add v_centre times the token weights' sum)."""
         kc = any(f.k.name != "bf16" for f in formats) if key_centring is None else key_centring
-        vc = True if value_centring is None else value_centring
         sinks = has_sinks or [False] * len(formats)
+        vc = [(not sk) if value_centring is None else bool(value_centring) for sk in sinks]
         return FitPlan(tuple(formats), bool(kc),
-                       tuple(bool(vc) and f.v.name != "bf16" and not sk for f, sk in zip(formats, sinks)),
+                       tuple(on and f.v.name != "bf16" for f, on in zip(formats, vc)),
                        tuple(bool(key_scaling) and f.k.name != "bf16" for f in formats))
 
     @property

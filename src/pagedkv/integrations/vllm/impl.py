@@ -79,8 +79,6 @@ class PagedKVImpl(AttentionImpl):
         self.attn_type = attn_type
         self.fmt = None  # KVFormat, assigned with the other layers (assign_formats)
         self.calibration: Optional[Calibration] = None
-        self.v_centre: Optional[torch.Tensor] = None
-        self.k_mult: Optional[torch.Tensor] = None
         self._vllm_config = cfg
         self._paged = None  # (kv_cache data_ptr, PagedLayer)
         self._params: Optional[AttentionParams] = None
@@ -116,8 +114,7 @@ class PagedKVImpl(AttentionImpl):
             return
         paged = self._layer(kv_cache)
         t = slot_mapping.shape[0]
-        k, v = _transform_outside_ops(self, k=key[:t], v=value[:t])
-        ops.store(paged, k, v, slot_mapping.long(), backend=self.settings.backend, checks=self.settings.checks)
+        ops.store(paged, key[:t], value[:t], slot_mapping.long(), backend=self.settings.backend, checks=self.settings.checks)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Optional[PagedKVMetadata], output: torch.Tensor,
@@ -130,7 +127,7 @@ class PagedKVImpl(AttentionImpl):
         n, nd = m.num_actual_tokens, m.num_decodes
         paged = self._layer(kv_cache)
         params = self._attention_params()
-        q = _transform_outside_ops(self, q=query[:n].view(n, self.num_heads, self.head_size))[0]
+        q = query[:n].view(n, self.num_heads, self.head_size)
         out = output.view(-1, self.num_heads, self.head_size)
         be, checks = self.settings.backend, self.settings.checks
         if nd:
@@ -139,28 +136,7 @@ class PagedKVImpl(AttentionImpl):
         if n > nd:
             out[nd:n] = ops.prefill_attention(q[nd:n], paged, m.prefill_block_tables, m.prefill_seq_lens,
                                               m.prefill_query_start, params, backend=be, checks=checks)
-        if self.v_centre is not None:
-            _transform_outside_ops(self, out=out[:n])
         return output
-
-
-def _transform_outside_ops(impl: PagedKVImpl, *, k=None, v=None, q=None, out=None):
-    """TEMPORARY (delete when `PagedLayer.k_mult` / `v_centre` land in the ops, TEAM.md): the
-    per-layer transform the ops do not apply yet. Keys are stored as k * k_mult (the ops then
-    subtract k_centre), values as v - v_centre; q is divided by k_mult (q.k unchanged) and
-    v_centre is added back to the output (exact: the weights sum to one; value centring is off
-    in layers with sinks)."""
-    h, g = impl.num_kv_heads, impl.num_heads // impl.num_kv_heads
-    if k is not None and impl.k_mult is not None:
-        k = k.float() * impl.k_mult
-    if v is not None and impl.v_centre is not None:
-        v = v.float() - impl.v_centre
-    if q is not None and impl.k_mult is not None:
-        q = (q.float().view(-1, h, g, impl.head_size) / impl.k_mult[:, None]).view(q.shape).to(q.dtype)
-    if out is not None:
-        view = out.view(-1, h, g, impl.head_size)
-        view += impl.v_centre[:, None].to(out.dtype)
-    return (q,) if q is not None else (k, v)
 
 
 def _pagedkv_layers(vllm_config) -> list[tuple[str, torch.nn.Module]]:
@@ -197,9 +173,6 @@ def prepare_layers(vllm_config) -> None:
         return
     s = impls[0].settings
     has_sinks = [i.sinks is not None for i in impls]
-    if s.value_centring and any(has_sinks):
-        raise ConfigError("pagedkv value_centring is not exact with attention sinks (their weight takes "
-                          "no value); leave value_centring unset or false for this model")
     plan = FitPlan.build([i.fmt for i in impls], s.key_centring, s.value_centring, s.key_scaling, has_sinks)
     if s.calibration is not None:
         cals = load(s.calibration, len(impls))
@@ -207,9 +180,7 @@ def prepare_layers(vllm_config) -> None:
         cals = fit(vllm_config.model_config.model, plan, s.calibration_tokens, s.cache_dir)
     else:
         cals = [Calibration() for _ in impls]
-    for impl, cal, vc, ks in zip(impls, cals, plan.value_centring, plan.key_scaling):
+    for impl, cal in zip(impls, cals):
         impl.calibration = cal
-        impl.v_centre = cal.v_centre if vc and cal.v_centre is not None else None
-        impl.k_mult = cal.k_mult if ks and cal.k_mult is not None else None
         impl._paged = None
     log.info("pagedkv: statistics per layer %s", describe(cals))

@@ -79,5 +79,9 @@ def paged_layer(kv_cache: torch.Tensor, fmt: KVFormat, num_kv_heads: int, head_d
         num_kv_heads=h, head_dim=head_dim,
         k_scale=one if cal.k_scale is None else cal.k_scale.to(dev, torch.float32),
         v_scale=one.clone() if cal.v_scale is None else cal.v_scale.to(dev, torch.float32),
-        k_centre=None if cal.k_centre is None else cal.k_centre.to(dev, torch.float32).contiguous(),
+        **{name: _stat(getattr(cal, name), dev) for name in ("k_centre", "k_mult", "v_centre")},
     )
+
+
+def _stat(x: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    return None if x is None else x.to(device, torch.float32).contiguous()
