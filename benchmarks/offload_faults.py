@@ -36,7 +36,7 @@ import torch
 from pagedkv.bench.toy import ToyLM
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.offload import OffloadConfig, TieredCache, TierWarning, TierWriteError
-from pagedkv.offload.record import encode_record, parse_header
+from pagedkv.offload.record import RecordError, encode_record, parse_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers.redis_server import RedisServer  # noqa: E402  (one copy, shared with the tests)
@@ -145,8 +145,11 @@ def run_one(counts: Counts, make_cache, prompt, fault: str, during=None) -> None
 # ---- damage to stored entries ------------------------------------------------------------------
 def _forged(value: bytes) -> bytes:
     """A well-formed record (valid checksums) with zeroed K/V, as a writer without the secret
-    can make it: same length, the tag left as it was."""
-    head = parse_header(value)
+    can make it: same length, the tag left as it was (an entry damaged earlier: left as is)."""
+    try:
+        head = parse_header(value)
+    except RecordError:
+        return value
     zeros = [(bytes(lay.k_bytes), bytes(lay.v_bytes)) for lay in head.layout.layers]
     rec = encode_record(head.layout, head.key, zeros)
     return rec + value[len(rec):]

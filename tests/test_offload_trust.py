@@ -158,6 +158,15 @@ def test_an_oversized_entry_is_not_read(tmp_path, baseline):
     assert b.prefix.tier.stats.bytes_read <= 2 * size
 
 
+def test_a_directory_under_a_key_is_a_miss_and_is_replaced(tmp_path, baseline):
+    ToyLM(_cache(tmp_path)).generate(PROMPT, 8)
+    victim = _entries(tmp_path)[0]
+    victim.unlink()
+    victim.mkdir()
+    rb = ToyLM(_cache(tmp_path)).generate(PROMPT, 8)
+    assert rb.hit_tokens == 0 and rb.tokens == baseline.tokens and victim.is_file()
+
+
 def test_a_symlink_under_a_key_is_not_followed(tmp_path):
     ToyLM(_cache(tmp_path)).generate(PROMPT, 8)
     victim = _entries(tmp_path)[0]
@@ -241,3 +250,18 @@ def test_token_ids_past_int64_are_refused_at_admission(tmp_path, tiered):
     sid = cache.add_sequence([1, 2, 3]).seq_id
     with pytest.raises(ConfigError, match=r"\[0, 2\*\*63\)"):
         cache.step([sid], [[1 << 64]])
+
+
+def test_calibration_is_part_of_the_layout():
+    """k_mult and v_centre change the stored bytes' meaning: another layout, another store key."""
+    import dataclasses
+
+    from pagedkv.offload import BlockLayout
+
+    layers = PagedCache(_cfg()).layers
+    base = BlockLayout.from_layers(layers).fingerprint
+    h, d = layers[0].num_kv_heads, layers[0].head_dim
+    for field in ("k_mult", "v_centre"):
+        changed = [dataclasses.replace(layers[0], **{field: torch.full((h, d), 2.0)})] + \
+            list(layers[1:])
+        assert BlockLayout.from_layers(changed).fingerprint != base, field

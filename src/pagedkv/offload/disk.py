@@ -337,6 +337,11 @@ class DiskTier(Tier):
             self._path(key).unlink()
         except FileNotFoundError:
             pass
+        except IsADirectoryError:  # planted under the key: remove it if empty, so it can be replaced
+            try:
+                self._path(key).rmdir()
+            except OSError:
+                return
         except OSError:
             return
         with self._idx.lock:
