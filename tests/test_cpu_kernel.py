@@ -232,3 +232,49 @@ def test_fp8_subnormals_exact_even_with_flush_denormal():
     finally:
         torch.set_flush_denormal(False)
     assert (got - want).abs().max() < 2e-4
+
+
+def _five_bit(name: str):
+    import dataclasses
+
+    return dataclasses.replace(CODECS[name], name=f"{name}_5bit", code_bits=5)
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_unknown_code_width_is_refused_not_decoded_as_another(side):
+    """Issue 17: a 5-bit row (no kernel decodes 5-bit codes) is an error naming the codec, never a
+    silent 2-bit decode; the kernel is called directly, past any `supports` policy."""
+    from pagedkv.errors import InvalidInput
+    from pagedkv.ops import make_layer
+
+    odd, ok = _five_bit("turbo3"), CODECS["turbo3"]
+    layer = make_layer(odd if side == "k" else ok, odd if side == "v" else ok, 2, 16, 1, 64)
+    q = torch.randn(1, 2, 64)
+    with pytest.raises(InvalidInput, match="does not implement codec 'turbo3_5bit'"):
+        cpu.attention(q, layer, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+                      torch.arange(2, dtype=torch.int32), AttentionParams(scale=0.125))
+
+
+def test_store_kernel_refuses_unknown_code_width():
+    """The C store packs only the widths it implements; a 5-bit int row leaves the pool untouched."""
+    import ctypes
+
+    from pagedkv.ops import make_layer
+    from pagedkv.ops.cpu import write as cstore
+
+    codec = _five_bit("q4_0")
+    layer = make_layer(codec, codec, 1, 16, 1, 64)
+    d = cstore.store_desc(CODECS["q4_0"])
+    x = torch.randn(1, 1, 64)
+    slots = torch.zeros(1, dtype=torch.int64)
+    a = cstore._StoreArgs()
+    a.x, a.centre, a.slots, a.pool = x.data_ptr(), None, slots.data_ptr(), layer.k_pool.data_ptr()
+    a.levels, a.mids, a.order = d.levels.data_ptr(), d.mids.data_ptr(), d.order.data_ptr()
+    a.x_stride_t, a.x_stride_h, a.num_tokens = x.stride(0), x.stride(1), 1
+    a.block_stride, a.scale_offset = layer.k_pool.stride(0), codec.data_bytes(16 * 64)
+    a.x_dtype, a.block_size, a.num_heads, a.head_dim = 0, 16, 1, 64
+    a.kind, a.bits, a.group, a.scale_kind = d.kind, 5, d.group, d.scale_kind
+    a.row_data_bytes, a.row_scale_bytes = codec.row_data_bytes(64), codec.row_scale_bytes(64)
+    a.top, a.tensor_scale = d.top, 1.0
+    assert cpu._require().lib.pkv_store(ctypes.byref(a)) == 3
+    assert int(layer.k_pool.count_nonzero()) == 0

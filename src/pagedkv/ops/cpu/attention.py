@@ -181,6 +181,10 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     rc = kernel.lib.pkv_attention(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
     if rc == -1:
         raise MemoryError("pagedkv CPU attention kernel: out of memory for its working set")
+    if rc in (-3, -4):
+        c = layer.k_codec if rc == -3 else layer.v_codec
+        raise InvalidInput(f"the CPU attention kernel does not implement codec {c.name!r} ({c.code_bits}-bit "
+                           f"{c.values.name} codes, group {c.group_size}, {c.scale_type.name} scales)")
     if rc != 0:
         raise InvalidInput(f"pagedkv CPU attention kernel rejected the arguments (code {rc}): "
                            f"Hq={hq}, H={h}, head_dim={hd}, block_size={layer.block_size}")

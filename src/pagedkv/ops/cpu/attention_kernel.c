@@ -331,13 +331,16 @@ PKV_INLINE void decode_rows_t(const int kind, const int bits, const pkv_side *sd
     case EK_BF16: CALL(EK_BF16, 16); break;                                      \
     case EK_E4M3: CALL(EK_E4M3, 8); break;                                       \
     case EK_I8: CALL(EK_I8, 8); break;                                           \
-    default:                                                                     \
+    case EK_LUT:                                                                 \
         switch ((sd)->bits) {                                                    \
         case 8: CALL(EK_LUT, 8); break;                                          \
         case 4: CALL(EK_LUT, 4); break;                                          \
         case 3: CALL(EK_LUT, 3); break;                                          \
-        default: CALL(EK_LUT, 2); break;                                         \
+        case 2: CALL(EK_LUT, 2); break;                                          \
+        default: break; /* unreachable: pkv_attention refuses it (side_ok) */   \
         }                                                                        \
+        break;                                                                   \
+    default: break;                                                              \
     }
 
 /* Decode the rows of kv head h (rows with need[i] == 0 skipped when given) into dst[nt][D]. */
@@ -941,14 +944,32 @@ done:
     return rc;
 }
 
+/* 1 when the kernel implements this side exactly: every (kind, code width) below has its own
+   decode, so an unknown width is refused here instead of being decoded as another one. */
+static int side_ok(const pkv_side *sd, int D) {
+    int width_ok;
+    switch (sd->kind) {
+    case EK_BF16: width_ok = sd->bits == 16; break;
+    case EK_E4M3: case EK_I8: width_ok = sd->bits == 8; break;
+    case EK_LUT: width_ok = sd->bits == 2 || sd->bits == 3 || sd->bits == 4 || sd->bits == 8; break;
+    default: width_ok = 0;
+    }
+    if (!width_ok || sd->scale_kind < SC_NONE || sd->scale_kind > SC_FP16) return 0;
+    if (sd->group && (sd->group % 16 || D % sd->group || sd->scale_kind == SC_NONE)) return 0;
+    return 1;
+}
+
 /* Attention of packed varlen queries over the paged cache; decode is q_len = 1 per sequence.
- * Returns 0 on success, -1 when out of memory, -2 on bad arguments. */
+ * Returns 0 on success, -1 when out of memory, -2 on bad arguments, -3 (K) / -4 (V) when a
+ * side's code kind, width, group or scale kind is not one the kernel implements. */
 int pkv_attention(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
     const int B = a->num_seqs, H = a->num_kv_heads, Hq = a->num_q_heads, D = a->head_dim;
     const int BS = a->block_size;
     if (B < 0 || H <= 0 || Hq % H || D <= 0 || BS <= 0 || a->heads_per_task <= 0 ||
         H % a->heads_per_task || a->rows_per_tile <= 0)
         return -2;
+    if (!side_ok(ks, D)) return -3;
+    if (!side_ok(vs, D)) return -4;
 #ifdef PKV_AVX512
     if (D % 16 || D > 1024) return -2;
 #endif

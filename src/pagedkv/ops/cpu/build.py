@@ -6,6 +6,14 @@ the CPU feature flags, so a changed source or a different machine never loads a 
 write is atomic (compile to a temporary name, then rename), so concurrent processes (pytest-xdist)
 are safe.
 
+Trust: a library found in the cache directory is code this process will run, so nothing is loaded
+from a place another user could have written (issue 12, item 7). The directory is created private
+(0700); before a library is loaded, the directory and the file must be owned by this user, be no
+symbolic links, and not be writable by group or others (`private_problem`). An explicit
+`cache_dir` that fails is an error (KernelUnavailable naming the problem); the default directories
+(~/.cache/pagedkv/kernels, then <tmp>/pagedkv-kernels-<uid>) that fail are skipped, and the last
+resort is a fresh private directory made by `tempfile.mkdtemp` (compiled anew in this process).
+
 Variants, chosen by runtime CPU feature detection (`/proc/cpuinfo` flags, else torch's CPU
 capability):
 - "avx512": AVX-512 F/BW/VL/VBMI intrinsics (byte-permute decode, vpermps 16-entry tables);
@@ -24,6 +32,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -57,8 +66,8 @@ class KernelUnavailable(RuntimeError):
 class KernelConfig:
     """Where and how to build the kernel.
 
-    cache_dir: directory for the compiled libraries (None: ~/.cache/pagedkv/kernels, or a
-    temporary directory if that is not writable). compiler: executable name or path (None: the
+    cache_dir: directory for the compiled libraries (None: ~/.cache/pagedkv/kernels, else a
+    private temporary directory; see the module docstring's "Trust"). compiler: executable name or path (None: the
     first of cc, gcc, clang found). variant: "avx512" | "avx2" | "scalar" | None (detect).
     """
 
@@ -112,16 +121,46 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "pagedkv" / "kernels"
 
 
-def _writable_dir(preferred: Optional[str]) -> Path:
-    for cand in ([Path(preferred)] if preferred else [default_cache_dir()]) + [
-            Path(tempfile.gettempdir()) / f"pagedkv-kernels-{os.getuid() if hasattr(os, 'getuid') else 'u'}"]:
-        try:
-            cand.mkdir(parents=True, exist_ok=True)
-            if os.access(cand, os.W_OK):
-                return cand
-        except OSError:
-            continue
-    raise KernelUnavailable("no writable directory for the compiled kernel")
+def private_problem(path: Path, *, directory: bool) -> Optional[str]:
+    """Why `path` may hold code planted by someone else (None: it may not): missing, a symbolic
+    link, not a directory / regular file, owned by another user, or writable by group or others."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be inspected ({exc.strerror or exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
+    return None
+
+
+def _private_dir(path: Path) -> Optional[str]:
+    """Create `path` private (0700) if missing; None when it is safe to build and load in."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        return f"cannot be created ({exc.strerror or exc})"
+    problem = private_problem(path, directory=True)
+    if problem is None and not os.access(path, os.W_OK):
+        problem = "is not writable"
+    return problem
+
+
+def _candidate_dirs(preferred: Optional[str]):
+    """(directory, explicit) to build into, in order; the caller takes the first that passes."""
+    if preferred:
+        yield Path(preferred), True
+        return
+    yield default_cache_dir(), False
+    uid = os.getuid() if hasattr(os, "getuid") else "u"
+    yield Path(tempfile.gettempdir()) / f"pagedkv-kernels-{uid}", False
 
 
 def _compile(cc: str, flags: list, out: Path) -> tuple[bool, str]:
@@ -149,27 +188,35 @@ class LoadedKernel:
     compiler: str
 
 
-def build_and_load(config: KernelConfig = KernelConfig()) -> LoadedKernel:
-    """Compile (if not cached) and load the kernel; KernelUnavailable on any failure."""
-    variant = config.variant or detect_variant()
-    if variant not in VARIANT_FLAGS:
-        raise KernelUnavailable(f"unknown kernel variant {variant!r}; valid: {', '.join(VARIANT_FLAGS)}")
-    cc = find_compiler(config.compiler)
+def _flags(variant: str, openmp: bool) -> list:
+    return BASE_FLAGS + VARIANT_FLAGS[variant] + (["-fopenmp"] if openmp else [])
+
+
+def library_name(variant: str, cc: str, openmp: bool) -> str:
+    """File name of the library for these settings (a hash of sources, compiler, flags, CPU)."""
     source = b"\0".join(src.read_bytes() for src in SOURCES)
-    directory = _writable_dir(config.cache_dir)
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_flags(variant, openmp)).encode(),
+                                     " ".join(sorted(cpu_flags())).encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    return f"attention-{variant}-{key}.so"
+
+
+def _load_from(directory: Path, variant: str, cc: str) -> tuple[Optional[LoadedKernel], str, Optional[str]]:
+    """(kernel or None, last compile / load error, trust problem): builds what is missing, loads
+    only a library that `private_problem` accepts."""
     last_err = ""
     for openmp in (True, False):
-        flags = BASE_FLAGS + VARIANT_FLAGS[variant] + (["-fopenmp"] if openmp else [])
-        key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(flags).encode(),
-                                         " ".join(sorted(cpu_flags())).encode(),
-                                         platform.machine().encode()])).hexdigest()[:16]
-        out = directory / f"attention-{variant}-{key}.so"
-        if not out.exists():
-            ok, last_err = _compile(cc, flags, out)
+        out = directory / library_name(variant, cc, openmp)
+        if not os.path.lexists(out):
+            ok, last_err = _compile(cc, _flags(variant, openmp), out)
             if not ok:
-                log.info("pagedkv: compiling the CPU kernel with %s failed: %s", " ".join(flags), last_err)
+                log.info("pagedkv: compiling the CPU kernel with %s failed: %s",
+                         " ".join(_flags(variant, openmp)), last_err)
                 continue
             log.info("pagedkv: compiled the CPU attention kernel (%s) into %s", variant, out)
+        problem = private_problem(out, directory=False)
+        if problem is not None:
+            return None, last_err, f"{out} {problem}"
         try:
             lib = ctypes.CDLL(str(out))
         except OSError as exc:
@@ -179,5 +226,33 @@ def build_and_load(config: KernelConfig = KernelConfig()) -> LoadedKernel:
             raise KernelUnavailable(f"kernel ABI {lib.pkv_abi_version()} != expected {ABI_VERSION}")
         if lib.pkv_store_abi() != STORE_ABI_VERSION:
             raise KernelUnavailable(f"store kernel ABI {lib.pkv_store_abi()} != expected {STORE_ABI_VERSION}")
-        return LoadedKernel(lib, str(out), variant, bool(lib.pkv_has_openmp()), cc)
-    raise KernelUnavailable(f"could not build the CPU attention kernel ({variant}): {last_err}")
+        return LoadedKernel(lib, str(out), variant, bool(lib.pkv_has_openmp()), cc), last_err, None
+    return None, last_err, None
+
+
+def build_and_load(config: KernelConfig = KernelConfig()) -> LoadedKernel:
+    """Compile (if not cached) and load the kernel; KernelUnavailable on any failure, including an
+    explicit `cache_dir` (or a library in it) that another user could have written."""
+    variant = config.variant or detect_variant()
+    if variant not in VARIANT_FLAGS:
+        raise KernelUnavailable(f"unknown kernel variant {variant!r}; valid: {', '.join(VARIANT_FLAGS)}")
+    cc = find_compiler(config.compiler)
+    for directory, explicit in _candidate_dirs(config.cache_dir):
+        problem = _private_dir(directory)
+        if problem is None:
+            kernel, last_err, problem = _load_from(directory, variant, cc)
+            if kernel is not None:
+                return kernel
+            if problem is None:  # the compiler failed: another directory would not help
+                raise KernelUnavailable(f"could not build the CPU attention kernel ({variant}): {last_err}")
+        else:
+            problem = f"{directory} {problem}"
+        if explicit:
+            raise KernelUnavailable(f"refusing the kernel cache directory: {problem}; use a directory owned "
+                                    "by this user and not writable by others (chmod 700)")
+        log.warning("pagedkv: not loading the CPU kernel from there: %s; trying a safer directory", problem)
+    fresh = Path(tempfile.mkdtemp(prefix="pagedkv-kernels-"))  # unique name, mode 0700
+    kernel, last_err, problem = _load_from(fresh, variant, cc)
+    if kernel is None:
+        raise KernelUnavailable(f"could not build the CPU attention kernel ({variant}): {problem or last_err}")
+    return kernel

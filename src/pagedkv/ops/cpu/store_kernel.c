@@ -45,7 +45,7 @@
 enum { SK_BF16 = 0, SK_E4M3_TENSOR = 1, SK_E4M3_GROUP = 2, SK_INT8 = 3, SK_INT4 = 4, SK_TABLE = 5 };
 enum { SS_NONE = 0, SS_E4M3 = 1, SS_BF16 = 2, SS_FP16 = 3 };
 enum { XT_F32 = 0, XT_BF16 = 1, XT_F16 = 2 };
-enum { PKV_STORE_OK = 0, PKV_STORE_NONFINITE = 1, PKV_STORE_BAD_ARGS = 2 };
+enum { PKV_STORE_OK = 0, PKV_STORE_NONFINITE = 1, PKV_STORE_BAD_ARGS = 2, PKV_STORE_BAD_WIDTH = 3 };
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PKV_ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -174,7 +174,7 @@ static inline void pack_codes(uint8_t *dst, const uint8_t *c, int n, int bits) {
     } else if (bits == 2) {
         for (int i = 0; i < n / 4; i++)
             dst[i] = (uint8_t)(c[4 * i] | (c[4 * i + 1] << 2) | (c[4 * i + 2] << 4) | (c[4 * i + 3] << 6));
-    } else { /* 3 */
+    } else { /* 3 (pkv_store refuses any other width) */
         for (int i = 0; i < n / 8; i++) {
             uint32_t w = 0;
             for (int j = 0; j < 8; j++) w |= (uint32_t)c[8 * i + j] << (3 * j);
@@ -448,6 +448,15 @@ int pkv_store(const pkv_store_args *a) {
         if (a->group <= 0 || a->group > 64 || D % a->group || a->group % 8) return PKV_STORE_BAD_ARGS;
     }
     if (a->kind == SK_TABLE && (a->group != TG || a->num_levels < 2 || a->num_levels > 16)) return PKV_STORE_BAD_ARGS;
+    /* every (kind, code width) below has its own rule and packing: refuse any other width
+       (pack_codes would otherwise pack it as another one) */
+    switch (a->kind) {
+    case SK_BF16: if (a->bits != 16) return PKV_STORE_BAD_WIDTH; break;
+    case SK_E4M3_TENSOR: case SK_E4M3_GROUP: case SK_INT8: if (a->bits != 8) return PKV_STORE_BAD_WIDTH; break;
+    default: /* SK_INT4, SK_TABLE */
+        if (a->bits != 2 && a->bits != 3 && a->bits != 4) return PKV_STORE_BAD_WIDTH;
+        if (a->kind == SK_TABLE && a->num_levels > (1 << a->bits)) return PKV_STORE_BAD_ARGS;
+    }
     float row[MAX_HEAD_DIM];
 
     /* every kept value finite before the first write */

@@ -169,6 +169,8 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
     rc = lib.pkv_store(ctypes.byref(a))
     if rc == 1:
         raise InvalidInput(f"{codec.name} encode got NaN or Inf values")
+    if rc == 3:
+        raise InvalidInput(f"the CPU store kernel does not implement {codec.code_bits}-bit codes ({codec.name})")
     if rc != 0:
         raise InvalidInput(f"pagedkv CPU store kernel rejected the arguments (code {rc}): codec={codec.name}, "
                            f"H={layer.num_kv_heads}, head_dim={layer.head_dim}, block_size={layer.block_size}")
