@@ -27,6 +27,7 @@ the bytes per step and the timed layer count.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,15 @@ def layer_bytes(fmt: KVFormat, shape: BenchShape, tokens: int) -> int:
     """K + V bytes of `tokens` tokens of one layer (what a decode step reads per layer)."""
     h, d = shape.num_kv_heads, shape.head_dim
     return tokens * h * (fmt.k.row_bytes(d) + fmt.v.row_bytes(d))
+
+
+def machine_load() -> float:
+    """The 1-minute load average (runnable processes; the machine is shared): printed beside
+    timings, since wall-clock rows (threads > 1) are only meaningful when it is below the cores."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
 
 
 # ---------------------------------------------------------------------------- decode contenders
@@ -184,7 +194,7 @@ def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, bat
                      "baseline": best.name, "baseline_ways": ways,
                      "bytes_per_step": c.bytes_per_step, "timed_layers": c.timed_layers,
                      "baseline_timed_layers": best.timed_layers, "layers": shape.layers,
-                     "threads": shape.threads, "repeats": shape.repeats,
+                     "threads": shape.threads, "repeats": shape.repeats, "load": machine_load(),
                      "clock": "thread_cpu" if clock is time.thread_time else "wall"})
     return rows
 
@@ -314,7 +324,8 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
             for row in decode_grid_point(fmts, shape, context, batch, cpu.attention):
                 res.rows.append(row)
                 say(f"{row['format']:>14} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
-                    f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}")
+                    f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}, "
+                    f"{row['gbps']:.2f} GB/s, {shape.threads} thread(s), load {row['load']:.1f}")
     if prefill:
         for fmt in fmts:
             res.prefill.append(prefill_row(fmt, shape, prefill_shape[0], prefill_shape[1], cpu.attention))

@@ -4,8 +4,8 @@ Importing this module compiles (once, cached on disk, see `build.py`) and loads 
 registers the "cpu" backend with the ops dispatcher. Without a C compiler the import logs a
 warning and registers nothing, so the dispatcher uses the reference ops.
 
-Technique (chosen by measurement; this machine: AMD EPYC with AVX-512 F/BW/VL/VBMI/BF16, a shared
-2-core VM; `pagedkv bench attention`, 1 thread, the thread's CPU time, 30 layers x (9 q heads,
+Technique (chosen by measurement; the machine of those sessions: AMD EPYC with AVX-512
+F/BW/VL/VBMI/BF16, a shared 2-core VM; `pagedkv bench attention`, 1 thread, the thread's CPU time, 30 layers x (9 q heads,
 3 kv heads, head_dim 64), block size 16, random block tables, medians of 5):
 - The kernel walks each sequence's blocks once (flash-decoding style, online softmax, fp32
   accumulation, GQA group folded: every query vector of a kv head shares each decoded K/V row),
@@ -56,6 +56,23 @@ E4M3 values were the slowest format until they were decoded through fp16 bits an
 a microcode assist per multiply (fp8 at 32k: 79 -> 46 ms/step). Chunked prefill (512 queries
 after 3.5k cached tokens) runs at 0.70-0.77 of torch SDPA over bf16. Peak memory of a 32k decode
 step: no measurable growth of the resident set (the reference's gather-and-decode adds ~49 MB).
+
+AVX2 path (issue 14; machines without AVX-512, such as this session's AMD EPYC Zen 3 VM: AVX2,
+FMA, F16C, no AVX-512, no VNNI, 2 shared cores). Until then AVX2 machines ran the portable C
+(decode into a tile, transpose, compiler-vectorised loops, scalar expf) at 2.4-3.0x the torch
+baseline. The AVX2 build now mirrors the AVX-512 technique with 8-lane vectors: a 2/3/4-bit code
+reaches its 32-bit lane by a broadcast of the word holding 8 codes and a variable shift, vpermps
+is the 8-entry table (4-bit: two tables blended on bit 3), E4M3 via fp16 bits + vcvtph2ps, K
+rows decoded into registers and dotted with the few query vectors of a decode (8-token hadd
+reduction tree), V into MM x CG register accumulators (fixed-size arrays: the first version used
+VLAs, which live on the stack), a vectorised exp, 4-queries x 16-tokens register tiles for
+prefill. `pagedkv bench attention`, 1 thread, 32k, batch 1, ms/step portable -> AVX2 (ratio to
+the fastest torch way): turbo3 517 -> 199 (2.41 -> 0.70), turbo4 591 -> 191 (2.75 -> 0.67),
+fp8k_turbo3v 649 -> 169 (3.02 -> 0.60), measured at load averages 2-6 on the 2 cores (thread CPU
+time; the baseline itself moved 210-284 ms with the load); batch 8: 0.57-0.74. Chunked prefill
+(512 queries after 3.5k): 3.56 -> 1.40 of SDPA (fp32 FMA tiles; SDPA's GEMMs are more efficient
+here). Still compute- or latency-bound: 0.8-1.6 GB/s of compressed bytes. Not done: the int8 (vpmaddubsw, there is no VNNI here) query path, and
+a 2-thread speedup cannot be measured while the load average exceeds the core count.
 
 Sparse V (threshold t > 0): a V row is skipped when exp(s - m_run) < t * Z_run for every query of
 the tile, where m_run / Z_run are the running max / denominator (sinks included). Since the final

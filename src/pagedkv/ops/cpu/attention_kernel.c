@@ -21,7 +21,8 @@
  *
  * Code paths: compiled with AVX-512 F/BW/VL/VBMI the decode uses byte permutes (vpermb) to move
  * each code into a 32-bit lane, a variable shift, and vpermps as a 16-entry table lookup;
- * otherwise portable C (auto-vectorised when compiled with -mavx2 -mfma).
+ * with AVX2 + FMA + F16C the same technique on 8 lanes (a broadcast word + variable shift per
+ * 8 codes, vpermps as an 8-entry table, two for 4-bit codes); otherwise portable C.
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +35,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define PKV_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PKV_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(PKV_AVX512) || defined(PKV_AVX2)
+#define PKV_SIMD 1
 #endif
 
 #define PKV_ABI_VERSION 3
@@ -103,7 +110,7 @@ static inline void prefetch_next(const pkv_rows *rw, int i, int64_t hoff, int rd
 
 /* Factor the fast decode leaves out of a side's values (folded elsewhere): 2^8 for E4M3 values. */
 static inline float value_mult(const pkv_side *sd) {
-#ifdef PKV_AVX512
+#ifdef PKV_SIMD
     return sd->kind == EK_E4M3 ? 256.0f : 1.0f;
 #else
     (void)sd;
@@ -130,6 +137,9 @@ int pkv_has_openmp(void) {
 }
 
 /* ---------------------------------------------------------------- scalar helpers */
+static inline int imin(int a, int b) { return a < b ? a : b; }
+static inline int imax(int a, int b) { return a > b ? a : b; }
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -212,6 +222,25 @@ __attribute__((unused)) static void decode_row_scalar(const pkv_side *sd, const 
         }
     }
 }
+
+/* Call CALL(kind, bits) with compile-time constants for a side (one instance per decode);
+   exhaustive: pkv_attention refuses every other (kind, width) before any work (side_ok). */
+#define PKV_DISPATCH(sd, CALL)                                                   \
+    switch ((sd)->kind) {                                                        \
+    case EK_BF16: CALL(EK_BF16, 16); break;                                      \
+    case EK_E4M3: CALL(EK_E4M3, 8); break;                                       \
+    case EK_I8: CALL(EK_I8, 8); break;                                           \
+    case EK_LUT:                                                                 \
+        switch ((sd)->bits) {                                                    \
+        case 8: CALL(EK_LUT, 8); break;                                          \
+        case 4: CALL(EK_LUT, 4); break;                                          \
+        case 3: CALL(EK_LUT, 3); break;                                          \
+        case 2: CALL(EK_LUT, 2); break;                                          \
+        default: break; /* unreachable: pkv_attention refuses it (side_ok) */   \
+        }                                                                        \
+        break;                                                                   \
+    default: break;                                                              \
+    }
 
 #ifdef PKV_AVX512
 /* ---------------------------------------------------------------- AVX-512 decode */
@@ -325,23 +354,6 @@ PKV_INLINE void decode_rows_t(const int kind, const int bits, const pkv_side *sd
         }
     }
 }
-
-#define PKV_DISPATCH(sd, CALL)                                                   \
-    switch ((sd)->kind) {                                                        \
-    case EK_BF16: CALL(EK_BF16, 16); break;                                      \
-    case EK_E4M3: CALL(EK_E4M3, 8); break;                                       \
-    case EK_I8: CALL(EK_I8, 8); break;                                           \
-    case EK_LUT:                                                                 \
-        switch ((sd)->bits) {                                                    \
-        case 8: CALL(EK_LUT, 8); break;                                          \
-        case 4: CALL(EK_LUT, 4); break;                                          \
-        case 3: CALL(EK_LUT, 3); break;                                          \
-        case 2: CALL(EK_LUT, 2); break;                                          \
-        default: break; /* unreachable: pkv_attention refuses it (side_ok) */   \
-        }                                                                        \
-        break;                                                                   \
-    default: break;                                                              \
-    }
 
 /* Decode the rows of kv head h (rows with need[i] == 0 skipped when given) into dst[nt][D]. */
 static void decode_rows(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H,
@@ -552,6 +564,382 @@ static inline __m512 softcap512(__m512 s, float cap) {
 }
 #endif /* PKV_AVX512 */
 
+#ifdef PKV_AVX2
+/* ---------------------------------------------------------------- AVX2 (8 lanes): the same
+   technique as the AVX-512 path with 8-element chunks: a 2/3/4-bit code reaches its own 32-bit
+   lane by a broadcast of the word that holds the 8 codes and a variable shift; vpermps looks it
+   up in an 8-entry table (4-bit codes: two tables, chosen by bit 3 via a blend on the sign);
+   E4M3 through fp16 bits and vcvtph2ps; 8-bit tables by a gather. */
+#define PKV_INLINE static inline __attribute__((always_inline))
+PKV_INLINE int imin4(int a, int b) { return a < b ? a : b; }
+
+typedef struct {
+    __m256i shift;  /* lane j >> j * bits */
+    __m256 tlo, thi; /* table entries 0-7 and 8-15 */
+} lut_ctx;
+
+static void lut_ctx_init(lut_ctx *c, const pkv_side *sd) {
+    int32_t sh[8];
+    int bits = sd->bits < 8 ? sd->bits : 4;
+    for (int j = 0; j < 8; j++) sh[j] = j * bits;
+    c->shift = _mm256_loadu_si256((const __m256i *)sh);
+    c->tlo = _mm256_loadu_ps(sd->table);
+    c->thi = _mm256_loadu_ps(sd->table + 8);
+}
+
+/* 8 E4M3 bytes -> fp32 values times 2^-8 (see e4m3x16) */
+PKV_INLINE __m256 e4m3x8(__m128i bytes) {
+    __m128i w = _mm_cvtepu8_epi16(bytes);
+    __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
+    __m128i sgn = _mm_and_si128(_mm_slli_epi16(w, 8), _mm_set1_epi16((short)0x8000));
+    return _mm256_cvtph_ps(_mm_or_si128(mag, sgn));
+}
+
+PKV_INLINE uint32_t load_u32(const uint8_t *p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+/* 8 values (elements 8c .. 8c+7 of a row, rd bytes of codes) for a compile-time (kind, bits) */
+PKV_INLINE __m256 decode8(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
+                          const uint8_t *drow, int c, int rd) {
+    if (kind == EK_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(drow + 16 * c));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (kind == EK_E4M3) return e4m3x8(_mm_loadl_epi64((const __m128i *)(drow + 8 * c)));
+    if (kind == EK_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(drow + 8 * c))));
+    if (bits == 8) {
+        __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(drow + 8 * c)));
+        return _mm256_i32gather_ps(sd->table, u, 4);
+    }
+    uint32_t w;
+    if (bits == 4) w = load_u32(drow + 4 * c);
+    else if (bits == 2) w = (uint32_t)drow[2 * c] | ((uint32_t)drow[2 * c + 1] << 8);
+    else /* 3: 3 bytes; the last chunk of a row reads the byte before instead of the one after */
+        w = 3 * c + 4 <= rd ? load_u32(drow + 3 * c) : load_u32(drow + 3 * c - 1) >> 8;
+    __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), lc->shift);
+    __m256 lo = _mm256_permutevar8x32_ps(lc->tlo, v);
+    if (bits != 4) return lo;  /* vpermps reads 3 bits: tables are replicated, upper bits harmless */
+    __m256 hi = _mm256_permutevar8x32_ps(lc->thi, v);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+}
+
+/* Scales of every kv head of `nt` tokens into rows->scl, one per 16-element chunk (values' E4M3
+   2^-8 folded in, as in the AVX-512 path). Group 16: a token's H * nc scales are contiguous. */
+static void decode_scales(const pkv_side *sd, pkv_rows *rows, int nt, int H, int D) {
+    if (!sd->group) return;
+    const int nc = D >> 4, per = sd->group >> 4, n = H * nc;
+    const float f = value_mult(sd);
+    if (per == 1 && sd->scale_kind == SC_E4M3) {
+        const float *t = sd->e4m3;
+        for (int i = 0; i < nt; i++) {
+            const uint8_t *s = rows->sraw[i];
+            float *dst = rows->scl + (int64_t)i * n;
+            for (int e = 0; e < n; e++) dst[e] = t[s[e]] * f;
+        }
+        return;
+    }
+    if (per == 1 && sd->scale_kind == SC_BF16) {
+        for (int i = 0; i < nt; i++) {
+            const uint8_t *s = rows->sraw[i];
+            float *dst = rows->scl + (int64_t)i * n;
+            for (int e = 0; e < n; e++) dst[e] = bf16_to_f32((uint16_t)(s[2 * e] | (s[2 * e + 1] << 8))) * f;
+        }
+        return;
+    }
+    for (int i = 0; i < nt; i++)
+        for (int hh = 0; hh < H; hh++) {
+            const uint8_t *s = rows->sraw[i] + (int64_t)hh * sd->row_scale_bytes;
+            float *dst = rows->scl + ((int64_t)i * H + hh) * nc;
+            for (int c = 0; c < nc; c++) dst[c] = group_scale(sd, s, c / per) * f;
+        }
+}
+
+PKV_INLINE void decode_rows_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
+                              const pkv_rows *rw, int h, int nt, int H, int D, float *dst,
+                              const uint8_t *need) {
+    const int nc8 = D >> 3, nc = D >> 4, rd = sd->row_data_bytes;
+    const int64_t hoff = (int64_t)h * rd;
+    for (int i = 0; i < nt; i++) {
+        prefetch_next(rw, i, hoff, rd);
+        if (need && !need[i]) continue;
+        const uint8_t *drow = rw->data[i] + hoff;
+        float *out = dst + (int64_t)i * D;
+        const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc : NULL;
+        for (int c = 0; c < nc8; c++) {
+            __m256 x = decode8(kind, bits, sd, lc, drow, c, rd);
+            if (scl) x = _mm256_mul_ps(x, _mm256_set1_ps(scl[c >> 1]));
+            _mm256_store_ps(out + 8 * c, x);
+        }
+    }
+}
+
+static void decode_rows(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H,
+                        int D, float *dst, const uint8_t *need) {
+#define PKV_CALL_DECODE(K, B) decode_rows_t(K, B, sd, lc, rw, h, nt, H, D, dst, need)
+    PKV_DISPATCH(sd, PKV_CALL_DECODE)
+#undef PKV_CALL_DECODE
+}
+
+/* 8 vectors v[0..7] (stride 8 floats) -> one vector of their horizontal sums. */
+PKV_INLINE __m256 hsum8(const float *v) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8));
+    __m256 t1 = _mm256_hadd_ps(_mm256_load_ps(v + 16), _mm256_load_ps(v + 24));
+    __m256 t2 = _mm256_hadd_ps(_mm256_load_ps(v + 32), _mm256_load_ps(v + 40));
+    __m256 t3 = _mm256_hadd_ps(_mm256_load_ps(v + 48), _mm256_load_ps(v + 56));
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* 8x8 transpose: in rows (stride ld) -> out[j * ostride + i] = in[i][j] */
+static inline void transpose8(const float *in, int ld, float *out, int ostride) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_load_ps(in + (int64_t)i * ld);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        r[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        _mm256_store_ps(out + (int64_t)k * ostride, _mm256_permute2f128_ps(r[k], r[4 + k], 0x20));
+        _mm256_store_ps(out + (int64_t)(k + 4) * ostride, _mm256_permute2f128_ps(r[k], r[4 + k], 0x31));
+    }
+}
+
+/* Raw scores S[m][i] = q_m . k_i (few query vectors): each K row decoded into registers once per
+   32 dims and dotted with every q; partial vectors [M][BSP][8] reduced 8 tokens at a time. */
+PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
+                             const pkv_rows *rw, int h, int nt, int H, int D, int M,
+                             const float *qv, float *part, float *S, int BSP) {
+    const int nc8 = D >> 3, nc = D >> 4, rd = sd->row_data_bytes;
+    const int64_t hoff = (int64_t)h * rd;
+    for (int i = 0; i < nt; i++) {
+        prefetch_next(rw, i, hoff, rd);
+        const uint8_t *drow = rw->data[i] + hoff;
+        const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc : NULL;
+        int c0 = 0;
+        for (; c0 + 4 <= nc8; c0 += 4) {  /* 32 dims at a time */
+            __m256 k0 = decode8(kind, bits, sd, lc, drow, c0, rd), k1 = decode8(kind, bits, sd, lc, drow, c0 + 1, rd);
+            __m256 k2 = decode8(kind, bits, sd, lc, drow, c0 + 2, rd), k3 = decode8(kind, bits, sd, lc, drow, c0 + 3, rd);
+            if (scl) {
+                const __m256 s0 = _mm256_set1_ps(scl[c0 >> 1]), s1 = _mm256_set1_ps(scl[(c0 >> 1) + 1]);
+                k0 = _mm256_mul_ps(k0, s0); k1 = _mm256_mul_ps(k1, s0);
+                k2 = _mm256_mul_ps(k2, s1); k3 = _mm256_mul_ps(k3, s1);
+            }
+            for (int m = 0; m < M; m++) {
+                const float *q = qv + (int64_t)m * D + 8 * c0;
+                __m256 acc = _mm256_mul_ps(k0, _mm256_loadu_ps(q));
+                acc = _mm256_fmadd_ps(k1, _mm256_loadu_ps(q + 8), acc);
+                acc = _mm256_fmadd_ps(k2, _mm256_loadu_ps(q + 16), acc);
+                acc = _mm256_fmadd_ps(k3, _mm256_loadu_ps(q + 24), acc);
+                float *dst = part + ((int64_t)m * BSP + i) * 8;
+                if (c0) acc = _mm256_add_ps(acc, _mm256_load_ps(dst));
+                _mm256_store_ps(dst, acc);
+            }
+        }
+        for (; c0 < nc8; c0 += 2) {  /* the last 16 dims (D a multiple of 16) */
+            __m256 k0 = decode8(kind, bits, sd, lc, drow, c0, rd), k1 = decode8(kind, bits, sd, lc, drow, c0 + 1, rd);
+            if (scl) {
+                const __m256 s0 = _mm256_set1_ps(scl[c0 >> 1]);
+                k0 = _mm256_mul_ps(k0, s0); k1 = _mm256_mul_ps(k1, s0);
+            }
+            for (int m = 0; m < M; m++) {
+                const float *q = qv + (int64_t)m * D + 8 * c0;
+                __m256 acc = _mm256_fmadd_ps(k1, _mm256_loadu_ps(q + 8), _mm256_mul_ps(k0, _mm256_loadu_ps(q)));
+                float *dst = part + ((int64_t)m * BSP + i) * 8;
+                if (c0) acc = _mm256_add_ps(acc, _mm256_load_ps(dst));
+                _mm256_store_ps(dst, acc);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float *pm = part + (int64_t)m * BSP * 8;
+        for (int i = nt; i < BSP; i++) _mm256_store_ps(pm + 8 * i, _mm256_setzero_ps());
+        for (int g = 0; g < BSP / 8; g++) _mm256_store_ps(S + (int64_t)m * BSP + 8 * g, hsum8(pm + 64 * g));
+    }
+}
+
+static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H,
+                       int D, int M, const float *qv, float *part, float *S, int BSP) {
+#define PKV_CALL_DOT(K, B) scores_dot_t(K, B, sd, lc, rw, h, nt, H, D, M, qv, part, S, BSP)
+    PKV_DISPATCH(sd, PKV_CALL_DOT)
+#undef PKV_CALL_DOT
+}
+
+/* Scores of many query vectors against a decoded K tile rows[BSP][D]: transposed to
+   kt[BSP/8][D][8], then 4 queries x 16 tokens of accumulators per pass (broadcast-FMA). */
+static void scores_tile(const float *rows, int BSP, int D, int M, const float *qv, float *kt, float *S) {
+    const int ng8 = BSP >> 3;
+    for (int g = 0; g < ng8; g++)
+        for (int c = 0; c < D / 8; c++)
+            transpose8(rows + (int64_t)g * 8 * D + 8 * c, D, kt + ((int64_t)g * D + 8 * c) * 8, 8);
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const int mm = imin4(4, M - m0);
+        const float *q0 = qv + (int64_t)m0 * D, *q1 = q0 + (mm > 1 ? D : 0);
+        const float *q2 = q0 + (mm > 2 ? 2 * D : 0), *q3 = q0 + (mm > 3 ? 3 * D : 0);
+        for (int g = 0; g < ng8; g += 2) {
+            const int two = g + 1 < ng8;
+            const float *ka = kt + (int64_t)g * D * 8, *kb = two ? ka + (int64_t)D * 8 : ka;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int d = 0; d < D; d++) {
+                const __m256 x = _mm256_load_ps(ka + 8 * d), y = _mm256_load_ps(kb + 8 * d);
+                __m256 w = _mm256_broadcast_ss(q0 + d);
+                a0 = _mm256_fmadd_ps(w, x, a0); b0 = _mm256_fmadd_ps(w, y, b0);
+                w = _mm256_broadcast_ss(q1 + d);
+                a1 = _mm256_fmadd_ps(w, x, a1); b1 = _mm256_fmadd_ps(w, y, b1);
+                w = _mm256_broadcast_ss(q2 + d);
+                a2 = _mm256_fmadd_ps(w, x, a2); b2 = _mm256_fmadd_ps(w, y, b2);
+                w = _mm256_broadcast_ss(q3 + d);
+                a3 = _mm256_fmadd_ps(w, x, a3); b3 = _mm256_fmadd_ps(w, y, b3);
+            }
+            __m256 av[4] = {a0, a1, a2, a3}, bv[4] = {b0, b1, b2, b3};
+            for (int z = 0; z < mm; z++) {
+                _mm256_store_ps(S + (int64_t)(m0 + z) * BSP + 8 * g, av[z]);
+                if (two) _mm256_store_ps(S + (int64_t)(m0 + z) * BSP + 8 * g + 8, bv[z]);
+            }
+        }
+    }
+}
+
+/* One pass of vacc_t over vectors c0 .. c0+CG-1 (CG compile-time, so the MM x CG accumulators
+   stay in registers). */
+PKV_INLINE void vacc_pass(const int kind, const int bits, const int MM, const int CG, const pkv_side *sd,
+                          const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H, int D, const float *P,
+                          int BSP, float *st_acc, const float *alpha, const uint8_t *need, int c0) {
+    const int nc = D >> 4, rd = sd->row_data_bytes;
+    const int64_t hoff = (int64_t)h * rd;
+    __m256 acc[8][8];  /* fixed sizes (not VLAs): fully unrolled, they live in registers */
+    for (int m = 0; m < MM; m++) {
+        const __m256 al = _mm256_set1_ps(alpha[m]);
+        for (int z = 0; z < CG; z++) acc[m][z] = _mm256_mul_ps(_mm256_load_ps(st_acc + (int64_t)m * D + 8 * (c0 + z)), al);
+    }
+    for (int i = 0; i < nt; i++) {
+        if (c0 == 0) prefetch_next(rw, i, hoff, rd);
+        if (need && !need[i]) continue;
+        const uint8_t *drow = rw->data[i] + hoff;
+        __m256 v[8];
+        for (int z = 0; z < CG; z++) v[z] = decode8(kind, bits, sd, lc, drow, c0 + z, rd);
+        if (sd->group) {
+            const float *scl = rw->scl + ((int64_t)i * H + h) * nc + (c0 >> 1);
+            for (int z = 0; z < CG; z++) v[z] = _mm256_mul_ps(v[z], _mm256_broadcast_ss(scl + (z >> 1)));
+        }
+        for (int m = 0; m < MM; m++) {
+            const __m256 p = _mm256_broadcast_ss(P + (int64_t)m * BSP + i);
+            for (int z = 0; z < CG; z++) acc[m][z] = _mm256_fmadd_ps(p, v[z], acc[m][z]);
+        }
+    }
+    for (int m = 0; m < MM; m++)
+        for (int z = 0; z < CG; z++) _mm256_store_ps(st_acc + (int64_t)m * D + 8 * (c0 + z), acc[m][z]);
+}
+
+/* acc[m] = alpha[m] * acc[m] + sum_i P[m][i] v_i for MM (compile-time) query vectors: V decoded
+   into registers CG vectors (of 8) at a time into MM x CG register accumulators; a 2-vector tail
+   when CG does not divide D / 8 (D is a multiple of 16). */
+PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_side *sd, const lut_ctx *lc,
+                       const pkv_rows *rw, int h, int nt, int H, int D, const float *P, int BSP,
+                       float *st_acc, const float *alpha, const uint8_t *need) {
+    const int nc8 = D >> 3;
+    const int CG = MM == 1 ? 8 : MM <= 3 ? 4 : 2;
+    int c0 = 0;
+    for (; c0 + CG <= nc8; c0 += CG) {
+        if (CG == 8) vacc_pass(kind, bits, MM, 8, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0);
+        else if (CG == 4) vacc_pass(kind, bits, MM, 4, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0);
+        else vacc_pass(kind, bits, MM, 2, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0);
+    }
+    for (; c0 < nc8; c0 += 2) vacc_pass(kind, bits, MM, 2, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0);
+}
+
+#define VACC_MAX_M 8
+static void vacc_fused(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H, int D,
+                       int M, const float *P, int BSP, float *st_acc, const float *alpha, const uint8_t *need) {
+#define PKV_CALL_V(K, B)                                                                          \
+    switch (M) {                                                                                  \
+    case 1: vacc_t(K, B, 1, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 2: vacc_t(K, B, 2, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 3: vacc_t(K, B, 3, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 4: vacc_t(K, B, 4, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 5: vacc_t(K, B, 5, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 6: vacc_t(K, B, 6, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    case 7: vacc_t(K, B, 7, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
+    default: vacc_t(K, B, 8, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;        \
+    }
+    PKV_DISPATCH(sd, PKV_CALL_V)
+#undef PKV_CALL_V
+}
+
+/* acc[m] = alpha[m] acc[m] + sum_i P[m][i] rows[i] for many query vectors (decoded V tile):
+   4 queries x 16 dims of register accumulators per pass. */
+static void vacc_tile(const float *rows, int nt, int D, int M, const float *P, int BSP, float *st_acc,
+                      const float *alpha, const uint8_t *need) {
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const int mm = imin4(4, M - m0);
+        const float *p0 = P + (int64_t)m0 * BSP, *p1 = p0 + (mm > 1 ? BSP : 0);
+        const float *p2 = p0 + (mm > 2 ? 2 * BSP : 0), *p3 = p0 + (mm > 3 ? 3 * BSP : 0);
+        for (int dc = 0; dc < D; dc += 16) {
+            __m256 a[4][2];
+            for (int z = 0; z < 4; z++) {
+                const int m = m0 + (z < mm ? z : 0);
+                const __m256 al = _mm256_set1_ps(alpha[m]);
+                a[z][0] = _mm256_mul_ps(_mm256_load_ps(st_acc + (int64_t)m * D + dc), al);
+                a[z][1] = _mm256_mul_ps(_mm256_load_ps(st_acc + (int64_t)m * D + dc + 8), al);
+            }
+            for (int i = 0; i < nt; i++) {
+                if (need && !need[i]) continue;
+                const __m256 x = _mm256_load_ps(rows + (int64_t)i * D + dc), y = _mm256_load_ps(rows + (int64_t)i * D + dc + 8);
+                __m256 w = _mm256_broadcast_ss(p0 + i);
+                a[0][0] = _mm256_fmadd_ps(w, x, a[0][0]); a[0][1] = _mm256_fmadd_ps(w, y, a[0][1]);
+                w = _mm256_broadcast_ss(p1 + i);
+                a[1][0] = _mm256_fmadd_ps(w, x, a[1][0]); a[1][1] = _mm256_fmadd_ps(w, y, a[1][1]);
+                w = _mm256_broadcast_ss(p2 + i);
+                a[2][0] = _mm256_fmadd_ps(w, x, a[2][0]); a[2][1] = _mm256_fmadd_ps(w, y, a[2][1]);
+                w = _mm256_broadcast_ss(p3 + i);
+                a[3][0] = _mm256_fmadd_ps(w, x, a[3][0]); a[3][1] = _mm256_fmadd_ps(w, y, a[3][1]);
+            }
+            for (int z = 0; z < mm; z++) {
+                _mm256_store_ps(st_acc + (int64_t)(m0 + z) * D + dc, a[z][0]);
+                _mm256_store_ps(st_acc + (int64_t)(m0 + z) * D + dc + 8, a[z][1]);
+            }
+        }
+    }
+}
+
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* times 2^n, n in [-126, 127]: n + 127 in the exponent field */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 softcap256(__m256 s, float cap) {
+    __m256 y = _mm256_mul_ps(s, _mm256_set1_ps(1.0f / cap));
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+    __m256 ay = _mm256_andnot_ps(signbit, y);
+    __m256 e = exp256(_mm256_mul_ps(ay, _mm256_set1_ps(-2.0f)));
+    __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    t = _mm256_or_ps(t, _mm256_and_ps(y, signbit));
+    return _mm256_mul_ps(t, _mm256_set1_ps(cap));
+}
+#endif /* PKV_AVX2 */
+
 /* ---------------------------------------------------------------- per-task state */
 typedef struct {
     float *m;    /* [Mt] running max (-inf: nothing seen) */
@@ -570,13 +958,10 @@ typedef struct {
     float *alpha;   /* [M] */
 } pkv_scratch;
 
-static inline int imin(int a, int b) { return a < b ? a : b; }
-static inline int imax(int a, int b) { return a > b ? a : b; }
-
 /* Process the chunk's tokens (positions [jlo, jhi), rows in kr / vr) for one kv head h and the
  * M query vectors of the tile. */
 static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs,
-#ifdef PKV_AVX512
+#ifdef PKV_SIMD
                        const lut_ctx *klc, const lut_ctx *vlc,
 #endif
                        const pkv_rows *kr, const pkv_rows *vr, int h, int jlo, int jhi, int M,
@@ -629,6 +1014,31 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
             _mm512_store_ps(S + (int64_t)m * BSP + 16 * g, s);
         }
     }
+#elif defined(PKV_AVX2)
+    if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
+        scores_dot(ks, klc, kr, h, nt, H, D, M, qv, sc->kt, S, BSP);
+    } else {  /* many: decode into a tile, transpose, broadcast-FMA 4 queries at a time */
+        decode_rows(ks, klc, kr, h, nt, H, D, rows, NULL);
+        for (int i = nt; i < BSP; i++) memset(rows + (int64_t)i * D, 0, sizeof(float) * D);
+        scores_tile(rows, BSP, D, M, qv, sc->kt, S);
+    }
+    {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int m = 0; m < M; m++) {
+            for (int g = 0; g < BSP / 8; g++) {
+                __m256 s = _mm256_load_ps(S + (int64_t)m * BSP + 8 * g);
+                if (bias) s = _mm256_add_ps(s, _mm256_set1_ps(bias[m]));
+                if (a->soft_cap > 0) s = softcap256(s, a->soft_cap);
+                /* visibility: lane i <-> key j = jlo + 8g + i; j < jhi, j <= pos, j > pos - W */
+                __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(jlo + 8 * g));
+                __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(jhi), j),
+                                              _mm256_cmpgt_epi32(_mm256_set1_epi32(pos[m] + 1), j));
+                if (W > 0) ok = _mm256_and_si256(ok, _mm256_cmpgt_epi32(j, _mm256_set1_epi32(pos[m] - W)));
+                s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(ok));
+                _mm256_store_ps(S + (int64_t)m * BSP + 8 * g, s);
+            }
+        }
+    }
 #else
     for (int i = 0; i < nt; i++)
         decode_row_scalar(ks, kr->data[i] + (int64_t)h * ks->row_data_bytes,
@@ -673,6 +1083,13 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         __m512 vm = _mm512_set1_ps(mx);
         for (int g = 0; g < ng; g++) vm = _mm512_max_ps(vm, _mm512_load_ps(sr + 16 * g));
         mx = _mm512_reduce_max_ps(vm);
+#elif defined(PKV_AVX2)
+        __m256 vm = _mm256_set1_ps(mx);
+        for (int g = 0; g < BSP / 8; g++) vm = _mm256_max_ps(vm, _mm256_load_ps(sr + 8 * g));
+        __m128 v4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        v4 = _mm_max_ps(v4, _mm_movehl_ps(v4, v4));
+        v4 = _mm_max_ss(v4, _mm_shuffle_ps(v4, v4, 1));
+        mx = _mm_cvtss_f32(v4);
 #else
         for (int i = 0; i < BSP; i++) mx = sr[i] > mx ? sr[i] : mx;
 #endif
@@ -693,6 +1110,20 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
             _mm512_store_ps(sr + 16 * g, p);
         }
         lsum = _mm512_reduce_add_ps(vs);
+#elif defined(PKV_AVX2)
+        __m256 vsum = _mm256_setzero_ps();
+        for (int g = 0; g < BSP / 8; g++) {
+            __m256 s = _mm256_load_ps(sr + 8 * g);
+            __m256 fin = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            __m256 p = _mm256_and_ps(fin, exp256(_mm256_sub_ps(s, _mm256_set1_ps(mx))));
+            vsum = _mm256_add_ps(vsum, p);
+            _mm256_store_ps(sr + 8 * g, p);
+        }
+        {
+            float t8[8];
+            _mm256_storeu_ps(t8, vsum);
+            lsum = ((t8[0] + t8[1]) + (t8[2] + t8[3])) + ((t8[4] + t8[5]) + (t8[6] + t8[7]));
+        }
 #else
         for (int i = 0; i < BSP; i++) {
             float p = sr[i] == -INFINITY ? 0.0f : expf(sr[i] - mx);
@@ -728,6 +1159,14 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         return;
     }
     decode_rows(vs, vlc, vr, h, nt, H, D, rows, thr > 0 ? sc->need : NULL);
+#elif defined(PKV_AVX2)
+    if (M <= VACC_MAX_M) {  /* few query vectors: V decoded into registers, accumulators too */
+        vacc_fused(vs, vlc, vr, h, nt, H, D, M, S, BSP, st_acc, alpha, thr > 0 ? sc->need : NULL);
+        return;
+    }
+    decode_rows(vs, vlc, vr, h, nt, H, D, rows, thr > 0 ? sc->need : NULL);
+    vacc_tile(rows, nt, D, M, S, BSP, st_acc, alpha, thr > 0 ? sc->need : NULL);
+    return;
 #else
     for (int i = 0; i < nt; i++) {
         if (thr > 0 && !sc->need[i]) continue;
@@ -887,13 +1326,13 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     int jmin = a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0;
     int jmax = pos_hi; /* inclusive */
 
-#ifdef PKV_AVX512
+#ifdef PKV_SIMD
     lut_ctx klc, vlc;
     lut_ctx_init(&klc, ks);
     lut_ctx_init(&vlc, vs);
 #endif
     const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
-#ifdef PKV_AVX512
+#ifdef PKV_SIMD
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);  /* DAZ and FTZ off: IEEE results whatever the caller set */
 #endif
@@ -908,14 +1347,14 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
         kr->pf_data = krs[cur ^ 1].data; kr->pf_sraw = krs[cur ^ 1].sraw; kr->pf_nt = nt2;
         vr->pf_data = vrs[cur ^ 1].data; vr->pf_sraw = vrs[cur ^ 1].sraw; vr->pf_nt = nt2;
         if (nt > 0) {
-#ifdef PKV_AVX512
+#ifdef PKV_SIMD
             decode_scales(ks, kr, nt, H, D);
             decode_scales(vs, vr, nt, H, D);
 #endif
             for (int hh = 0; hh < hpt; hh++) {
                 int h = t->hg * hpt + hh;
                 chunk_head(a, ks, vs,
-#ifdef PKV_AVX512
+#ifdef PKV_SIMD
                            &klc, &vlc,
 #endif
                            kr, vr, h, jlo, jhi, M, sc.q + (size_t)hh * M * D,
@@ -925,7 +1364,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
         }
         nt = nt2; jlo = jlo2; jhi = jhi2; cur ^= 1;
     }
-#ifdef PKV_AVX512
+#ifdef PKV_SIMD
     _mm_setcsr(csr);
 #endif
     for (int i = 0; i < hpt * M; i++) {
@@ -970,7 +1409,7 @@ int pkv_attention(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
         return -2;
     if (!side_ok(ks, D)) return -3;
     if (!side_ok(vs, D)) return -4;
-#ifdef PKV_AVX512
+#ifdef PKV_SIMD
     if (D % 16 || D > 1024) return -2;
 #endif
     const int G = Hq / H, hpt = a->heads_per_task, ngroups = H / hpt;
@@ -1077,6 +1516,19 @@ double pkv_stream_sum(const float *p, int64_t n, int32_t threads) {
             s3 = _mm512_add_ps(s3, _mm512_loadu_ps(p + i + 48));
         }
         float acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+        for (; i < e; i++) acc += p[i];
+#elif defined(PKV_AVX2)
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        int64_t i = b;
+        for (; i + 32 <= e; i += 32) {
+            s0 = _mm256_add_ps(s0, _mm256_loadu_ps(p + i));
+            s1 = _mm256_add_ps(s1, _mm256_loadu_ps(p + i + 8));
+            s2 = _mm256_add_ps(s2, _mm256_loadu_ps(p + i + 16));
+            s3 = _mm256_add_ps(s3, _mm256_loadu_ps(p + i + 24));
+        }
+        float t8[8], acc = 0.0f;
+        _mm256_storeu_ps(t8, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+        for (int k = 0; k < 8; k++) acc += t8[k];
         for (; i < e; i++) acc += p[i];
 #else
         float acc = 0.0f;

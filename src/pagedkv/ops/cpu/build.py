@@ -56,6 +56,7 @@ VARIANT_FLAGS = {
 BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno"]
 AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi")
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
+COMPILE_TIMEOUT_S = 900  # one-time; ~20-25 s of CPU for a SIMD variant, far longer on a loaded machine
 
 
 class KernelUnavailable(RuntimeError):
@@ -167,7 +168,7 @@ def _compile(cc: str, flags: list, out: Path) -> tuple[bool, str]:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     cmd = [cc, *flags, *(str(src) for src in SOURCES), "-o", str(tmp), "-lm"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     if proc.returncode != 0:
