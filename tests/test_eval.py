@@ -125,3 +125,126 @@ def test_cli_rejects_bad_arguments_before_loading(capsys):
     assert main(["generate", "hi", "--kv-format", "nope"]) == 2
     assert main(["eval", "--formats", "bf16", "--device", "nonsense"]) == 2
     assert "nonsense" in capsys.readouterr().err
+
+
+def _tiny_model():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_worker_processes_give_the_numbers_of_one_process():
+    """Windows shared out to 2 forked workers: the same sums, added in the same order, so every
+    number but the decode speed is identical."""
+    from pagedkv.eval.compute import Compute
+    from pagedkv.eval.runner import evaluate
+    from pagedkv.eval.workers import fork_available
+
+    if not fork_available():
+        pytest.skip("no fork start method here")
+    model = _tiny_model()
+    windows = make_windows(torch.randint(3, 64, (600,)), 3, 40, bos=1)
+    base = dict(formats=("bf16", "turbo3", "q4_0"), windows=3, window_tokens=40, memory_bytes=2**20, decode_steps=1)
+    one = evaluate(model, windows, EvalConfig(**base))
+    seen: list = []
+    two = evaluate(model, windows, EvalConfig(**base, compute=Compute(threads=1, workers=2)), progress=seen.append)
+    assert len(seen) == 9 and sorted(seen) == sorted(["bf16", "turbo3", "q4_0"] * 3)
+    for a, b in zip(one, two):
+        assert a.pop("decode_tok_s") > 0 and b.pop("decode_tok_s") > 0
+        assert a == b
+    assert len(one[1]["kl_per_window"]) == 3
+
+
+def test_subset_is_some_of_the_full_runs_windows():
+    from pagedkv.eval.text import subset_indices
+
+    assert subset_indices(8, 4) == [0, 2, 5, 7] and subset_indices(8, None) == list(range(8))
+    assert subset_indices(8, 2) == [0, 7] and subset_indices(8, 1) == [0] and subset_indices(8, 8) == list(range(8))
+    toks = torch.arange(1000)
+    full, part = make_windows(toks, 8, 50, bos=None), make_windows(toks, 8, 50, bos=None, subset=4)
+    assert [w.tolist() for w in part] == [full[i].tolist() for i in (0, 2, 5, 7)]
+    with pytest.raises(ConfigError, match="--subset"):
+        EvalConfig(windows=8, subset=9)
+
+
+def test_compute_default_counts_idle_cpus(monkeypatch):
+    from pagedkv.eval import compute
+
+    monkeypatch.setattr(compute, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(compute.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert compute.Compute.resolve(parallel_work=8) == compute.Compute(1, 2, "2 idle of 2 CPUs")
+    assert compute.Compute.resolve().threads == 2  # one stream: both idle CPUs as threads
+    monkeypatch.setattr(compute.os, "getloadavg", lambda: (7.5, 6.0, 3.0))  # a busy shared machine
+    assert (compute.Compute.resolve(parallel_work=8).workers, compute.Compute.resolve().threads) == (1, 1)
+    assert compute.Compute.resolve(threads=3, parallel_work=8).threads == 3
+    assert compute.Compute.resolve(threads=2, workers=2).how == "given"
+    with pytest.raises(ConfigError, match="--threads"):
+        compute.Compute.resolve(threads=0)
+
+
+def test_plot_reads_at_a_glance_even_with_nothing_on_the_log_axis(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pagedkv.eval.plot import _panel_points, plot_results
+
+    rows = [{"format": f, "bits_per_element": b, "kl": k, "ppl": p} for f, b, k, p in (
+        ("bf16", 16, 0.0, 11.95), ("turbo3", 3.5, 0.0965, 13.36), ("turbo2", 2.5, 0.593, 22.65),
+        ("fp8", 8, 0.0059, 12.01))]
+    _, ok, shown, labels, marks, ylim = _panel_points(rows, "kl")
+    assert marks == {0: "v"} and labels[0] == "bf16 (= 0)" and ylim[0] < shown[0] < min(0.0059, ylim[1])
+    _, ok, shown, labels, marks, ylim = _panel_points(rows, "ppl")
+    assert marks == {2: "^"} and labels[2] == "turbo2 (22.65)" and shown[2] <= ylim[1]  # turbo2 off the scale
+    assert ylim[1] < 22.65 and ylim[0] < 11.95
+    for name, rs in (("all", rows), ("bf16", rows[:1])):
+        out = tmp_path / f"{name}.png"
+        plot_results(rs, str(out), title=name)
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_columns_use_one_notation():
+    from pagedkv.cli.output import column_formatter
+
+    f = column_formatter([6480.0, 23040.0, 5040.0])
+    assert [f(v) for v in (6480.0, 23040.0)] == ["6480", "23040"]
+    f = column_formatter([0.0, 0.0002123, 0.5931])
+    assert [f(v) for v in (0.0, 0.0002123, 0.5931)] == ["0", "0.000212", "0.593100"]
+    f = column_formatter([11.952, 22.65, "-"])
+    assert [f(v) for v in (11.952, 22.65, "-")] == ["11.95", "22.65", "-"]
+
+
+def test_eval_cli_prints_the_table_before_the_plot_and_its_times(monkeypatch, tmp_path, capsys):
+    """The whole eval command with the model and the passes stubbed: JSON printed, plot written
+    afterwards, the closing line with wall and CPU time and the compute setting."""
+    pytest.importorskip("matplotlib")
+    import json
+    from types import SimpleNamespace
+
+    import pagedkv.eval.model as em
+    import pagedkv.eval.runner as er
+    from pagedkv.cli.main import main
+
+    class Tok:
+        bos_token_id = 1
+
+        def __call__(self, text, **kw):
+            return {"input_ids": list(range(2, 5000))}
+
+    rows = [{"format": "bf16", "bits_per_element": 16, "bytes_per_token": 23040.0, "kl": 0.0, "ppl": 12.0,
+             "top1": 1.0, "decode_tok_s": None, "max_context_tokens": 10}]
+    seen = {}
+    monkeypatch.setattr(em, "load_tokenizer", lambda src: Tok())
+    monkeypatch.setattr(em, "load_model", lambda src, **kw: SimpleNamespace(model=None, tokenizer=kw["tokenizer"]))
+
+    def fake_evaluate(model, windows, cfg, progress=None):
+        seen["windows"], seen["compute"] = len(windows), cfg.compute
+        return rows
+
+    monkeypatch.setattr(er, "evaluate", fake_evaluate)
+    out = tmp_path / "p.png"
+    assert main(["eval", "--formats", "bf16", "--subset", "2", "--window-tokens", "64", "--threads", "1",
+                 "--workers", "1", "--plot", str(out), "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out) == rows and out.is_file() and seen["windows"] == 2
+    last = cap.err.strip().splitlines()[-1]
+    assert last.startswith("pagedkv eval: 2 passes in") and "CPU" in last and "1 thread" in last

@@ -1,21 +1,27 @@
 """`pagedkv eval`: perplexity, KL vs the bf16 cache, top-1 agreement, size and decode speed of KV
-formats on a real model (default: the embedded SmolLM2 over Python's pydoc topics), offline."""
+formats on a real model (default: the embedded SmolLM2 over Python's pydoc topics), offline.
+
+Every input is checked before the model loads (formats, sizes, --text, --model, --device, the
+--plot file); the table or JSON is printed before the plot is drawn, so a finished run is never
+lost. The last line on stderr gives the wall and CPU time and the compute setting used."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 
-from ..errors import ConfigError
+from ..eval.config import DEFAULT_FORMATS, EvalConfig
+from .edge import add_compute_arguments, check_output_file, compute_from_args, read_text_arg
 from .output import print_json, print_table
-from .sizes import parse_bytes
+from .sizes import parse_bytes, parse_names
+
+D = EvalConfig()
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ..eval.runner import DEFAULT_FORMATS
-
     p = sub.add_parser("eval", help="quality / size / speed of KV formats on a real model",
                        description=__doc__)
     p.add_argument("--model", default=None,
@@ -24,52 +30,63 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help="comma-separated formats; NAME+hp adds the automatic high-precision "
                         "first/last layers, NAME+hpN N of them (default: %(default)s)")
-    p.add_argument("--windows", type=int, default=8, help="windows spread over the text (default 8)")
-    p.add_argument("--window-tokens", type=int, default=1024, help="tokens per window (default 1024)")
+    p.add_argument("--windows", type=int, default=D.windows,
+                   help=f"windows spread over the text (default {D.windows})")
+    p.add_argument("--subset", type=int, default=None, metavar="K",
+                   help="evaluate only K of the windows, first and last included, evenly spread: the same "
+                        "windows (and per-window numbers) as the full run; `make demo` uses 4 of 8")
+    p.add_argument("--window-tokens", type=int, default=D.window_tokens,
+                   help=f"tokens per window (default {D.window_tokens})")
     p.add_argument("--memory", default="8GiB", help="budget for the max-context column (default 8GiB)")
-    p.add_argument("--decode-steps", type=int, default=6, help="greedy steps timed per format (0 = skip)")
+    p.add_argument("--decode-steps", type=int, default=D.decode_steps,
+                   help=f"greedy steps timed per format on the first window (default {D.decode_steps}; 0 = skip)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for the passes")
+    add_compute_arguments(p, workers=True)
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write KL/PPL vs bits plot")
     return p
 
 
 def run(args) -> int:
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
-    from ..eval.model import load_model, resolve_model_source
-    from ..eval.runner import EvalConfig, parse_choice
-    from ..eval.text import bos_id, make_windows, read_text, tokenize
-
-    formats = tuple(f for f in (s.strip() for s in args.formats.split(",")) if f)
-    for f in formats:
-        parse_choice(f)  # fail on a bad name before loading anything
-    cfg = EvalConfig(model=args.model, text=args.text, formats=formats, windows=args.windows,
+    # ---- everything checkable before the model loads
+    formats = tuple(parse_names(args.formats))
+    cfg = EvalConfig(model=args.model, text=args.text, formats=formats, windows=args.windows, subset=args.subset,
                      window_tokens=args.window_tokens, memory_bytes=parse_bytes(args.memory, "--memory"),
-                     decode_steps=args.decode_steps)
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise ConfigError(f"--plot {args.plot!r}: give a .png file name")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    source = resolve_model_source(cfg.model)
-    def log(message: str) -> None:  # progress goes to stderr so that --json stays parseable
-        print(message, file=sys.stderr)
-
-    log(f"loading {source.label} ...")
-    lm = load_model(source, attn_implementation="pagedkv", device=args.device)
-    tokens = tokenize(lm.tokenizer, read_text(cfg.text))
-    windows = make_windows(tokens, cfg.windows, cfg.window_tokens, bos_id(lm.tokenizer))
-    log(f"{tokens.numel()} tokens of text; {len(windows)} windows x {cfg.window_tokens} tokens; "
-        f"{len(formats)} formats")
-    rows = _run_with_progress(lm.model, windows, cfg)
-    elapsed = time.perf_counter() - t0
+                     decode_steps=args.decode_steps, compute=compute_from_args(args, parallel_work=args.subset or args.windows))
+    check_output_file(args.plot, "--plot", ".png")
     if args.plot:
-        from ..eval.plot import plot_results
+        from ..eval.plot import require_matplotlib
 
-        plot_results(rows, args.plot, title=f"{source.label}: {len(windows)} x {cfg.window_tokens} tokens")
+        require_matplotlib()
+    text = read_text_arg(cfg.text)
+    from ..eval.model import load_model, load_tokenizer, resolve_device, resolve_model_source
+    from ..eval.runner import check_unique, parse_choice
+
+    check_unique([parse_choice(f) for f in formats])
+    source = resolve_model_source(cfg.model)
+    resolve_device(args.device)
+    if cfg.compute.workers > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are forked after tokenizing
+    cfg.compute.apply()
+
+    def log(message: str) -> None:  # progress goes to stderr so that --json stays parseable
+        print(message, file=sys.stderr, flush=True)
+
+    from ..eval.text import bos_id, make_windows, tokenize
+
+    tokenizer = load_tokenizer(source)
+    tokens = tokenize(tokenizer, text)
+    windows = make_windows(tokens, cfg.windows, cfg.window_tokens, bos_id(tokenizer), cfg.subset)  # text too short: here
+    log(f"loading {source.label} ...")
+    lm = load_model(source, attn_implementation="pagedkv", device=args.device, tokenizer=tokenizer)
+    of = f" ({cfg.subset} of {cfg.windows}, first and last included)" if cfg.subset else ""
+    log(f"{tokens.numel()} tokens of text; {len(windows)} windows{of} x {cfg.window_tokens} tokens; "
+        f"{len(formats)} formats; {cfg.compute.describe()}")
+    t_eval, cpu_eval = time.perf_counter(), _cpu_seconds()
+    rows = _run_with_progress(lm.model, windows, cfg)
+    elapsed = time.perf_counter() - t_eval
     if args.json:
         print_json(rows)
     else:
@@ -78,11 +95,31 @@ def run(args) -> int:
         table = [[r["format"], r["bits_per_element"], r["bytes_per_token"], r["ppl"], r["kl"],
                   r["top1"], r["decode_tok_s"] if r["decode_tok_s"] else "-", r["max_context_tokens"]]
                  for r in rows]
-        print_table(f"{source.label}: {len(windows)} windows x {cfg.window_tokens} tokens, "
-                    f"teacher-forced on the compressed cache ({elapsed:.0f} s)", cols, table)
-        if args.plot:
-            print(f"plot written to {args.plot}")
+        print_table(f"{source.label}: {len(windows)} windows{of} x {cfg.window_tokens} tokens, "
+                    f"teacher-forced on the compressed cache; decode tok/s: 1 thread, thread CPU time "
+                    f"per step on window 1", cols, table)
+    sys.stdout.flush()
+    if args.plot:
+        from ..eval.plot import plot_results
+
+        plot_results(rows, args.plot, title=f"{source.label}: {len(windows)} x {cfg.window_tokens} tokens")
+        log(f"plot written to {args.plot}")
+    cpu = _cpu_seconds()
+    log(f"pagedkv eval: {len(windows) * len(formats)} passes in {_minutes(time.perf_counter() - t0)} wall "
+        f"(the passes {_minutes(elapsed)}); CPU {cpu_eval - cpu0:.0f} s before the passes (imports, "
+        f"load) + {cpu - cpu_eval:.0f} s in them; {cfg.compute.describe()}")
     return 0
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children (the workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _minutes(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m} min {s:02d} s" if m else f"{s} s"
 
 
 def _run_with_progress(model, windows, cfg):

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from ..codecs.catalogue import CODECS, get_codec
+from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
-from ..formats import KVFormat, all_formats, parse_format
 from .output import print_json, print_table
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("formats", help="list codecs and KV formats with their sizes")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these codecs / formats (aliases ok)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"default {BLOCK_SIZE}")
     p.add_argument("--kv-heads", type=int, default=3, help="default: the embedded model's 3")
     p.add_argument("--head-dim", type=int, default=64, help="default: the embedded model's 64")
     p.add_argument("--json", action="store_true")
@@ -34,7 +33,7 @@ def _codec_row(c, bs, h, d) -> dict:
     }
 
 
-def _format_row(f: KVFormat, bs, h, d) -> dict:
+def _format_row(f, bs, h, d) -> dict:
     return {
         "name": f.name,
         "k_codec": f.k.name,
@@ -46,6 +45,9 @@ def _format_row(f: KVFormat, bs, h, d) -> dict:
 
 
 def run(args) -> int:
+    from ..codecs.catalogue import CODECS, get_codec
+    from ..formats import all_formats, parse_format
+
     bs, h, d = args.block_size, args.kv_heads, args.head_dim
     for label, value in (("--block-size", bs), ("--kv-heads", h), ("--head-dim", d)):
         if value <= 0:

@@ -1,4 +1,8 @@
-"""`pagedkv generate "prompt"`: stream a reply from a model whose KV cache is paged and compressed."""
+"""`pagedkv generate "prompt"`: stream a reply from a model whose KV cache is paged and compressed.
+
+The reply streams to stdout, the summary goes to stderr (with --json: one JSON object on stdout,
+nothing streamed). KV sizes count whole blocks, the same way for the format and for the bf16
+cache it is compared with."""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ import os
 import sys
 import time
 
+from .edge import add_compute_arguments, compute_from_args
+from .output import print_json
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text with a compressed KV cache", description=__doc__)
@@ -14,38 +21,43 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="local HF model folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--kv-format", default="turbo3", help="KV format (default turbo3); NAME+hp for "
                    "the automatic high-precision first/last layers")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
-    p.add_argument("--threads", type=int, default=None)
+    add_compute_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (reply, sizes, speed)")
     return p
 
 
 def run(args) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import TextStreamer
-
     from ..errors import ConfigError
-    from ..eval.model import load_model, resolve_model_source
-    from ..eval.runner import cache_for, parse_choice
 
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise ConfigError("the prompt is empty; pass some text to reply to")
+    compute = compute_from_args(args)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ..eval.model import load_model, load_tokenizer, resolve_device, resolve_model_source
+    from ..eval.runner import cache_for, parse_choice
+
     choice = parse_choice(args.kv_format)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     source = resolve_model_source(args.model)
+    resolve_device(args.device)
+    compute.apply()
+    import torch
+    from transformers import TextStreamer
+
+    tok = load_tokenizer(source)
     print(f"loading {source.label} ...", file=sys.stderr)
-    lm = load_model(source, attn_implementation="pagedkv", device=args.device)
-    tok = lm.tokenizer
+    lm = load_model(source, attn_implementation="pagedkv", device=args.device, tokenizer=tok)
     if tok.chat_template and not args.no_chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                       add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tok(args.prompt, return_tensors="pt")["input_ids"]
     cache = cache_for(lm.model, choice)
-    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    streamer = None if args.json else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     t0 = time.perf_counter()
     with torch.inference_mode():
         ids = ids.to(lm.model.device)
@@ -53,11 +65,21 @@ def run(args) -> int:
                                 streamer=streamer, pad_token_id=tok.pad_token_id or tok.eos_token_id)
     dt = time.perf_counter() - t0
     new = int(out.shape[1] - ids.shape[1])
+    used = cache.used_bytes()
+    bf16_used = used * _bf16_bytes_per_token(cache) / cache.bytes_per_token()  # same blocks, in bf16
+    row = {"format": choice.label, "prompt_tokens": int(ids.shape[1]), "new_tokens": new,
+           "text": tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), "seconds": dt,
+           "tok_s": new / dt, "tokens_in_cache": cache.get_seq_length(), "kv_bytes_in_use": used,
+           "kv_bytes_per_token": cache.bytes_per_token(), "bf16_bytes_in_use": bf16_used,
+           "threads": compute.threads}
+    if args.json:
+        print_json(row)
+        return 0
     print(file=sys.stderr)
-    print(f"[{choice.label}] {new} tokens in {dt:.2f} s ({new / dt:.1f} tok/s, prompt {ids.shape[1]} tokens); "
-          f"KV cache {cache.used_bytes() / 2**20:.2f} MiB in use for {cache.get_seq_length()} tokens "
-          f"({cache.bytes_per_token():.0f} B/token; bf16 would be "
-          f"{_bf16_bytes_per_token(cache) * cache.get_seq_length() / 2**20:.2f} MiB)", file=sys.stderr)
+    print(f"[{choice.label}] {new} tokens in {dt:.2f} s ({new / dt:.1f} tok/s wall, {compute.describe()}; "
+          f"prompt {ids.shape[1]} tokens); KV cache {used / 2**20:.2f} MiB for {cache.get_seq_length()} tokens "
+          f"in whole blocks ({cache.bytes_per_token():.0f} B/token; the same blocks in bf16: "
+          f"{bf16_used / 2**20:.2f} MiB)", file=sys.stderr)
     return 0
 
 

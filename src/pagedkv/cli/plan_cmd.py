@@ -1,37 +1,41 @@
 """`pagedkv plan`: how many tokens / sequences fit in a memory budget, per KV format, from the
-exact catalogue sizes and the model's layer layout (its config only; no weights are loaded)."""
+exact catalogue sizes and the model's layer layout (its config only; no weights are loaded; a
+GGUF's metadata is read without its tensors or tokenizer)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from ..defaults import BLOCK_SIZE
 from .output import print_json, print_table
-from .sizes import parse_bytes
+from .sizes import parse_bytes, parse_names
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="tokens / sequences that fit in a memory budget", description=__doc__)
     p.add_argument("--model", default=None, help="local HF model folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--memory", default="8GiB", help="KV budget (default 8GiB)")
-    p.add_argument("--format", action="append", default=None, dest="formats",
-                   help="a format (repeatable; NAME+hp for high-precision layers); default: a standard list")
+    p.add_argument("--formats", "--format", action="append", default=None, dest="formats",
+                   help="comma-separated formats (NAME+hp for high-precision layers; the flag may repeat); "
+                        "default: a standard list")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length for the sequences column "
                    "(default: the model's max_position_embeddings)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"default {BLOCK_SIZE}")
     p.add_argument("--json", action="store_true")
     return p
 
 
 def run(args) -> int:
+    memory = parse_bytes(args.memory, "--memory")
+    formats = parse_names(",".join(args.formats)) if args.formats else None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ..eval.model import load_config, resolve_model_source
     from ..eval.plan import DEFAULT_PLAN_FORMATS, plan
 
     source = resolve_model_source(args.model)
     config = load_config(source)
-    memory = parse_bytes(args.memory, "--memory")
-    rows = plan(config, memory, args.formats or DEFAULT_PLAN_FORMATS, seq_len=args.seq_len,
+    rows = plan(config, memory, formats or DEFAULT_PLAN_FORMATS, seq_len=args.seq_len,
                 block_size=args.block_size)
     if args.json:
         print_json(rows)

@@ -33,9 +33,28 @@ def top1_matches(ref_logp: torch.Tensor, logp: torch.Tensor) -> int:
     return int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
 
 
+@dataclass(frozen=True)
+class WindowSums:
+    """One window's contribution for one format (picklable: eval workers send these)."""
+
+    tokens: int
+    nll: float
+    kl: float | None  # None without a reference
+    top1: int
+
+
+def window_sums(logits: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None) -> WindowSums:
+    """The sums of one window: logits float [T, V], targets int64 [T], ref_logp [T, V] or None."""
+    lp = log_probs(logits)
+    if ref_logp is None:
+        return WindowSums(int(targets.numel()), nll_sum(lp, targets), None, 0)
+    return WindowSums(int(targets.numel()), nll_sum(lp, targets), kl_sum(ref_logp, lp), top1_matches(ref_logp, lp))
+
+
 @dataclass
 class MetricSums:
-    """Running sums over windows for one format."""
+    """Running sums over windows for one format (added in window order, so a run split over
+    worker processes sums the same floats in the same order as one process)."""
 
     tokens: int = 0
     nll: float = 0.0
@@ -44,15 +63,15 @@ class MetricSums:
     per_window_kl: list = field(default_factory=list)
 
     def add(self, logits: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None) -> None:
-        lp = log_probs(logits)
-        n = int(targets.numel())
-        self.tokens += n
-        self.nll += nll_sum(lp, targets)
-        if ref_logp is not None:
-            k = kl_sum(ref_logp, lp)
-            self.kl += k
-            self.per_window_kl.append(k / n)
-            self.top1 += top1_matches(ref_logp, lp)
+        self.add_window(window_sums(logits, targets, ref_logp))
+
+    def add_window(self, w: WindowSums) -> None:
+        self.tokens += w.tokens
+        self.nll += w.nll
+        if w.kl is not None:
+            self.kl += w.kl
+            self.per_window_kl.append(w.kl / w.tokens)
+            self.top1 += w.top1
 
     @property
     def ppl(self) -> float:

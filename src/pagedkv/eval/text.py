@@ -62,10 +62,25 @@ def window_starts(num_tokens: int, windows: int, length: int) -> list[int]:
     return [round(i * last / (windows - 1)) for i in range(windows)]
 
 
-def make_windows(tokens: torch.Tensor, windows: int, length: int, bos: Optional[int]) -> list[torch.Tensor]:
-    """`windows` int64 [length] windows; with a BOS id, each is BOS + (length - 1) text tokens."""
+def subset_indices(windows: int, subset: Optional[int]) -> list[int]:
+    """`subset` of the indices 0..windows-1, first and last included, evenly spread (all of
+    them for None): a quick run on exactly some of the full run's windows."""
+    if subset is None:
+        return list(range(windows))
+    if isinstance(subset, bool) or not isinstance(subset, int) or not 1 <= subset <= windows:
+        raise ConfigError(f"--subset must be between 1 and --windows ({windows}), got {subset!r}")
+    if subset == 1:
+        return [0]
+    return sorted({round(i * (windows - 1) / (subset - 1)) for i in range(subset)})
+
+
+def make_windows(tokens: torch.Tensor, windows: int, length: int, bos: Optional[int],
+                 subset: Optional[int] = None) -> list[torch.Tensor]:
+    """`windows` int64 [length] windows; with a BOS id, each is BOS + (length - 1) text tokens.
+    subset: keep only these many of them (`subset_indices`), the same windows a full run has."""
     body = length - 1 if bos is not None else length
     starts = window_starts(int(tokens.numel()), windows, body)
+    starts = [starts[i] for i in subset_indices(windows, subset)]
     out = []
     for s in starts:
         w = tokens[s:s + body]

@@ -75,6 +75,7 @@ def run(args) -> int:
     formats = parse_names(args.formats) if args.formats is not None else list(CPU.formats)
     contexts = parse_counts(args.contexts, "--contexts") if args.contexts is not None else list(CPU.contexts)
     batches = parse_counts(args.batch, "--batch") if args.batch is not None else list(CPU.batches)
+    _check_memory(formats, contexts, batches, shape)
     from ...bench import attention as ba
 
     progress = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -118,6 +119,35 @@ def run(args) -> int:
                     [[m["format"], m["context"], m["cache_mb"], m["peak_extra_mb"], m.get("fp32_context_copy_mb"),
                       m.get("reference_peak_extra_mb", "")] for m in res.memory])
     return 0
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (Linux MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(formats, contexts, batches, shape) -> None:
+    """Refuse a grid whose largest point cannot fit before allocating any of it: at that point
+    one layer of the bf16 baseline cache and one layer of every format are alive together (the
+    harness times more layers only within its memory budget)."""
+    from ...formats import parse_format
+
+    fmts = [parse_format(f) for f in formats]
+    tokens = max(contexts) * max(batches)
+    h, d = shape.num_kv_heads, shape.head_dim
+    need = tokens * h * (2 * 2 * d + sum(f.k.row_bytes(d) + f.v.row_bytes(d) for f in fmts))
+    have = available_memory()
+    if have is not None and need > 0.8 * have:
+        raise ConfigError(f"--contexts {max(contexts)} x --batch {max(batches)} needs at least "
+                          f"{need / 2**30:.1f} GiB for one layer of the bf16 baseline and of each format; "
+                          f"{have / 2**30:.1f} GiB is available: give smaller --contexts or --batch")
 
 
 def _run_cuda(args) -> int:

@@ -1,0 +1,56 @@
+"""Checks and settings shared by the sub-commands, all done before anything heavy is loaded:
+the compute setting (threads, workers), output files, input files."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from ..errors import ConfigError
+
+
+def add_compute_arguments(p: argparse.ArgumentParser, workers: bool = False) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process (default: the idle CPUs, i.e. CPUs minus the 1-minute "
+                        "load average, at least 1" + ("; with several workers 1 each)" if workers else ")"))
+    if workers:
+        p.add_argument("--workers", type=int, default=None,
+                       help="worker processes sharing the windows (default: the idle CPUs, at most one "
+                            "per window; 1 = in this process)")
+
+
+def compute_from_args(args, parallel_work: int = 1):
+    from ..eval.compute import Compute
+
+    return Compute.resolve(args.threads, getattr(args, "workers", None) if parallel_work > 1 else 1,
+                           parallel_work=parallel_work)
+
+
+def check_output_file(path: Optional[str], flag: str, suffix: str) -> None:
+    """An output file the command writes at the end: the right suffix, an existing writable
+    directory; checked first so that a finished run is never lost to a bad path."""
+    if path is None:
+        return
+    if not path.lower().endswith(suffix):
+        raise ConfigError(f"{flag} {path!r}: give a {suffix} file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {path!r}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path!r}: the directory {parent} is not writable")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r} is a directory; give a file name")
+
+
+def read_text_arg(path: Optional[str]) -> str:
+    """The --text file (or the default text), refusing a missing, unreadable or empty one."""
+    from ..eval.text import read_text
+
+    try:
+        text = read_text(path)
+    except OSError as exc:
+        raise ConfigError(f"--text {path!r}: cannot read it ({exc.strerror or exc})") from None
+    if not text.strip():
+        raise ConfigError(f"--text {path!r} is empty; pass a UTF-8 text file with some text in it")
+    return text
