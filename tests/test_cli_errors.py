@@ -153,7 +153,8 @@ def test_ctrl_c_during_start_up_of_a_real_process():
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("Converting", "Loading"))
              and "it/s" not in ln and "s/it" not in ln]
     assert proc.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and lines[-1] == "pagedkv eval: interrupted", err[-2000:]
+    # parsing (start-up) or the command's imports / loading, depending on how busy the machine is
+    assert "Traceback" not in err and lines[-1] in ("pagedkv: interrupted", "pagedkv eval: interrupted"), err[-2000:]
 
 
 def test_help_and_argument_errors_do_not_import_torch():

@@ -1,0 +1,44 @@
+"""The README's Python example is examples/quickstart.py, and it runs as written on the embedded
+model (a fresh interpreter, FutureWarning and DeprecationWarning turned into errors)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_python_blocks() -> list[str]:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        return re.findall(r"```python\n(.*?)```", fh.read(), flags=re.S)
+
+
+def test_readme_example_is_the_example_file():
+    with open(os.path.join(ROOT, "examples", "quickstart.py"), encoding="utf-8") as fh:
+        example = fh.read()
+    assert example in readme_python_blocks(), "README's Python example differs from examples/quickstart.py"
+
+
+def test_quickstart_runs_as_written():
+    pytest.importorskip("transformers")
+    from pagedkv.eval.model import embedded_model_source
+
+    embedded_model_source()  # skip-free: the embedded model is part of the test set-up
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-W", "error::DeprecationWarning",
+                           os.path.join(ROOT, "examples", "quickstart.py")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) >= 2 and lines[0].strip(), proc.stdout
+    m = re.fullmatch(r"(\d+) tokens in the cache, (\d+) bytes per token", lines[-1])
+    assert m, lines[-1]
+    # plain turbo3 in every layer: 30 layers x 3 kv heads x (K + V) x 64 dims x 3.5 bits / 8
+    assert int(m[2]) == 30 * 3 * 2 * 64 * 7 // 16
+    assert int(m[1]) > 40
