@@ -2,7 +2,8 @@
 
 Numbers in a table column share one notation: integers (and integral floats) as integers,
 other floats with the same number of decimals down the column, enough for 4 significant digits
-of its smallest non-zero value (at most 6; scientific notation only when a value would vanish)."""
+of its smallest non-zero value (at most 6, no trailing zeros shared by the whole column;
+scientific notation only when a value would vanish)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def column_formatter(values: Sequence[Any]) -> Callable[[Any], str]:
         return fmt
     smallest = min(v for v in fractional if v > 0)
     decimals = min(6, max(0, 3 - math.floor(math.log10(smallest))))
+    nums = [v for v in values if _is_number(v) and math.isfinite(v)]
+    decimals = next(d for d in range(decimals + 1)  # no trailing zeros the whole column shares
+                    if all(round(v, d) == round(v, decimals) for v in nums))
     scientific = smallest < 1e-6
 
     def fmt(v):
