@@ -4,8 +4,8 @@
 
 Configurations: vLLM bf16 (its CPU backend, model in bf16), vLLM fp8 (kv_cache_dtype=fp8; needs
 AVX-512 on CPU, reported as unsupported otherwise), and pagedkv fp8 / turbo4 / turbo3 /
-fp8k_turbo3v pages (pagedkv's defaults: automatic high-precision layers, statistics fitted at
-engine start). Every configuration serves the same prompts (distinct windows of
+fp8k_turbo3v pages (each name as everywhere in pagedkv: that format in every layer, no
+high-precision layers; statistics fitted at engine start). Every configuration serves the same prompts (distinct windows of
 `pydoc_data.topics`, `--prompt-tokens` each, prefix caching off) with greedy decoding of
 `--max-tokens` tokens, submitted at once, under each KV budget (`kv_cache_memory_bytes`): a
 small one where bf16 is KV-bound and a large one where nothing is.

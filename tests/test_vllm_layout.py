@@ -26,11 +26,32 @@ def test_settings_forms_and_opt_in():
     assert settings_from({"pagedkv": {"kv_format": "fp8"}}, "turbo4").kv_format == "fp8"
 
 
+def test_a_format_name_means_the_same_layers_as_everywhere_in_pagedkv():
+    """"turbo3" is turbo3 in every layer, as in `PagedKVCache(model, "turbo3")` and on the
+    command line; "turbo3+hp" adds the automatic high-precision layers, as there."""
+    from pagedkv.cache.config import CacheConfig
+
+    dims = [(3, 64)] * 30
+
+    def layers(value):
+        s = parse_settings(value, environ={})
+        return [f.name for f in layer_formats(s.kv_format, s.high_precision_layers, s.hp_format, 30, dims)]
+
+    for name in ("turbo3", "turbo3+hp", "turbo3+hp2", "fp8k_turbo3v+hp"):
+        ref = CacheConfig(num_layers=30, num_kv_heads=3, head_dim=64, kv_format=name, num_blocks=1)
+        assert layers(name) == [f.name for f in ref.layer_formats], name
+    assert layers("turbo3") == ["turbo3"] * 30
+    assert layers("turbo3+hp")[:3] == ["q8_0"] * 3
+    assert layers({"kv_format": "turbo3", "high_precision_layers": 2})[:3] == ["q8_0", "q8_0", "turbo3"]
+
+
 @pytest.mark.parametrize("value, needle", [
     ({"kv_format": "turbo9"}, "turbo9"),
     ({"kv_format": "turbo3", "colour": 1}, "colour"),
     ({}, "kv_format"),
     ({"kv_format": "turbo3", "high_precision_layers": -1}, "high_precision_layers"),
+    ({"kv_format": "turbo3+hp", "high_precision_layers": 2}, "turbo3\\+hp"),
+    ({"kv_format": ["bf16", "turbo3+hp"]}, "per-layer"),
     ({"kv_format": "turbo3", "calibration": "/no/such/file"}, "/no/such/file"),
     ({"kv_format": "turbo3", "backend": "gpu"}, "gpu"),
     ("{not json", "JSON"),

@@ -32,7 +32,10 @@ def runs():
     """Every engine of the suite, started once each, one after the other: what its tests need."""
     out = {}
     for name in ENGINES:
-        with engine(None if name == "native" else {"kv_format": name}) as llm:
+        # the compressed formats with their automatic high-precision layers (`NAME+hp`, as the
+        # `pagedkv eval` rows they are compared with); bf16 is plain
+        spec = None if name == "native" else {"kv_format": name if name == "bf16" else name + "+hp"}
+        with engine(spec) as llm:
             tok = llm.get_tokenizer()
             r = {"capacity": capacity_tokens(llm), "vllm_config": llm.llm_engine.vllm_config}
             if name in ("native", "bf16"):

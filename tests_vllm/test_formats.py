@@ -1,8 +1,9 @@
 """Compressed formats in a real vLLM engine: capacity from the catalogue, quality against
 `pagedkv eval` on the same text, prefix caching over compressed pages.
 
-One engine per format (turbo4, turbo3, fp8k_turbo3v: pagedkv's defaults, so the automatic
-high-precision layers of the transformers cache, `NAME+hp` in `pagedkv eval`). The statistics
+One engine per format (turbo4, turbo3, fp8k_turbo3v, each as `NAME+hp`: the automatic
+high-precision layers, the same name and bytes as `NAME+hp` in `pagedkv eval` and the
+transformers cache). The statistics
 are fitted once at engine start on the calibration text (stdlib docstrings), `pagedkv eval`
 fits them on each window's own first chunk: the two KLs measure the same codecs on the same
 windows through two front doors, and agree within KL_FACTOR.

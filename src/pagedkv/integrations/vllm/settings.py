@@ -4,13 +4,17 @@ The settings come from vLLM's `additional_config` (`--additional-config '{"paged
 or, when that has no "pagedkv" entry, from the environment variable `PAGEDKV_VLLM` (read once
 by the plugin when vLLM loads it). Either holds a JSON object, or just a format name:
 
-    {"kv_format": "turbo3"}                       every layer turbo3 (+ high-precision layers)
+    {"kv_format": "turbo3"}                       every layer turbo3 (as on the command line)
+    {"kv_format": "turbo3+hp"}                    turbo3 + the automatic high-precision layers
     {"kv_format": ["q8_0", "turbo3", ...]}        one format per attention layer
-    {"kv_format": "turbo3", "high_precision_layers": 0, "value_centring": false}
+    {"kv_format": "turbo3", "high_precision_layers": 2, "value_centring": false}
 
 Keys (anything else is refused, naming the key):
-- kv_format: a pagedkv format name (`pagedkv formats`) or one per attention layer. Required.
-- high_precision_layers: N >= 0 or "auto" (default; see `pagedkv.cache.config`), hp_format (q8_0).
+- kv_format: a pagedkv format name (`pagedkv formats`; `NAME+hp` / `NAME+hpN` add the
+  high-precision first/last layers, as everywhere in pagedkv) or one per attention layer. Required.
+- high_precision_layers: None (default: what the name says, none for a plain name), N >= 0 or
+  "auto" (see `pagedkv.cache.config`); hp_format (q8_0). A name means the same bytes as in Python
+  and on the command line.
 - key_centring / value_centring: None = pagedkv's defaults (keys: on for a non-bf16 K codec;
   values: on for a non-bf16 V codec, off in layers with attention sinks), or true / false.
 - key_scaling: per-channel key multipliers (default false, as in the transformers cache).
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from ...errors import ConfigError
+from ...cache.config import split_hp
 from ...formats import parse_format
 
 ENV_VAR = "PAGEDKV_VLLM"
@@ -54,7 +59,7 @@ class VllmSettings:
     """pagedkv's settings for one vLLM engine (see the module docstring for every field)."""
 
     kv_format: Union[str, tuple[str, ...]]
-    high_precision_layers: Union[int, str] = "auto"
+    high_precision_layers: Union[None, int, str] = None
     hp_format: str = "q8_0"
     key_centring: Optional[bool] = None
     value_centring: Optional[bool] = None
@@ -75,11 +80,18 @@ class VllmSettings:
         else:
             names = (fmt,)
         for name in names:
-            parse_format(name)  # ConfigError naming the value and the accepted forms
+            base, named_hp = split_hp(name)
+            if named_hp is not None and not isinstance(fmt, str):
+                raise ConfigError(f"pagedkv kv_format: {name!r} in a per-layer list; the +hp suffix "
+                                  "names a policy for one format, give each layer's format instead")
+            if named_hp is not None and self.high_precision_layers is not None:
+                raise ConfigError(f"pagedkv kv_format {name!r} names its high-precision layers; do not "
+                                  f"give high_precision_layers={self.high_precision_layers!r} as well")
+            parse_format(base)  # ConfigError naming the value and the accepted forms
         parse_format(self.hp_format)
         hp = self.high_precision_layers
-        if hp != "auto" and (isinstance(hp, bool) or not isinstance(hp, int) or hp < 0):
-            raise ConfigError(f"pagedkv high_precision_layers must be an int >= 0 or 'auto', got {hp!r}")
+        if hp is not None and hp != "auto" and (isinstance(hp, bool) or not isinstance(hp, int) or hp < 0):
+            raise ConfigError(f"pagedkv high_precision_layers must be null, an int >= 0 or 'auto', got {hp!r}")
         for name in ("key_centring", "value_centring"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
@@ -101,7 +113,8 @@ class VllmSettings:
     def label(self) -> str:
         """A short name for logs: the format (or 'per-layer') and the hp setting."""
         fmt = self.kv_format if isinstance(self.kv_format, str) else "per-layer"
-        return f"{fmt} (high_precision_layers={self.high_precision_layers})"
+        hp = self.high_precision_layers
+        return fmt if hp is None else f"{fmt} (high_precision_layers={hp})"
 
 
 def parse_settings(value: Any, environ: Optional[Mapping[str, str]] = None) -> VllmSettings:
