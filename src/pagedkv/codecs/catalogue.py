@@ -116,6 +116,14 @@ class Codec:
 
         return value_table(self)
 
+    @property
+    def traits(self):
+        """What implementations switch on (decode kind, encode rule, scale, packing), derived
+        from this row by `pagedkv.codecs.derive.traits`; ConfigError for a row it cannot describe."""
+        from .derive import traits
+
+        return traits(self)
+
     def __str__(self) -> str:
         return self.name
 

@@ -11,7 +11,9 @@ Scale rules (chosen to minimise squared error):
   use our generic 4-bit order (element 2i low), not ggml's in-block order.
 - fp8: E4M3 of x / tensor_scale, saturating at +-448.
 - bf16: round to nearest even.
-Rotated codecs encode rotate(x). NaN or Inf in x raises InvalidInput.
+Rotated codecs encode rotate(x). NaN or Inf in x raises InvalidInput. Which rule a row uses is
+derived from the row (`derive.traits`); the integer rules take their constants from the code
+width (2**(bits-1) - 1 and -2**(bits-1)), so a q5 row would be llama.cpp's q5_0 rule.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 
 from ..errors import InvalidInput
 from . import packing, wht
-from .catalogue import Codec, ScaleType, ValueKind
+from .catalogue import Codec, ScaleType
+from .derive import DecodeKind, EncodeRule, traits
 from .floats import from_e4m3_bytes, from_half_bytes, to_e4m3_bytes, to_half_bytes
 
 SCALE_SEARCH = range(-5, 5)  # E4M3 code offsets tried around amax / max|level|
@@ -94,46 +97,49 @@ def encode(codec: Codec, x: torch.Tensor, tensor_scale: float | None = None):
     lead = x.shape[:-1]
     xf = wht.rotate(x) if codec.rotated else x.float()
     empty = torch.empty(*lead, 0, dtype=torch.uint8, device=x.device)
-    kind = codec.values
+    t = traits(codec)
+    rule = t.encode
 
-    if kind is ValueKind.BF16:
+    if rule is EncodeRule.ROUND_BF16:
         return to_half_bytes(xf, torch.bfloat16), empty
-    if codec.scale_type is ScaleType.TENSOR_FP32:
+    if rule is EncodeRule.E4M3_TENSOR:
         s = 1.0 if tensor_scale is None else float(tensor_scale)
         if not s > 0:
             raise InvalidInput(f"fp8 tensor_scale must be > 0, got {tensor_scale!r}")
         return to_e4m3_bytes(xf / s), empty
 
-    g = codec.group_size
-    groups = xf.reshape(-1, g)  # [N, G]
+    groups = xf.reshape(-1, t.group)  # [N, G]
     amax = groups.abs().amax(-1)
-    if kind is ValueKind.FP8_E4M3:  # turbo8
-        scale = from_half_bytes(to_half_bytes((amax / 448.0)[:, None], _HALF[codec.scale_type]), _HALF[codec.scale_type]).squeeze(-1)
+    if rule is EncodeRule.E4M3_GROUP:  # turbo8
+        half = _HALF[t.scale]
+        scale = from_half_bytes(to_half_bytes((amax / 448.0)[:, None], half), half).squeeze(-1)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = to_e4m3_bytes(groups / safe[:, None])
-        scale_bytes = to_half_bytes(scale[:, None], _HALF[codec.scale_type])
-    elif kind is ValueKind.INT:
-        dtype = _HALF[codec.scale_type]
-        if codec.code_bits == 8:
-            dq = (amax / 127.0).to(dtype).float()
-            safe = torch.where(dq > 0, dq, torch.ones_like(dq))
-            q = torch.round(groups / safe[:, None]).clamp(-127, 127)
-            codes = q.to(torch.int8).view(torch.uint8)
-        else:
-            pos = groups.abs().argmax(-1, keepdim=True)
-            m = groups.gather(1, pos).squeeze(1)
-            dq = (m / -8.0).to(dtype).float()
-            safe = torch.where(dq != 0, dq, torch.ones_like(dq))
-            u = torch.floor(groups / safe[:, None] + 8.5).clamp(0, 15)
-            codes = u.to(torch.uint8)
-        scale = dq
-        scale_bytes = to_half_bytes(scale[:, None], dtype)
-    else:  # table codes with an E4M3 group scale: nvfp4, turbo2/3/4
+        scale_bytes = to_half_bytes(scale[:, None], half)
+    elif rule is EncodeRule.INT_AMAX:  # q8_0: d = amax / 127, q = round(x / d)
+        top = float((1 << (t.bits - 1)) - 1)
+        dq = (amax / top).to(_HALF[t.scale]).float()
+        safe = torch.where(dq > 0, dq, torch.ones_like(dq))
+        q = torch.round(groups / safe[:, None]).clamp(-top, top)
+        codes = q.to(torch.int8).view(torch.uint8)
+        scale_bytes = to_half_bytes(dq[:, None], _HALF[t.scale])
+    elif rule is EncodeRule.INT_SIGNED_MAX:  # q4_0: d = m / -8, u = min(15, floor(x / d + 8.5))
+        half = float(1 << (t.bits - 1))
+        pos = groups.abs().argmax(-1, keepdim=True)
+        m = groups.gather(1, pos).squeeze(1)
+        dq = (m / -half).to(_HALF[t.scale]).float()
+        safe = torch.where(dq != 0, dq, torch.ones_like(dq))
+        u = torch.floor(groups / safe[:, None] + (half + 0.5)).clamp(0, 2 * half - 1)
+        codes = u.to(torch.uint8)
+        scale_bytes = to_half_bytes(dq[:, None], _HALF[t.scale])
+    elif rule is EncodeRule.TABLE_SEARCH:  # nvfp4, turbo2/3/4: levels with an E4M3 group scale
         table = codec.value_table().to(x.device)
         levels, order = table.sort()
         scale, idx = search_group_scales(groups, levels)
         codes = order[idx].to(torch.uint8)
         scale_bytes = to_e4m3_bytes(scale[:, None])
+    else:  # pragma: no cover - derive.traits only yields the rules above
+        raise AssertionError(f"no encoder for {rule}")
 
     data = packing.pack(codes.reshape(*lead, d), codec.code_bits)
     scales = scale_bytes.reshape(*lead, codec.row_scale_bytes(d))
@@ -155,20 +161,21 @@ def decode(
             f"{codec.name} data rows must have {codec.row_data_bytes(head_dim)} bytes for "
             f"head_dim {head_dim}, got {data.shape[-1]}"
         )
-    if codec.values is ValueKind.BF16:
+    t = traits(codec)
+    if t.decode is DecodeKind.RAW_BF16:
         out = from_half_bytes(data, torch.bfloat16)
-    else:
+    else:  # every other decode kind is value_table[code] (the table is the definition)
         codes = packing.unpack(data, codec.code_bits, head_dim).long()
         table = codec.value_table().to(data.device)
         vals = table[codes]
-        if codec.scale_type is ScaleType.TENSOR_FP32:
+        if t.scale is ScaleType.TENSOR_FP32:
             out = vals * (1.0 if tensor_scale is None else float(tensor_scale))
         else:
-            g = codec.group_size
-            if codec.scale_type is ScaleType.FP8_E4M3:
+            g = t.group
+            if t.scale is ScaleType.FP8_E4M3:
                 s = from_e4m3_bytes(scales)
             else:
-                s = from_half_bytes(scales, _HALF[codec.scale_type])
+                s = from_half_bytes(scales, _HALF[t.scale])
             out = (vals.reshape(*lead, head_dim // g, g) * s.reshape(*lead, head_dim // g, 1))
             out = out.reshape(*lead, head_dim)
     if codec.rotated and not rotated_basis:

@@ -12,10 +12,18 @@ Fast backends live in modules that are imported lazily, on the first op for thei
 (`LAZY_BACKEND_MODULES`), so that importing pagedkv never compiles a kernel. A module that fails
 to import (no compiler, no Triton) is logged once and the reference backend is used.
 
+Each backend also states which codecs it implements, in derived codec traits (`support.py`):
+`Backend.codecs`, or for a backend whose `Backend(...)` is built by a module that does not say,
+a declaration made with `declare_codecs(name, support)` by the module that knows its kernels
+(the CPU attention wrapper declares the C kernel's). The dispatcher checks it for both codecs of
+the layer before `supports`, so a catalogue row no kernel of a backend implements (a new code
+width, a new decode kind) is never handed to that backend.
+
 Selection for a call (`select_backend`): the backend the caller named (typed argument
-`backend=`; ConfigError if unknown, InvalidInput if it cannot run on the tensors' device or does
-not support the case), else the highest-priority registered backend for the device type whose
-`supports` accepts the case, else the reference backend (which supports everything, any device).
+`backend=`; ConfigError if unknown, InvalidInput if it cannot run on the tensors' device, does
+not implement a codec or does not support the case), else the highest-priority registered
+backend for the device type that implements both codecs and whose `supports` accepts the case,
+else the reference backend (every row `codecs.derive` describes, any device).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 
 from ..errors import ConfigError, InvalidInput
 from .batch import AttentionParams, PagedLayer
+from .support import ANY, CodecSupport
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,8 @@ class Backend:
     store_k_fused: optional fused RMSNorm -> RoPE -> store K kernel with the signature of
     `pagedkv.ops.fused.store_k_fused` (less backend/checks); None = the fused path composes
     fp32 torch norm/RoPE with this backend's store.
+    codecs: the codec traits it implements (`support.CodecSupport`); None = what was declared
+    for its name with `declare_codecs`, else every row (the reference).
     """
 
     name: str
@@ -66,6 +77,7 @@ class Backend:
     supports: Callable[[Op, PagedLayer, Optional[AttentionParams]], bool] = lambda op, layer, params: True
     priority: int = 0
     store_k_fused: Optional[Callable] = None
+    codecs: Optional[CodecSupport] = None
 
     def runs_on(self, device_type: str) -> bool:
         return not self.device_types or device_type in self.device_types
@@ -81,6 +93,7 @@ LAZY_BACKEND_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 _registry: dict[str, Backend] = {}
+_declared: dict[str, CodecSupport] = {}
 _loaded_device_types: set[str] = set()
 _lock = threading.Lock()
 
@@ -89,6 +102,30 @@ def register_backend(backend: Backend) -> None:
     """Add (or replace, by name) a backend. Called by backend modules on import."""
     with _lock:
         _registry[backend.name] = backend
+
+
+def declare_codecs(name: str, support: CodecSupport) -> None:
+    """State which codecs the backend called `name` implements (for a Backend built without
+    `codecs=`); the dispatcher enforces it from then on."""
+    with _lock:
+        _declared[name] = support
+
+
+def codec_support(backend: Backend) -> CodecSupport:
+    """The codecs `backend` implements: its own `codecs`, else its name's declaration, else ANY."""
+    if backend.codecs is not None:
+        return backend.codecs
+    return _declared.get(backend.name, ANY)
+
+
+def codec_refusal(backend: Backend, op: Op, layer: PagedLayer) -> Optional[str]:
+    """None when `backend` implements both codecs of `layer` for `op`, else why not."""
+    support = codec_support(backend)
+    for side, codec in (("k", layer.k_codec), ("v", layer.v_codec)):
+        why = support.refusal(codec, store=op is Op.STORE)
+        if why is not None:
+            return f"{side} codec {codec.name!r}: {why}"
+    return None
 
 
 def unregister_backend(name: str) -> None:
@@ -153,6 +190,9 @@ def select_backend(op: Op, device: torch.device, layer: PagedLayer,
                 f"backend {chosen.name!r} runs on {', '.join(chosen.device_types)}, "
                 f"not on the inputs' device {device_type!r}"
             )
+        why = codec_refusal(chosen, op, layer)
+        if why is not None:
+            raise InvalidInput(f"backend {chosen.name!r} does not implement {op.value} for {why}")
         if not chosen.supports(op, layer, params):
             raise InvalidInput(
                 f"backend {chosen.name!r} does not support {op.value} for "
@@ -160,6 +200,9 @@ def select_backend(op: Op, device: torch.device, layer: PagedLayer,
             )
         return chosen
     for candidate in backends(device_type):
-        if candidate.supports(op, layer, params):
+        if codec_refusal(candidate, op, layer) is None and candidate.supports(op, layer, params):
             return candidate
-    return _registry["reference"]
+    reference = _registry["reference"]
+    why = codec_refusal(reference, op, layer)  # raises ConfigError for a row with no derivation
+    assert why is None, why
+    return reference

@@ -65,7 +65,7 @@ class LatentSpec:
     @property
     def uniform(self) -> bool:
         """True when the rope part uses the latent codec (one section of latent+rope dims)."""
-        return self.latent_codec.name == self.rope_codec.name
+        return self.latent_codec == self.rope_codec
 
     @property
     def name(self) -> str:

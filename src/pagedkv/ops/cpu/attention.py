@@ -26,11 +26,14 @@ from typing import Optional
 import torch
 
 from ...codecs import wht
-from ...codecs.catalogue import Codec, ScaleType, ValueKind
+from ...codecs.catalogue import Codec, ScaleType
+from ...codecs.derive import DecodeKind
 from ...codecs.floats import e4m3_table
 from ...errors import InvalidInput
 from .. import transform
 from ..batch import AttentionParams, PagedLayer
+from ..dispatch import declare_codecs
+from ..support import CodecSupport, pairs
 
 EK_BF16, EK_LUT, EK_E4M3, EK_I8 = 0, 1, 2, 3
 SC_NONE, SC_E4M3, SC_BF16, SC_FP16 = 0, 1, 2, 3
@@ -69,26 +72,35 @@ class SideDesc:
     table: torch.Tensor  # float32 [256]
 
 
+# What the C kernel reads (PKV_DISPATCH in attention_kernel.c: bf16, E4M3 and int8 by arithmetic,
+# 2/3/4/8-bit codes through the value table; scales per 16-element chunk, so groups of 16k).
+# Declared to the dispatcher, which never hands the kernel another row.
+ATTENTION_SUPPORT = CodecSupport(
+    decode=(pairs(DecodeKind.RAW_BF16, (16,)) | pairs(DecodeKind.E4M3, (8,)) | pairs(DecodeKind.INT8, (8,))
+            | pairs(DecodeKind.INT_OFFSET, (2, 3, 4)) | pairs(DecodeKind.TABLE, (2, 3, 4, 8))),
+    groups=frozenset({0, 16, 32, 64}),
+)
+_KIND = {DecodeKind.RAW_BF16: EK_BF16, DecodeKind.E4M3: EK_E4M3, DecodeKind.INT8: EK_I8,
+         DecodeKind.INT_OFFSET: EK_LUT, DecodeKind.TABLE: EK_LUT}
+declare_codecs("cpu", CodecSupport(decode=ATTENTION_SUPPORT.decode, groups=ATTENTION_SUPPORT.groups,
+                                   encode=None))  # store: write.py hands other rows to the reference
+
+
 @functools.lru_cache(maxsize=None)
 def side_desc(codec: Codec) -> SideDesc:
-    """The kernel's description of `codec` (derived from the catalogue row, cached)."""
-    bits = codec.code_bits
-    if codec.values is ValueKind.BF16:
-        kind = EK_BF16
-    elif bits == 8 and codec.values is ValueKind.FP8_E4M3:
-        kind = EK_E4M3  # decoded by bit arithmetic (tests check it equals the table)
-    elif bits == 8 and codec.values is ValueKind.INT:
-        kind = EK_I8
-    else:
-        kind = EK_LUT
+    """The kernel's description of `codec` (derived from the catalogue row's traits, cached);
+    InvalidInput for a row the kernel does not read (the dispatcher declines those first)."""
+    why = ATTENTION_SUPPORT.refusal(codec, store=False)
+    if why is not None:
+        raise InvalidInput(f"the CPU attention kernel cannot read codec {codec.name!r}: {why}")
+    t = codec.traits
     table = torch.zeros(256, dtype=torch.float32)
     vt = codec.value_table()
     if vt is not None:
         vt = vt.float().reshape(-1)
         # sub-byte tables are replicated so that ignoring the code's upper bits is harmless
         table = vt.repeat(256 // vt.numel())[:256].contiguous()
-    per_group = codec.group_size and codec.scale_type not in (ScaleType.NONE, ScaleType.TENSOR_FP32)
-    return SideDesc(kind, bits, codec.group_size if per_group else 0, _SCALE_KIND[codec.scale_type], table)
+    return SideDesc(_KIND[t.decode], t.bits, t.group if t.per_group_scale else 0, _SCALE_KIND[t.scale], table)
 
 
 _E4M3 = None

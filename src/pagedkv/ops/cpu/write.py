@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from ...codecs import wht
-from ...codecs.catalogue import Codec, ScaleType, ValueKind
+from ...codecs.catalogue import Codec, ScaleType
+from ...codecs.derive import EncodeRule
 from ...errors import InvalidInput
 from .. import transform
 from ..batch import PagedLayer
@@ -84,32 +85,34 @@ def _empty(dtype=torch.float32) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def store_desc(codec: Codec) -> Optional[StoreDesc]:
-    """The C store's description of `codec`, or None when only the reference store handles it."""
-    kind_of, bits, scale = codec.values, codec.code_bits, codec.scale_type
-    half_scale = scale in (ScaleType.BF16, ScaleType.FP16)
-    sk = _SCALE_KIND[scale]
-    if kind_of is ValueKind.BF16:
-        return StoreDesc(SK_BF16, bits, 0, sk, 1.0, _empty(), _empty(), _empty(torch.uint8))
-    if scale is ScaleType.TENSOR_FP32:
-        if kind_of is not ValueKind.FP8_E4M3 or bits != 8:
-            return None
-        return StoreDesc(SK_E4M3_TENSOR, bits, 0, sk, 1.0, _empty(), _empty(), _empty(torch.uint8))
-    table = codec.value_table()
-    g = codec.group_size
-    if not g or g % 8 or g > 64:
+    """The C store's description of `codec` (from the row's derived traits), or None when only
+    the reference store handles it (store_kernel.c packs 2/3/4/8-bit codes and 16-bit halves)."""
+    t = codec.traits
+    rule, bits, g, sk = t.encode, t.bits, t.group, _SCALE_KIND[t.scale]
+    none = (_empty(), _empty(), _empty(torch.uint8))
+    if rule is EncodeRule.ROUND_BF16:
+        return StoreDesc(SK_BF16, bits, 0, sk, 1.0, *none)
+    if rule is EncodeRule.E4M3_TENSOR:
+        return StoreDesc(SK_E4M3_TENSOR, bits, 0, sk, 1.0, *none)
+    if g % 8 or g > 64:
         return None
-    if kind_of is ValueKind.FP8_E4M3 and bits == 8 and half_scale:
-        return StoreDesc(SK_E4M3_GROUP, bits, g, sk, float(table.max()), _empty(), _empty(), _empty(torch.uint8))
-    if kind_of is ValueKind.INT and half_scale:
-        if bits == 8:
-            return StoreDesc(SK_INT8, bits, g, sk, float(table.max()), _empty(), _empty(), _empty(torch.uint8))
-        return StoreDesc(SK_INT4, bits, g, sk, float(-table.min()), _empty(), _empty(), _empty(torch.uint8))
-    if scale is ScaleType.FP8_E4M3 and g == TABLE_GROUP and bits in (2, 3, 4) and kind_of in (ValueKind.E2M1, ValueKind.LLOYD_MAX):
+    table = codec.value_table()
+    if rule is EncodeRule.E4M3_GROUP:
+        return StoreDesc(SK_E4M3_GROUP, bits, g, sk, float(table.max()), *none)
+    if rule is EncodeRule.INT_AMAX:  # derive: 8-bit codes only
+        return StoreDesc(SK_INT8, bits, g, sk, float(table.max()), *none)
+    if rule is EncodeRule.INT_SIGNED_MAX:
+        if bits != 4:  # the C int rule packs nibbles
+            return None
+        return StoreDesc(SK_INT4, bits, g, sk, float(-table.min()), *none)
+    if rule is EncodeRule.TABLE_SEARCH:
+        if g != TABLE_GROUP or bits not in (2, 3, 4):
+            return None
         levels, order = table.sort()  # the reference's own call: equal levels (E2M1 +-0) in its order
         mids = (levels[1:] + levels[:-1]) / 2
         return StoreDesc(SK_TABLE, bits, g, sk, float(levels.abs().max()), levels.contiguous(),
                          mids.contiguous(), order.to(torch.uint8).contiguous())
-    return None
+    return None  # a rule the C store does not implement
 
 
 def _can_run(layer: PagedLayer, codec: Codec, pool: torch.Tensor) -> bool:

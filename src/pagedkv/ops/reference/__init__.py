@@ -5,6 +5,7 @@ as the "reference" backend, the fallback for every device.
 """
 
 from ..dispatch import Backend, register_backend
+from ..support import ANY
 from .attention import attend, attention_weights, decode_attention, gather_rows, prefill_attention
 from .sparse import SparseVStats, measure_sparse_v
 from .store import store, store_side
@@ -16,6 +17,7 @@ BACKEND = Backend(
     decode_attention=decode_attention,
     prefill_attention=prefill_attention,
     priority=-1000,
+    codecs=ANY,  # every row codecs.derive describes (generic packing, the value table)
 )
 register_backend(BACKEND)
 

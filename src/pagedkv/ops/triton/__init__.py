@@ -30,12 +30,13 @@ from ..dispatch import Backend, Op, register_backend
 from .decode import decode_attention
 from .fused import store_k_fused
 from .prefill import prefill_attention
-from .spec import supports_head_dim
+from .spec import SUPPORT, supports_head_dim
 from .store import store
 
 
 def supports(op: Op, layer: PagedLayer, params: AttentionParams | None) -> bool:
-    """Every codec pair; head_dim a multiple of 16 up to 256; pools with contiguous rows."""
+    """head_dim a multiple of 16 up to 256; pools with contiguous rows (which codecs: `SUPPORT`,
+    enforced by the dispatcher)."""
     return (supports_head_dim(layer.head_dim) and layer.k_pool.stride(1) == 1
             and layer.v_pool.stride(1) == 1)
 
@@ -72,6 +73,7 @@ def make_backend(precision: str = "fp32", *, name: str = "triton", priority: int
         supports=supports,
         priority=priority,
         store_k_fused=store_k_fused,
+        codecs=SUPPORT,
     )
 
 

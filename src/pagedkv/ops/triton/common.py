@@ -14,11 +14,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .spec import SCALE_BF16, SCALE_E4M3, SCALE_FP16, SCALE_TENSOR, VAL_E4M3, VAL_INT4, VAL_INT8
+from .spec import SCALE_BF16, SCALE_E4M3, SCALE_FP16, SCALE_TENSOR, VAL_E4M3, VAL_INT4, VAL_INT8, VAL_TABLE
 
 _VAL_E4M3 = tl.constexpr(VAL_E4M3)
 _VAL_INT8 = tl.constexpr(VAL_INT8)
 _VAL_INT4 = tl.constexpr(VAL_INT4)
+_VAL_TABLE = tl.constexpr(VAL_TABLE)
 _SCALE_TENSOR = tl.constexpr(SCALE_TENSOR)
 _SCALE_E4M3 = tl.constexpr(SCALE_E4M3)
 _SCALE_BF16 = tl.constexpr(SCALE_BF16)
@@ -70,6 +71,7 @@ def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
             odd = tl.join((b >> 2) & 3, (b >> 6) & 3)
             code = tl.reshape(tl.join(even, odd), (N, BLOCK_D))
         else:  # 3 bits: 8 codes in 3 bytes, w = b0 | b1 << 8 | b2 << 16, code j = (w >> 3j) & 7
+            tl.static_assert(BITS == 3, "load_rows unpacks 2/3/4/8-bit codes and bf16 (spec.SUPPORT)")
             NW: tl.constexpr = BLOCK_D // 8
             w = (_load_bytes(pool_ptr, row_off, row_ok, 0, NW, 3, D // 8)
                  | (_load_bytes(pool_ptr, row_off, row_ok, 1, NW, 3, D // 8) << 8)
@@ -83,9 +85,10 @@ def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
             val = e4m3_value(code)
         elif VALUES == _VAL_INT8:
             val = ((code ^ 0x80) - 0x80).to(tl.float32)
-        elif VALUES == _VAL_INT4:
-            val = (code - 8).to(tl.float32)
+        elif VALUES == _VAL_INT4:  # offset integer: code - 2**(BITS - 1)
+            val = (code - (1 << (BITS - 1))).to(tl.float32)
         else:
+            tl.static_assert(VALUES == _VAL_TABLE, "unknown VALUES constexpr (spec.py derives it)")
             val = tl.load(table_ptr + code)
         if SCALE_KIND == _SCALE_TENSOR:
             val = val * tensor_scale

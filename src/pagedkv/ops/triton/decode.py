@@ -250,7 +250,7 @@ def values_are_keys(layer: PagedLayer) -> bool:
     in a latent (MLA) layer whose one-codec rows `[latent | rope]` serve as keys and values: the
     kernels then reuse the decoded K tile as V (constexpr V_IS_K) instead of reading it again."""
     k, v = layer.k_pool, layer.v_pool
-    return (layer.k_codec.name == layer.v_codec.name and k.data_ptr() == v.data_ptr()
+    return (layer.k_codec == layer.v_codec and k.data_ptr() == v.data_ptr()
             and k.shape == v.shape and k.stride() == v.stride()
             and (layer.k_scale is layer.v_scale or bool(torch.equal(layer.k_scale, layer.v_scale))))
 

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ...codecs.catalogue import Codec, ScaleType, ValueKind
+from ...codecs.catalogue import Codec, ScaleType
+from ...codecs.derive import DecodeKind, EncodeRule
+from ...errors import ConfigError
+from ..support import CodecSupport, pairs
 
 # Scale kinds (constexpr SCALE_KIND): how a code's value is multiplied after the table lookup.
 SCALE_NONE, SCALE_TENSOR, SCALE_E4M3, SCALE_BF16, SCALE_FP16 = 0, 1, 2, 3, 4
@@ -29,16 +32,36 @@ _SCALE_KIND = {
 # Encode rules (constexpr ENCODE) used by the store kernel.
 ENC_BF16, ENC_E4M3, ENC_TABLE, ENC_INT = 0, 1, 2, 3
 _ENCODE = {
-    ValueKind.BF16: ENC_BF16,
-    ValueKind.FP8_E4M3: ENC_E4M3,  # fp8 (tensor scale) and turbo8 (bf16 group scale)
-    ValueKind.E2M1: ENC_TABLE,  # nearest level + E4M3 group-scale search
-    ValueKind.LLOYD_MAX: ENC_TABLE,
-    ValueKind.INT: ENC_INT,  # q8_0 / q4_0 (llama.cpp rules)
+    EncodeRule.ROUND_BF16: ENC_BF16,
+    EncodeRule.E4M3_TENSOR: ENC_E4M3,  # fp8 (SCALE_KIND tells the tensor scale apart)
+    EncodeRule.E4M3_GROUP: ENC_E4M3,  # turbo8 (bf16 group scale)
+    EncodeRule.TABLE_SEARCH: ENC_TABLE,  # nearest level + E4M3 group-scale search
+    EncodeRule.INT_AMAX: ENC_INT,  # q8_0 (BITS == 8)
+    EncodeRule.INT_SIGNED_MAX: ENC_INT,  # q4_0 (BITS < 8)
 }
 
 # How the attention kernels turn a code into its value before the scale (constexpr VALUES):
-# a gather from the value table, or arithmetic for E4M3 / int8 / int4 (no dependent load).
+# a gather from the value table, or arithmetic for E4M3 / int8 / offset ints (no dependent load).
 VAL_TABLE, VAL_E4M3, VAL_INT8, VAL_INT4 = 0, 1, 2, 3
+_VALUES = {
+    DecodeKind.RAW_BF16: VAL_TABLE,  # unused: BITS == 16 decodes the halves
+    DecodeKind.E4M3: VAL_E4M3,
+    DecodeKind.INT8: VAL_INT8,
+    DecodeKind.INT_OFFSET: VAL_INT4,  # code - 2**(BITS - 1)
+    DecodeKind.TABLE: VAL_TABLE,
+}
+
+# What the kernels implement (`common.load_rows` unpacks 2/3/4/8-bit codes and bf16 halves; the
+# store packs any width but is tested at these); the dispatcher refuses every other row.
+_WIDTHS = (2, 3, 4, 8)
+SUPPORT = CodecSupport(
+    decode=(pairs(DecodeKind.RAW_BF16, (16,)) | pairs(DecodeKind.E4M3, (8,)) | pairs(DecodeKind.INT8, (8,))
+            | pairs(DecodeKind.INT_OFFSET, (4,)) | pairs(DecodeKind.TABLE, _WIDTHS)),
+    encode=(pairs(EncodeRule.ROUND_BF16, (16,)) | pairs(EncodeRule.E4M3_TENSOR, (8,))
+            | pairs(EncodeRule.E4M3_GROUP, (8,)) | pairs(EncodeRule.INT_AMAX, (8,))
+            | pairs(EncodeRule.INT_SIGNED_MAX, (4,)) | pairs(EncodeRule.TABLE_SEARCH, (2, 3, 4))),
+    groups=frozenset({0, 16, 32}),
+)
 
 MAX_HEAD_DIM = 256
 
@@ -79,29 +102,28 @@ class CodecSpec:
         }
 
 
-def codec_spec(codec: Codec, block_size: int, num_kv_heads: int, head_dim: int) -> CodecSpec:
-    """The CodecSpec of `codec` for blocks of `block_size` x `num_kv_heads` x `head_dim`."""
+def codec_spec(codec: Codec, block_size: int, num_kv_heads: int, head_dim: int, *,
+               store: bool = False) -> CodecSpec:
+    """The CodecSpec of `codec` for blocks of `block_size` x `num_kv_heads` x `head_dim`;
+    ConfigError for a row the kernels do not read (or, with `store`, write): see `SUPPORT`,
+    which the dispatcher enforces before any launch."""
+    why = SUPPORT.refusal(codec, store=store)
+    if why is not None:
+        raise ConfigError(f"the Triton kernels do not implement codec {codec.name!r}: {why}")
+    t = codec.traits
     return CodecSpec(
-        bits=codec.code_bits,
-        group=codec.group_size,
-        scale_kind=_SCALE_KIND[codec.scale_type],
-        encode=_ENCODE[codec.values],
-        rotated=codec.rotated,
+        bits=t.bits,
+        group=t.group,
+        scale_kind=_SCALE_KIND[t.scale],
+        encode=_ENCODE[t.encode],
+        rotated=t.rotated,
         row_data=codec.row_data_bytes(head_dim),
         row_scale=codec.row_scale_bytes(head_dim),
         data_end=block_size * num_kv_heads * codec.row_data_bytes(head_dim),
         block_bytes=codec.block_bytes(block_size, num_kv_heads, head_dim),
-        levels=0 if codec.code_bits > 8 else 1 << codec.code_bits,
-        values=_values_kind(codec),
+        levels=t.levels,
+        values=_VALUES[t.decode],
     )
-
-
-def _values_kind(codec: Codec) -> int:
-    if codec.values is ValueKind.FP8_E4M3:
-        return VAL_E4M3
-    if codec.values is ValueKind.INT:
-        return VAL_INT8 if codec.code_bits == 8 else VAL_INT4
-    return VAL_TABLE  # Lloyd-Max levels, E2M1 (and unused for bf16)
 
 
 def supports_head_dim(head_dim: int) -> bool:

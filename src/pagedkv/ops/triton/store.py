@@ -130,17 +130,19 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
             q = round_half_even(tl.math.div_rn(xg, safe[:, :, None] + tl.zeros_like(xg)))
             q = tl.minimum(tl.maximum(q, -127.0), 127.0)
             code = tl.reshape(q.to(tl.int32) & 255, (BLOCK_T, BLOCK_D))
-        else:
+        else:  # q4_0's rule at BITS bits: d = m / -2**(BITS-1), u = floor(x / d + 2**(BITS-1) + 0.5)
+            HALFQ: tl.constexpr = 1 << (BITS - 1)
             gi = tl.arange(0, GROUP)[None, None, :]
             first = tl.min(tl.where(ax == amax[:, :, None], gi, GROUP), axis=2)
             m = tl.sum(tl.where(gi == first[:, :, None], xg, 0.0), axis=2)
-            dq = tl.math.div_rn(m, -8.0 + tl.zeros_like(m)).to(tl.float16).to(tl.float32)
+            dq = tl.math.div_rn(m, -1.0 * HALFQ + tl.zeros_like(m)).to(tl.float16).to(tl.float32)
             safe = tl.where(dq != 0, dq, 1.0)
-            u = tl.floor(tl.math.div_rn(xg, safe[:, :, None] + tl.zeros_like(xg)) + 8.5)
-            u = tl.minimum(tl.maximum(u, 0.0), 15.0)
+            u = tl.floor(tl.math.div_rn(xg, safe[:, :, None] + tl.zeros_like(xg)) + (HALFQ + 0.5))
+            u = tl.minimum(tl.maximum(u, 0.0), 2.0 * HALFQ - 1.0)
             code = tl.reshape(u.to(tl.int32), (BLOCK_T, BLOCK_D))
         sbits = fp16_bits(dq)
-    else:  # _ENC_TABLE: nearest level with the E4M3 group-scale search (nvfp4, turbo2/3/4)
+    else:  # nearest level with the E4M3 group-scale search (nvfp4, turbo2/3/4)
+        tl.static_assert(ENCODE == _ENC_TABLE, "unknown ENCODE constexpr (spec.py derives it)")
         xg = tl.reshape(x, (BLOCK_T, NG, GROUP))
         amax = tl.max(tl.abs(xg), axis=2)
         base_code = e4m3_bits(tl.math.div_rn(amax, MAX_LEVEL + tl.zeros_like(amax)))
@@ -209,7 +211,7 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
     from ...codecs.reference import SCALE_SEARCH
 
     assert (SCALE_SEARCH.start, len(SCALE_SEARCH)) == (SEARCH_LO, SEARCH_N), SCALE_SEARCH
-    spec = codec_spec(codec, layer.block_size, h, d)
+    spec = codec_spec(codec, layer.block_size, h, d, store=True)
     tabs = codec_tables(codec, x.device)
     slot_mapping = slot_mapping.contiguous()
     if x.stride(-1) != 1:
