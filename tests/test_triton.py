@@ -379,3 +379,38 @@ def test_pools_with_padded_rows():
     reference.store(lay, k, k, torch.arange(4, device=DEVICE))
     tr.store(view, k, k, torch.arange(4, device=DEVICE))
     assert bool((view.v_pool == lay.v_pool).all())  # q4_0: deterministic bytes on every device
+
+
+def test_kernels_stay_inside_their_buffers_without_checks():
+    """checks=False on CUDA skips the host-side index checks; the kernels mask and clamp instead
+    (issue 12 item 6): a slot past the pool writes nothing (guard bytes just past the pool stay),
+    a block id past the pool reads a block inside it (clamped: the output equals the one with the
+    last block), q8_0 / q4_0 scales saturate as the reference's do."""
+    from pagedkv.ops import PagedLayer
+
+    codec = CODECS["q8_0"]
+    base = make_layer(codec, CODECS["q4_0"], 4, 16, 1, 64, device=DEVICE)
+    kbuf, vbuf = base.k_pool.fill_(0x5A), base.v_pool.fill_(0x5A)
+    layer = PagedLayer(kbuf[:2], vbuf[:2], codec, CODECS["q4_0"], 16, 1, 64, base.k_scale, base.v_scale)
+    x = torch.randn(3, 1, 64, device=DEVICE)
+    x[0, 0, 3] = 3e7  # past 127 * 65504 (q8_0) and 8 * 65504 (q4_0)
+    tr.store(layer, x, x, torch.tensor([0, 32, 40], device=DEVICE))  # 32, 40: past 2 x 16 slots
+    assert bool((kbuf[2:] == 0x5A).all()) and bool((vbuf[2:] == 0x5A).all())
+    ref = make_layer(codec, CODECS["q4_0"], 2, 16, 1, 64, device=DEVICE)
+    ref.k_pool.fill_(0x5A), ref.v_pool.fill_(0x5A)
+    api.store(ref, x[:1], x[:1], torch.tensor([0], device=DEVICE), backend="reference")
+    assert torch.equal(kbuf[:2].cpu(), ref.k_pool.cpu()) and torch.equal(vbuf[:2].cpu(), ref.v_pool.cpu())
+    tr.store(layer, torch.randn(32, 1, 64, device=DEVICE), torch.randn(32, 1, 64, device=DEVICE),
+             torch.arange(32, device=DEVICE))
+    q = torch.randn(1, 2, 64, device=DEVICE)
+    lens = torch.tensor([30], dtype=torch.int32, device=DEVICE)
+    params = AttentionParams(scale=0.125)
+    wild = tr.decode_attention(q, layer, torch.tensor([[0, 3]], dtype=torch.int32, device=DEVICE), lens, params)
+    tame = tr.decode_attention(q, layer, torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE), lens, params)
+    torch.testing.assert_close(wild, tame, atol=0, rtol=0)
+    qp = torch.randn(4, 2, 64, device=DEVICE)
+    qsl = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    long_lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)  # past the 2-block table
+    out = tr.prefill_attention(qp, layer, torch.tensor([[0, 3]], dtype=torch.int32, device=DEVICE),
+                               long_lens, qsl, params)
+    assert bool(torch.isfinite(out).all())

@@ -8,7 +8,8 @@ Scale rules (chosen to minimise squared error):
 - turbo8: bf16 scale amax / 448 per 16, values E4M3 of x / scale.
 - q8_0: fp16 d = amax / 127, q = round(x / d) (llama.cpp). q4_0: d = m / -8 with m the element of
   largest magnitude, u = min(15, floor(x / d + 8.5)), value (u - 8) d (llama.cpp); the nibbles
-  use our generic 4-bit order (element 2i low), not ggml's in-block order.
+  use our generic 4-bit order (element 2i low), not ggml's in-block order. d saturates at the
+  largest finite fp16 (65504), so huge finite inputs clip rather than decode to NaN.
 - fp8: E4M3 of x / tensor_scale, saturating at +-448.
 - bf16: round to nearest even.
 Rotated codecs encode rotate(x). NaN or Inf in x raises InvalidInput. Which rule a row uses is
@@ -77,6 +78,14 @@ def nearest_level(y: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
     return idx.long()
 
 
+def _half_scale(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A group scale rounded to its half-precision storage, saturating at the type's largest
+    finite value (fp16: 65504): |x| past 127 * 65504 (q8_0) or 8 * 65504 (q4_0) then clips
+    instead of storing an infinite scale that decodes to NaN (0 * inf)."""
+    top = torch.finfo(dtype).max
+    return d.clamp(-top, top).to(dtype).float()
+
+
 def _check_input(codec: Codec, x: torch.Tensor) -> None:
     if not torch.is_floating_point(x):
         raise InvalidInput(f"{codec.name} encode needs a floating-point tensor, got {x.dtype}")
@@ -118,7 +127,7 @@ def encode(codec: Codec, x: torch.Tensor, tensor_scale: float | None = None):
         scale_bytes = to_half_bytes(scale[:, None], half)
     elif rule is EncodeRule.INT_AMAX:  # q8_0: d = amax / 127, q = round(x / d)
         top = float((1 << (t.bits - 1)) - 1)
-        dq = (amax / top).to(_HALF[t.scale]).float()
+        dq = _half_scale(amax / top, _HALF[t.scale])
         safe = torch.where(dq > 0, dq, torch.ones_like(dq))
         q = torch.round(groups / safe[:, None]).clamp(-top, top)
         codes = q.to(torch.int8).view(torch.uint8)
@@ -127,7 +136,7 @@ def encode(codec: Codec, x: torch.Tensor, tensor_scale: float | None = None):
         half = float(1 << (t.bits - 1))
         pos = groups.abs().argmax(-1, keepdim=True)
         m = groups.gather(1, pos).squeeze(1)
-        dq = (m / -half).to(_HALF[t.scale]).float()
+        dq = _half_scale(m / -half, _HALF[t.scale])
         safe = torch.where(dq != 0, dq, torch.ones_like(dq))
         u = torch.floor(groups / safe[:, None] + (half + 0.5)).clamp(0, 2 * half - 1)
         codes = u.to(torch.uint8)

@@ -1,8 +1,16 @@
 """Input checks of the public ops: every bad tensor raises InvalidInput naming the argument.
 
-Metadata checks (type, dtype, shape, device) always run and cost nothing. Value checks
-(NaN/Inf in k/v/q, slot and block-id ranges, lengths) read tensor values, which on a GPU is a
-host sync; the public ops run them unless called with `checks=False`.
+Metadata checks (type, dtype, shape, device) always run and cost nothing. Index checks (slot,
+block-id, length and query-offset ranges: one min / max per index tensor) keep the kernels
+inside their buffers; value checks (NaN/Inf in k/v/q and the transform, duplicate slots) scan
+data. Both read tensor values, which on a GPU is a host sync, so `checks=False` skips them
+there and the Triton kernels mask and clamp every index instead (memory-safe, garbage in,
+garbage out); on other devices the index checks cost no sync and always run, since the C
+kernels trust them (`checks=False` never turns a bad index into a wild read or write).
+
+What the ops cannot know: which slots a sequence owns. A slot inside the pool but in another
+sequence's block (or below a block's committed fill, or stale after free and reuse) is written
+as asked; the block manager (`alloc/`, the cache) hands out slots and owns that invariant.
 """
 
 from __future__ import annotations
@@ -78,6 +86,11 @@ def check_layer(layer, values: bool = False) -> None:
             raise InvalidInput(why)
 
 
+def index_checks(values: bool, device: torch.device) -> bool:
+    """Whether the index checks run: always, except on CUDA with checks off (kernels clamp)."""
+    return values or device.type != "cuda"
+
+
 def check_store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 slot_mapping: torch.Tensor, values: bool) -> None:
     check_layer(layer, values)
@@ -91,18 +104,19 @@ def check_store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.
         check_tensor(name, x, dtypes=FLOAT_DTYPES, dim=3, device=dev)
         if tuple(x.shape) != shape:
             raise InvalidInput(f"{name} must have shape [T, num_kv_heads, head_dim] = {list(shape)}, got {list(x.shape)}")
+    if t and index_checks(values, dev):
+        hi = _min_max(slot_mapping)[1]
+        capacity = layer.num_blocks * layer.block_size
+        if hi >= capacity:
+            raise InvalidInput(
+                f"slot_mapping holds slot {hi} but the pools have {capacity} slots "
+                f"({layer.num_blocks} blocks x {layer.block_size}); negative slots mean skip"
+            )
     if values:
         for name, x in (("k", k), ("v", v)):
             if x is not None:
                 check_finite(name, x)
         if t:
-            hi = int(slot_mapping.max())
-            capacity = layer.num_blocks * layer.block_size
-            if hi >= capacity:
-                raise InvalidInput(
-                    f"slot_mapping holds slot {hi} but the pools have {capacity} slots "
-                    f"({layer.num_blocks} blocks x {layer.block_size}); negative slots mean skip"
-                )
             used = slot_mapping[slot_mapping >= 0]
             if used.unique().numel() != used.numel():
                 raise InvalidInput("slot_mapping writes the same slot twice; each new token needs its own slot")
@@ -148,21 +162,35 @@ def _check_tables(layer: PagedLayer, block_tables, seq_lens, batch: int, values:
             f"block_tables {list(block_tables.shape)} and seq_lens {list(seq_lens.shape)} must both "
             f"have {batch} rows (one per sequence)"
         )
-    if values and batch:
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    if batch and index_checks(values, dev):
+        lo, hi = _min_max(seq_lens)
         cap = block_tables.shape[1] * layer.block_size
         if lo < 0 or hi > cap:
             raise InvalidInput(
                 f"seq_lens must be in [0, {cap}] (block_tables width {block_tables.shape[1]} x "
                 f"block_size {layer.block_size}), got values in [{lo}, {hi}]"
             )
-        used = torch.arange(block_tables.shape[1], device=dev)[None, :] * layer.block_size < seq_lens[:, None]
-        ids = block_tables[used]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layer.num_blocks):
-            raise InvalidInput(
-                f"block_tables hold block ids in [{int(ids.min())}, {int(ids.max())}] for the used "
-                f"blocks; the pools have {layer.num_blocks} blocks"
-            )
+        if block_tables.numel() == 0:
+            return
+        lo, hi = _min_max(block_tables)  # usually enough: every entry, used or not, is in range
+        if lo < 0 or hi >= layer.num_blocks:  # then look at the used entries only
+            used = torch.arange(block_tables.shape[1], device=dev)[None, :] * layer.block_size < seq_lens[:, None]
+            ids = block_tables[used]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layer.num_blocks):
+                raise InvalidInput(
+                    f"block_tables hold block ids in [{int(ids.min())}, {int(ids.max())}] for the used "
+                    f"blocks; the pools have {layer.num_blocks} blocks"
+                )
+
+
+def _min_max(x: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor: through numpy on the CPU (a few microseconds,
+    which keeps the always-on index checks cheap per layer call), else one aminmax."""
+    if x.device.type == "cpu":
+        a = x.numpy()
+        return int(a.min()), int(a.max())
+    lo, hi = torch.aminmax(x)
+    return int(lo), int(hi)
 
 
 def check_decode(q, layer, block_tables, seq_lens, params, values: bool) -> None:
@@ -189,6 +217,7 @@ def check_prefill(q, layer, block_tables, seq_lens, query_start_loc, params, val
     check_params(params, q.shape[1], layer.device)
     if values:
         check_finite("q", q)
+    if index_checks(values, layer.device):
         starts = query_start_loc.long()
         q_lens = starts[1:] - starts[:-1]
         if int(starts[0]) != 0 or int(starts[-1]) != q.shape[0] or bool((q_lens < 0).any()):

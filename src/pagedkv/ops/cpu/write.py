@@ -15,7 +15,8 @@ E4M3 with a tensor scale, E4M3 / int8 / int4 with a half group scale, or a table
 group scale), code bits, group, scale kind, and for table codecs the ascending levels, their
 midpoints and the code of each level (torch's own `sort` of the value table, as the reference).
 A case the C store does not cover (a pool without contiguous rows, a table codec whose group is
-not 16, a future value kind) runs the reference store for that side.
+not 16, a future value kind, q8_0 / q4_0 rows large enough to saturate the fp16 scale) runs the
+reference store for that side.
 """
 
 from __future__ import annotations
@@ -120,10 +121,24 @@ def _can_run(layer: PagedLayer, codec: Codec, pool: torch.Tensor) -> bool:
             and layer.head_dim <= MAX_HEAD_DIM)
 
 
+def _scale_would_saturate(codec: Codec, x: torch.Tensor, centre: Optional[torch.Tensor]) -> bool:
+    """True when an integer codec's fp16 group scale could pass 65504 for these rows: the
+    reference encoder saturates it (store_kernel.c does not), so such a call runs the reference
+    store. One min/max pass over x; conservative (|x| + |centre|), identical bytes either way."""
+    t = codec.traits
+    if t.encode not in (EncodeRule.INT_AMAX, EncodeRule.INT_SIGNED_MAX) or x.numel() == 0:
+        return False
+    limit = torch.finfo(torch.float16 if t.scale is ScaleType.FP16 else torch.bfloat16).max
+    limit *= (1 << (t.bits - 1)) - 1 if t.encode is EncodeRule.INT_AMAX else (1 << (t.bits - 1))
+    lo, hi = torch.aminmax(x.detach())
+    big = max(-float(lo), float(hi)) + (float(centre.abs().max()) if centre is not None else 0.0)
+    return not big < limit  # NaN/Inf too: the reference raises the clear error
+
+
 def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torch.Tensor,
                x: torch.Tensor, centre: Optional[torch.Tensor], slot_mapping: torch.Tensor) -> None:
     """Encode x float [T, H, D] (minus `centre` [H, D] if given) into `pool` at `slot_mapping`."""
-    runs = _can_run(layer, codec, pool)
+    runs = _can_run(layer, codec, pool) and not _scale_would_saturate(codec, x, centre)
     if not runs or codec.rotated:  # centred in torch, exactly as the reference store does
         xf = x.float()
         if centre is not None:

@@ -63,7 +63,7 @@ def _pv(p, v, DOT: tl.constexpr):
 @triton.jit
 def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_ptr,
                    bt_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gz_ptr,
-                   bt_stride, scale, soft_cap, window, threshold,
+                   bt_stride, bt_width, num_blocks, scale, soft_cap, window, threshold,
                    NUM_SPLITS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr,
                    K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr, K_VALUES: tl.constexpr,
@@ -107,8 +107,9 @@ def _decode_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_p
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     for t in range(start, end, BLOCK_N):
         pos = t + offs_n
-        p_ok = pos < end
+        p_ok = (pos < end) & (pos // BS < bt_width)  # never past the table row
         page = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + pos // BS, mask=p_ok, other=0).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)  # never past the pool (checks=False)
         srow = (pos % BS) * H + kvh
         k = load_rows(k_pool, k_tab, k_ts, page * K_BLOCK_BYTES + srow * K_ROW_DATA,
                       page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE, p_ok,
@@ -313,7 +314,7 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     common["num_warps"] = 8 if fma and block_g * block_n * block_d >= 8192 else 4  # no spills at sm_90
     args = (qk, qc if qc is not None else gm, layer.k_pool, layer.v_pool, k_tab, v_tab,
             layer.k_scale, layer.v_scale, block_tables, seq_lens, m, l, acc, gm, gz,
-            block_tables.stride(0), float(params.scale), float(params.soft_cap or 1.0),
+            block_tables.stride(0), block_tables.shape[1], layer.num_blocks, float(params.scale), float(params.soft_cap or 1.0),
             int(params.sliding_window or 0), float(params.sparse_v_threshold))
     want_w = layer.v_centre is not None
     wsum = torch.zeros(bsz, hq, dtype=torch.float32, device=dev) if want_w else gm

@@ -26,7 +26,7 @@ from .decode import check_precision, prepare_query, side_args, values_are_keys
 
 
 @triton.jit
-def _scores(q, qc, k_pool, k_tab, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, d_ok,
+def _scores(q, qc, k_pool, k_tab, k_ts, bt_row_ptr, bt_width, num_blocks, kpos, qpos, row_ok, offs_d, d_ok,
             scale, soft_cap, window, H: tl.constexpr, BS: tl.constexpr, kvh, D: tl.constexpr,
             BLOCK_D: tl.constexpr,
             K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr, K_VALUES: tl.constexpr,
@@ -36,8 +36,9 @@ def _scores(q, qc, k_pool, k_tab, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, 
     """Masked logits [BLOCK_M, BLOCK_N] of the tile's queries against keys at `kpos`, and the
     keys' page ids / slot rows (for the V read), the decoded keys [BLOCK_N, BLOCK_D] and the
     keys' mask."""
-    k_ok = kpos <= tl.max(tl.where(row_ok, qpos, -1), axis=0)
+    k_ok = (kpos <= tl.max(tl.where(row_ok, qpos, -1), axis=0)) & (kpos // BS < bt_width) & (kpos >= 0)
     page = tl.load(bt_row_ptr + kpos // BS, mask=k_ok, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)  # never past the pool (checks=False)
     srow = (kpos % BS) * H + kvh
     k = load_rows(k_pool, k_tab, k_ts, page * K_BLOCK_BYTES + srow * K_ROW_DATA,
                   page * K_BLOCK_BYTES + K_DATA_END + srow * K_ROW_SCALE, k_ok,
@@ -58,7 +59,7 @@ def _scores(q, qc, k_pool, k_tab, k_ts, bt_row_ptr, kpos, qpos, row_ok, offs_d, 
 @triton.jit
 def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_ptr,
                     bt_ptr, lens_ptr, qsl_ptr, tiles_ptr, sinks_ptr, out_ptr, w_ptr,
-                    bt_stride, scale, soft_cap, window, threshold, B,
+                    bt_stride, bt_width, num_blocks, TQ, scale, soft_cap, window, threshold, B,
                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                     BS: tl.constexpr,
                     K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SCALE_KIND: tl.constexpr, K_VALUES: tl.constexpr,
@@ -96,7 +97,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_
     d_ok = offs_d < D
     qi = local * BLOCK_Q + offs_m // GP
     g = offs_m % GP
-    row_ok = (qi < q_len) & (g < G)
+    row_ok = (qi < q_len) & (g < G) & (q0 + qi < TQ) & (q0 + qi >= 0)  # inside q / out (checks=False)
     qpos = n - q_len + qi
     qrow = (q0 + qi).to(tl.int64) * HQ + kvh * G + g  # index into [Tq, Hq]
     q = tl.load(q_ptr + qrow[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -122,7 +123,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for t in range(k_start, k_end, BLOCK_N):
         kpos = t + offs_n
-        s, page, srow, k, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, kpos, qpos, row_ok,
+        s, page, srow, k, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, bt_width, num_blocks, kpos, qpos, row_ok,
                                          offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
                                          K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
                                          K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
@@ -145,7 +146,7 @@ def _prefill_kernel(q_ptr, qc_ptr, k_pool, v_pool, k_tab, v_tab, k_ts_ptr, v_ts_
         z = tl.where(l_i > 0, l_i, 1.0)
         for t in range(k_start, k_end, BLOCK_N):
             kpos = t + offs_n
-            s, page, srow, k, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, kpos, qpos, row_ok,
+            s, page, srow, k, k_ok = _scores(q, qc, k_pool, k_tab, k_ts, bt_row, bt_width, num_blocks, kpos, qpos, row_ok,
                                              offs_d, d_ok, scale, soft_cap, window, H, BS, kvh, D, BLOCK_D,
                                              K_BITS, K_GROUP, K_SCALE_KIND, K_VALUES, K_ROW_DATA, K_ROW_SCALE,
                                              K_DATA_END, K_BLOCK_BYTES, HAS_QC, SOFT_CAP, WINDOW, DOT)
@@ -220,7 +221,7 @@ def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Te
     _prefill_kernel[grid](
         qk, qc if qc is not None else out, layer.k_pool, layer.v_pool, k_tab, v_tab,
         layer.k_scale, layer.v_scale, block_tables, seq_lens, query_start_loc, tiles, sinks, out, wsum,
-        block_tables.stride(0), float(params.scale), float(params.soft_cap or 1.0),
+        block_tables.stride(0), block_tables.shape[1], layer.num_blocks, tq, float(params.scale), float(params.soft_cap or 1.0),
         int(params.sliding_window or 0), float(params.sparse_v_threshold), bsz,
         H=h, G=g, GP=gp, D=d, BS=layer.block_size, HAS_QC=qc is not None,
         SOFT_CAP=params.soft_cap is not None, WINDOW=params.sliding_window is not None,

@@ -46,7 +46,7 @@ _SCALE_TENSOR = tl.constexpr(SCALE_TENSOR)
 
 @triton.jit
 def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mids_ptr, order_ptr,
-                  tscale_ptr, T, stride_t, stride_h,
+                  tscale_ptr, T, num_slots, stride_t, stride_h,
                   H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr,
                   ROW_DATA: tl.constexpr, ROW_SCALE: tl.constexpr, DATA_END: tl.constexpr,
@@ -62,7 +62,7 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1)
-    keep = slot >= 0
+    keep = (slot >= 0) & (slot < num_slots)  # a slot past the pool writes nothing (checks=False on CUDA)
     mask = keep[:, None] & d_ok[None, :]
     x_row = x_ptr + rows[:, None].to(tl.int64) * stride_t + h * stride_h
     if NORM or ROPE:  # fused K path: per-head RMSNorm then RoPE, fp32, written out as stored
@@ -125,7 +125,8 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
         ax = tl.abs(xg)
         amax = tl.max(ax, axis=2)
         if BITS == 8:
-            dq = tl.math.div_rn(amax, 127.0 + tl.zeros_like(amax)).to(tl.float16).to(tl.float32)
+            dq = tl.minimum(tl.math.div_rn(amax, 127.0 + tl.zeros_like(amax)), 65504.0)  # saturate
+            dq = dq.to(tl.float16).to(tl.float32)
             safe = tl.where(dq > 0, dq, 1.0)
             q = round_half_even(tl.math.div_rn(xg, safe[:, :, None] + tl.zeros_like(xg)))
             q = tl.minimum(tl.maximum(q, -127.0), 127.0)
@@ -135,7 +136,8 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
             gi = tl.arange(0, GROUP)[None, None, :]
             first = tl.min(tl.where(ax == amax[:, :, None], gi, GROUP), axis=2)
             m = tl.sum(tl.where(gi == first[:, :, None], xg, 0.0), axis=2)
-            dq = tl.math.div_rn(m, -1.0 * HALFQ + tl.zeros_like(m)).to(tl.float16).to(tl.float32)
+            dq = tl.math.div_rn(m, -1.0 * HALFQ + tl.zeros_like(m))
+            dq = tl.minimum(tl.maximum(dq, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
             safe = tl.where(dq != 0, dq, 1.0)
             u = tl.floor(tl.math.div_rn(xg, safe[:, :, None] + tl.zeros_like(xg)) + (HALFQ + 0.5))
             u = tl.minimum(tl.maximum(u, 0.0), 2.0 * HALFQ - 1.0)
@@ -227,7 +229,7 @@ def store_side(layer: PagedLayer, codec, pool: torch.Tensor, tensor_scale: torch
     _store_kernel[grid](
         x, slot_mapping, pool, centre if centre is not None else tabs.values, rot,
         tabs.levels, tabs.mids, tabs.order, tensor_scale,
-        t, x.stride(0), x.stride(1),
+        t, pool.shape[0] * layer.block_size, x.stride(0), x.stride(1),
         H=h, D=d, BS=layer.block_size, BITS=spec.bits, GROUP=max(spec.group, 1),
         SCALE_KIND=spec.scale_kind, ROW_DATA=spec.row_data, ROW_SCALE=spec.row_scale,
         DATA_END=spec.data_end, BLOCK_BYTES=pool.stride(0), ENCODE=spec.encode,
