@@ -109,7 +109,7 @@ def test_the_cpu_kernel_refuses_a_5_bit_row_by_name():
     tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
     with pytest.raises(InvalidInput, match="backend 'cpu' does not implement decode_attention for k codec 'q5_test'"):
         api.decode_attention(q, layer, tables, lens, PARAMS, backend="cpu")
-    with pytest.raises(InvalidInput, match="cannot read codec 'q5_test'"):
+    with pytest.raises(InvalidInput, match="CPU attention kernel does not implement codec 'q5_test'"):
         side_desc(Q5)
     assert store_desc(Q5) is None  # the C store hands this side to the reference store
     assert side_desc(CODECS["q4_0"]).bits == 4

@@ -92,7 +92,7 @@ def side_desc(codec: Codec) -> SideDesc:
     InvalidInput for a row the kernel does not read (the dispatcher declines those first)."""
     why = ATTENTION_SUPPORT.refusal(codec, store=False)
     if why is not None:
-        raise InvalidInput(f"the CPU attention kernel cannot read codec {codec.name!r}: {why}")
+        raise InvalidInput(f"the CPU attention kernel does not implement codec {codec.name!r}: {why}")
     t = codec.traits
     table = torch.zeros(256, dtype=torch.float32)
     vt = codec.value_table()
