@@ -13,19 +13,14 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
-from pagedkv.eval.model import embedded_model_source, load_model  # noqa: E402
+from helpers.embedded import embedded_lm  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def lm():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        source = embedded_model_source()
-    except Exception as exc:  # pragma: no cover - depends on the install
-        pytest.skip(f"embedded model not installed: {exc}")
-    return load_model(source, attn_implementation="sdpa")
+    return embedded_lm()
 
 
 def test_greedy_generation_bf16_cache_equals_dynamic_cache(lm):

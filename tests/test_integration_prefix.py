@@ -1,22 +1,31 @@
-"""Prefix caching across `generate` calls in the transformers drop-in, on the embedded SmolLM2.
+"""Prefix caching and the offload tiers across `generate` calls in the transformers drop-in, on
+the embedded SmolLM2.
 
 Two chat prompts share SmolLM2's system prompt. After the first `generate`, `cache.begin(ids2)`
 finds the shared whole blocks; the second `generate` then runs the model on the other tokens only
 (counted by a forward hook) and produces the same tokens as without the hits: exactly the bf16
 DynamicCache tokens for bf16 K/V, and for turbo3 the same tokens as the same cache (same
 first-chunk statistics) computing the whole prompt (`begin(..., reuse=False)`).
+
+Tiers (turbo3):
+- Resident cap: `PagedKVCache(model, "turbo3", offload=OffloadConfig(resident_blocks_per_seq=2))`
+  generates the same tokens as the uncapped cache while the row never holds more than the cap
+  (+ the block being written) in the pool: the older blocks are swapped to disk and read back,
+  byte for byte, for attention.
+- Prefix store on disk: a cache that published a chat prompt's blocks lets a fresh cache (its own
+  pools, nothing shared but the directory) load the shared system prompt instead of computing it,
+  adopting the stored transform, with the same tokens as the publisher computing the same prompt.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
-from pagedkv.eval.model import embedded_model_source, load_model  # noqa: E402
+from helpers.embedded import embedded_lm  # noqa: E402
+from pagedkv.offload import OffloadConfig  # noqa: E402
 
 pytestmark = pytest.mark.model
 KW = dict(max_new_tokens=12, do_sample=False)
@@ -24,12 +33,7 @@ KW = dict(max_new_tokens=12, do_sample=False)
 
 @pytest.fixture(scope="module")
 def lm():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        source = embedded_model_source()
-    except Exception as exc:  # pragma: no cover - depends on the install
-        pytest.skip(f"embedded model not installed: {exc}")
-    out = load_model(source, attn_implementation="sdpa")
+    out = embedded_lm()
     from pagedkv.integrations.transformers import enable
 
     enable(out.model)
@@ -94,4 +98,58 @@ def test_second_generate_reuses_the_shared_system_prompt(lm, fmt):
             assert model.generate(ids1, cache=again, **kw).tolist() == first.tolist()
             assert again.begin(ids2, reuse=False) == 0
             ref = model.generate(ids2, cache=again, **kw)
+    assert out.tolist() == ref.tolist()
+
+
+def test_resident_cap_generates_the_same_tokens_holding_at_most_the_cap(lm, tmp_path):
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    tok, model = lm.tokenizer, lm.model
+    ids = _chat(tok, "What is a Python decorator?")
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=tok.eos_token_id)
+    cap = 2
+    capped = PagedKVCache(model, "turbo3", offload=OffloadConfig(
+        resident_blocks_per_seq=cap, swap_dir=str(tmp_path / "swap")))
+    held = []
+    hook = model.register_forward_hook(lambda *a: held.append(capped.blocks.used))
+    try:
+        with torch.inference_mode():
+            ref = model.generate(ids, cache=PagedKVCache(model, "turbo3"), **kw)
+            out = model.generate(ids, cache=capped, **kw)
+    finally:
+        hook.remove()
+    assert out.tolist() == ref.tolist()
+    total = -(-(out.shape[1] - 1) // 16)
+    assert total >= cap + 3
+    # after each step's commit the row is swapped down to the cap; a step adds at most the
+    # prompt's blocks (first forward) or one block
+    assert max(held[1:]) <= cap + 1, held
+    stats = capped.offload_stats()
+    assert stats["swapped_blocks"] >= total - cap - 1 and stats["swap"]["swap_outs"] > 0
+    capped.core.check_invariants()
+    capped.crop(-20)  # back into the swapped region: the last block is read back
+    capped.core.check_invariants()
+    capped.close()
+
+
+def test_prefix_store_on_disk_lets_a_fresh_cache_load_the_shared_prompt(lm, tmp_path):
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    tok, model = lm.tokenizer, lm.model
+    ids1, ids2 = _chat(tok, "What is a Python decorator?"), _chat(tok, "Why is the sky blue?")
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
+    cfg = OffloadConfig(prefix_store="disk", prefix_dir=str(tmp_path / "prefix"))
+    with torch.inference_mode():
+        first = PagedKVCache(model, "turbo3", offload=cfg)
+        model.generate(ids1, cache=first, **kw)
+        assert first.begin(ids2, reuse=False) == 0  # same transform, whole prompt computed
+        ref = model.generate(ids2, cache=first, **kw)
+        first.begin(ids2[:, :1], reuse=False)  # commits: ids2's blocks are published too
+        first.close()
+        fresh = PagedKVCache(model, "turbo3", offload=cfg)
+        hits = fresh.begin(ids2)
+        assert hits == (ids2.shape[1] - 1) // 16 * 16 and fresh.layers[0].is_initialized
+        assert fresh.offload_stats()["prefix"]["blocks_loaded"] == hits // 16
+        out = model.generate(ids2, cache=fresh, **kw)
+        fresh.close()
     assert out.tolist() == ref.tolist()

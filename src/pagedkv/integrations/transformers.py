@@ -62,6 +62,7 @@ custom mask functions (bidirectional image-token masks, packed sequences) are no
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import replace
 from typing import Optional, Sequence, Union
@@ -73,7 +74,7 @@ from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..heap import release_free_heap
 from ..ops import AttentionParams, PagedLayer, decode_attention, prefill_attention, store
-from ..alloc.manager import BlockManager, GroupSpec
+from ..alloc.manager import BlockManager, GroupSpec, GroupStep
 from ..cache.tables import block_table_tensor, int_tensor
 from .calibration import CalibrationOptions, calibrate
 from .padding import PaddingMask, chunk_validity as _chunk_validity, valid_tokens as _valid_tokens
@@ -171,7 +172,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                  block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
                  checks: bool = True, check_attn_implementation: bool = True,
-                 reclaim_sliding: bool = True):
+                 reclaim_sliding: bool = True, offload=None, swap_tier=None, prefix_tier=None):
         config = getattr(model_or_config, "config", model_or_config)
         if check_attn_implementation and hasattr(model_or_config, "config"):
             impl = getattr(config, "_attn_implementation", None)
@@ -193,6 +194,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             high_precision_layers=high_precision_layers, hp_format=hp_format,
             block_size=block_size, num_blocks=initial_blocks, sliding_window=windows,
             device=device or _model_device(model_or_config),
+            model_id=_model_identity(model_or_config) if offload is not None else "",
         )
         if key_centring is None:
             key_centring = any(s.format.k.name != "bf16" for s in self.config.layers)
@@ -203,6 +205,11 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self.backend = backend
         self.checks = bool(checks)
         self._make_groups(block_size, max_tokens, reclaim_sliding)
+        self.tiers = None
+        if offload is not None:
+            from .hf_tiers import DropInTiers
+
+            self.tiers = DropInTiers(self, offload, swap_tier, prefix_tier)
         layers = [PagedCacheLayer(self, spec) for spec in self.config.layers]
         _, cache_utils = _transformers()
         cache_utils.Cache.__init__(self, layers=layers)
@@ -273,6 +280,42 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         if self._uncommitted:
             self.core.commit(self._rows)
             self._uncommitted = False
+            if self.tiers is not None:
+                self.tiers.after_commit()
+
+    def _rows_changed(self) -> None:
+        self._changed()
+        if self.tiers is not None:
+            self.tiers.drop_dead()
+
+    def _apply_sizes(self) -> None:
+        """Resize pools to their groups' block counts (after growth outside a step)."""
+        for view in self.groups:
+            step = GroupStep((), view.num_blocks, (), ())
+            for i in view.layers:
+                self.layers[i]._apply(step)
+
+    def attention_inputs(self, layer, device):
+        """(PagedLayer, int32 block tables [rows, width]) the layer attends through (swapped
+        blocks read back when the tiers swapped some)."""
+        if self.tiers is not None:
+            return self.tiers.attention(layer, device)
+        return layer.paged, self.block_table_tensor(device, layer.group)
+
+    def offload_stats(self) -> dict:
+        """Swapped blocks now, and the swap and prefix tiers' counters."""
+        out = {"swapped_blocks": sum(len(self.core.main.swapped(s)) for s in self._rows)}
+        t = self.tiers
+        if t is not None and t.swap is not None:
+            out["swap"] = dataclasses.asdict(t.swap.swap.stats)
+        if t is not None and t.prefix is not None:
+            out["prefix"] = dataclasses.asdict(t.prefix.store.stats)
+        return out
+
+    def close(self) -> None:
+        """Delete this cache's swap records and close its tiers."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _slots(self, start: int, count: int, device) -> torch.Tensor:
         """Slots for positions start..start+count of every row (row-major) in the global group.
@@ -334,11 +377,14 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self._commit()
         rows = input_ids.detach().cpu().tolist()
         padded = attention_mask is not None and not bool(attention_mask.bool().all())
-        hit = 0 if padded or not reuse or not self.layers[0].is_initialized else \
-            min(self.core.main.match(r) for r in rows)
         for sid in self._rows:
             self.core.free(sid)
         self._rows = []
+        self._rows_changed()
+        if self.tiers is not None and reuse and not padded:
+            self.tiers.before_begin(rows)
+        hit = 0 if padded or not reuse or not self.layers[0].is_initialized else \
+            min(self.core.main.match(r) for r in rows)
         for r in rows:
             sid = next(self._sids)
             self.core.add(sid, r, rest=False, max_hit_blocks=hit)
@@ -421,7 +467,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         for sid in self._rows:
             self.core.free(sid)
         self._rows = new
-        self._changed()
+        self._rows_changed()
 
     def _truncate(self, length: Union[int, Sequence[int]]) -> None:
         """Drop each row's tokens past `length` (one int for every row, or one per row)."""
@@ -429,8 +475,12 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         for sid, n in zip(self._rows, lengths):
             cur = self.core.length(sid)
             if cur > n:
-                self.core.pop(sid, cur - n)
-        self._changed()
+                rids = self.core.check_pop(sid, cur - n)
+                back = self.core.pop(sid, cur - n)
+                self._apply_sizes()
+                if back[0] is not None:  # the new last block was swapped out: read it back
+                    self.tiers.restore(rids[0], back[0])
+        self._rows_changed()
 
     # ---- transformers Cache API ---------------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -495,6 +545,8 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self.core.clear()
         self._rows = []
         self._uncommitted = False
+        if self.tiers is not None:
+            self.tiers.drop_dead()
         self._valid = None
         self._lens_memo = None
         self._valid_version += 1
@@ -543,6 +595,18 @@ def _note_input_ids(module, args, kwargs):
     if isinstance(cache, PagedKVCache):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache._next_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
+def _model_identity(model_or_config) -> str:
+    """What names the model in shared prefix keys: a hash of its weights when they are at hand
+    (`pagedkv.offload.weights_identity`), else its config's name and dims."""
+    if isinstance(model_or_config, torch.nn.Module):
+        from ..offload.identity import weights_identity
+
+        return weights_identity(model_or_config)
+    config = getattr(model_or_config, "config", model_or_config)
+    return "|".join(str(getattr(config, k, "")) for k in ("_name_or_path", "model_type",
+                                                            "hidden_size", "num_hidden_layers"))
 
 
 def _watch_input_ids(model) -> None:
@@ -661,6 +725,27 @@ class PagedCacheLayer:
 
     def _pool_names(self) -> tuple[str, ...]:
         return ("k_pool", "v_pool")
+
+    def transform(self) -> dict:
+        """The layer's stored-bytes transform (float32 tensors or None), see calibration."""
+        p = self.paged
+        return {"k_centre": p.k_centre, "k_mult": self.k_mult, "v_centre": self.v_centre,
+                "k_scale": p.k_scale, "v_scale": p.v_scale}
+
+    def transform_shapes(self) -> dict:
+        hd = (self.spec.num_kv_heads, self.spec.head_dim)
+        return {"k_centre": hd, "k_mult": hd, "v_centre": hd, "k_scale": (1,), "v_scale": (1,)}
+
+    def adopt(self, t: dict) -> None:
+        """Initialize from a stored transform (a shared prefix store's) instead of fitting one."""
+        dev = self.device
+        p = self._make(self.group.num_blocks)
+        on = {k: (None if v is None else v.to(dev, torch.float32)) for k, v in t.items()}
+        self.k_mult, self.v_centre = on["k_mult"], on["v_centre"]
+        self.paged = replace(p, k_centre=on["k_centre"],
+                             k_scale=on["k_scale"] if on["k_scale"] is not None else p.k_scale,
+                             v_scale=on["v_scale"] if on["v_scale"] is not None else p.v_scale)
+        self.is_initialized = True
 
     def _apply(self, step) -> None:
         """Apply one group step of the block manager's plan to this layer's pools: moves then
@@ -898,7 +983,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     elif layer.paged is None:  # nothing stored yet (every token so far a pad)
         out = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
     elif tq == 1 and valid is None:
-        out = decode_attention(q_rows.contiguous(), layer.paged, cache.block_table_tensor(dev, layer.group), seq_lens,
+        paged, tables = cache.attention_inputs(layer, dev)
+        out = decode_attention(q_rows.contiguous(), paged, tables, seq_lens,
                                params, backend=cache.backend, checks=cache.checks)
     else:
         if counts is None:
@@ -906,7 +992,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         else:
             qsl = torch.zeros(b + 1, dtype=torch.int32, device=dev)
             qsl[1:] = torch.cumsum(counts.to(dev), 0)
-        out = prefill_attention(q_rows.contiguous(), layer.paged, cache.block_table_tensor(dev, layer.group), seq_lens,
+        paged, tables = cache.attention_inputs(layer, dev)
+        out = prefill_attention(q_rows.contiguous(), paged, tables, seq_lens,
                                 qsl, params, backend=cache.backend, checks=cache.checks)
     if layer.v_centre is not None:  # sum_j p_j (v_j - c) + c, the weights summing to one
         g = hq // layer.v_centre.shape[0]

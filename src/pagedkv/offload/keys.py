@@ -83,6 +83,25 @@ class StoreKeys:
         h.update(chain)
         return f"{KEY_SCHEME}.{h.hexdigest()}"
 
+    def aux_key(self, name: str) -> str:
+        """The tier key of a named side record of this store (e.g. the layers' transform)."""
+        h = self._key.copy()
+        h.update(b"aux|" + name.encode())
+        return f"{KEY_SCHEME}.{h.hexdigest()}"
+
+    def seal_bytes(self, key: str, payload: bytes) -> bytes:
+        """`payload` with its tag, bound to `key` (a side record)."""
+        return payload + self._mac(key, payload)
+
+    def open_bytes(self, value: Optional[bytes], key: str) -> Optional[bytes]:
+        """The payload of a sealed side record, or None unless its tag holds."""
+        if not value or len(value) <= TAG:
+            return None
+        mv = memoryview(value)
+        if not hmac.compare_digest(self._mac(key, mv[:-TAG]), bytes(mv[-TAG:])):
+            return None
+        return bytes(mv[:-TAG])
+
     @staticmethod
     def size(layout: BlockLayout, key: str) -> int:
         """Exact length of the value stored under `key` (what a reader reads at most)."""

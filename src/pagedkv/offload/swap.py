@@ -61,8 +61,12 @@ class SwapSpace:
         self._pending: dict[int, tuple[tuple[str, ...], Future]] = {}
 
     # ---- writing ----------------------------------------------------------------------------
+    def key_of(self, rid: int) -> str:
+        """The record key of the block manager's swap record `rid`."""
+        return f"{self.session}-r{rid:012d}"
+
     def write(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int,
-              chain: Optional[bytes] = None) -> str:
+              chain: Optional[bytes] = None, rid: Optional[int] = None) -> str:
         """Store block `block` of every layer; returns its record key (one more reference).
         `chain`: the block's prefix key when it has one (immutable contents): a record already
         holding that block is shared instead of written again. Raises TierWriteError with
@@ -71,7 +75,8 @@ class SwapSpace:
             key = self.by_chain[chain]
             self.refs[key] += 1
             return key
-        key = f"{self.session}-{next(self._ids):012d}"  # fixed width: fixed-size records
+        key = self.key_of(rid) if rid is not None else \
+            f"{self.session}-{next(self._ids):013d}"  # fixed width: fixed-size records
         rec = encode_record(layout, key.encode(), read_block(layers, block))
         self.tier.put(key, rec)
         self.refs[key] = 1

@@ -26,15 +26,8 @@ nothing is lost, and calling `commit` again retries the swap. Prefix-store fault
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-import shutil
-import socket
-import uuid
-import weakref
 from array import array
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Hashable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -47,43 +40,11 @@ from ..errors import CacheFull, ConfigError
 from ..ops import api as ops
 from ..ops.batch import AttentionParams, PagedLayer
 from .config import OffloadConfig
+from .policy import _HOST, build_tiers, remove_stale_swap_dirs  # noqa: F401 (re-exported)
 from .prefix import PrefixStore
 from .record import BlockLayout, write_block
 from .swap import SwapSpace
-from .store import open_prefix_store
-from .swapfile import SwapFileTier
-from .tiers import MemoryTier, SwapLost, Tier
-
-
-_HOST = re.sub(r"[^0-9A-Za-z_.]", "_", socket.gethostname())[:40] or "host"
-
-
-def _rmtree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def remove_stale_swap_dirs(root: Path) -> int:
-    """Delete swap directories (`<host>-<pid>-<id>`) that processes of this host left behind
-    when they died without closing their cache. Returns how many were removed."""
-    n = 0
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return 0
-    for d in entries:
-        parts = d.name.rsplit("-", 2)
-        if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
-            continue
-        try:
-            os.kill(int(parts[1]), 0)
-            continue  # still running
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
-            continue  # someone else's live process (or a bogus pid)
-        _rmtree(str(d))
-        n += 1
-    return n
+from .tiers import SwapLost, Tier
 
 
 @dataclass(frozen=True)
@@ -117,26 +78,10 @@ class TieredCache(PagedCache):
         self._plan_cache: Optional[tuple] = None
         self._finalizer = None
 
-        # swap
-        self.swap: Optional[SwapSpace] = None
-        if self.cap is not None:
-            if swap_tier is None:
-                if offload.swap == "memory":
-                    swap_tier = MemoryTier(offload.swap_limit_bytes)
-                else:
-                    root = offload.swap_path()
-                    remove_stale_swap_dirs(root)
-                    d = root / f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-                    swap_tier = SwapFileTier(d, offload.swap_limit_bytes)
-                    self._finalizer = weakref.finalize(self, _rmtree, str(d))
-            self.swap = SwapSpace(swap_tier, prefetch=offload.prefetch)
+        self.swap, self.prefix, self._finalizer = build_tiers(self, config, offload, swap_tier, prefix_tier)
         self._swapped: dict[Hashable, dict[int, str]] = {}
         self._ph: Optional[int] = None  # placeholder block of swapped entries
         self._ph_refs = 0
-
-        # prefix store
-        # prefix store (ConfigError without a model identity, or Redis without a secret)
-        self.prefix: Optional[PrefixStore] = open_prefix_store(config, offload, prefix_tier)
         self._salt: dict[Hashable, Salt] = {}
         self._chains: dict[Hashable, list[bytes]] = {}  # chain keys of considered full blocks
         self._no_publish: set[Hashable] = set()
@@ -542,12 +487,7 @@ class TieredCache(PagedCache):
 
     def close(self) -> None:
         """Delete this cache's swap records (and directory) and close the tiers."""
-        if self.swap is not None:
-            self.swap.close()
-        if self.prefix is not None:
-            self.prefix.tier.close()
-        if self._finalizer is not None:
-            self._finalizer()
+        self._finalizer()
 
     def __enter__(self) -> "TieredCache":
         return self

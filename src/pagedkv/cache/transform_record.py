@@ -1,0 +1,69 @@
+"""The stored form of every layer's transform (key centre and multipliers, value centre, fp8
+scales): what a shared prefix store keeps beside the blocks, so a second process stores and
+reads blocks relative to the same transform (its blocks then mean the same bytes).
+
+Byte layout (little-endian): magic b"PKVT" | version [H] | n_layers [H] | per layer, per field
+(k_centre, k_mult, v_centre, k_scale, v_scale): numel [i] (-1 = none) then float32 data |
+blake2b-16 digest of all the above. Never pickle; a damaged record reads as None.
+"""
+
+from __future__ import annotations
+
+import struct
+from hashlib import blake2b
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+MAGIC = b"PKVT"
+FIELDS = ("k_centre", "k_mult", "v_centre", "k_scale", "v_scale")
+_HEAD = struct.Struct("<4sHH")
+_N = struct.Struct("<i")
+
+Transform = dict  # field name -> float32 tensor or None
+
+
+def encode_transforms(layers: Sequence[Transform]) -> bytes:
+    out = bytearray(_HEAD.pack(MAGIC, 1, len(layers)))
+    for t in layers:
+        for f in FIELDS:
+            x = t.get(f)
+            if x is None:
+                out += _N.pack(-1)
+            else:
+                a = x.detach().cpu().float().contiguous().numpy()
+                out += _N.pack(a.size) + a.tobytes()
+    out += blake2b(bytes(out), digest_size=16).digest()
+    return bytes(out)
+
+
+def decode_transforms(raw: Optional[bytes], shapes: Sequence[dict]) -> Optional[list[Transform]]:
+    """The transforms of `len(shapes)` layers (shapes: per layer field -> expected shape), or
+    None when `raw` is missing, damaged or for another layout."""
+    if raw is None or len(raw) < _HEAD.size + 16:
+        return None
+    body, digest = raw[:-16], raw[-16:]
+    if blake2b(body, digest_size=16).digest() != digest:
+        return None
+    magic, version, n = _HEAD.unpack_from(body)
+    if magic != MAGIC or version != 1 or n != len(shapes):
+        return None
+    pos, out = _HEAD.size, []
+    for shape in shapes:
+        t: Transform = {}
+        for f in FIELDS:
+            if pos + _N.size > len(body):
+                return None
+            (k,) = _N.unpack_from(body, pos)
+            pos += _N.size
+            if k < 0:
+                t[f] = None
+                continue
+            want = shape.get(f)
+            if want is None or int(np.prod(want)) != k or pos + 4 * k > len(body):
+                return None
+            t[f] = torch.from_numpy(np.frombuffer(body, np.float32, k, pos).copy()).view(*want)
+            pos += 4 * k
+        out.append(t)
+    return out if pos == len(body) else None

@@ -1,0 +1,216 @@
+"""Offload policies the cache core calls: the resident cap (swap) and the prefix tier.
+
+They work on one block group of `pagedkv.alloc` (its `SequenceManager`, where a swapped block is
+a table-entry state with ordinary reference counts) and on the group's layers as the ops see
+them (`PagedLayer`); they never see the cache, the model or the evaluation code.
+
+- `SwapPolicy.enforce(seqs, seq_id, layers)`: after a commit, swap the sequence's oldest full
+  committed blocks out until at most `cap` stay resident (records written first, then the
+  entries change: a failed write changes nothing). `view(...)`: the layer a batch attends to,
+  its pools holding the resident blocks then the swapped ones read back (same bytes: attention
+  is bit-identical); `restore(...)`: a record read back into a pool block (pop into the
+  swapped region).
+- `PrefixPolicy.load(seqs, layers, tokens, salt)`: bring a prompt's stored leading blocks into
+  the pool as cached prefix blocks (then the admission finds them); `publish(seqs, seq_id,
+  layers)`: store the newly full committed blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import socket
+import uuid
+import weakref
+from array import array
+from pathlib import Path
+from typing import Hashable, Optional, Sequence
+
+import torch
+
+from ..alloc.hashing import Salt
+from ..alloc.sequences import SequenceManager, swapped_record
+from ..ops.batch import PagedLayer
+from .config import OffloadConfig
+from .prefix import PrefixStore
+from .store import open_prefix_store
+from .record import BlockLayout, write_block
+from .swap import SwapSpace
+from .swapfile import SwapFileTier
+from .tiers import MemoryTier, Tier
+
+
+_HOST = re.sub(r"[^0-9A-Za-z_.]", "_", socket.gethostname())[:40] or "host"
+
+
+def _rmtree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_swap_dirs(root: Path) -> int:
+    """Delete swap directories (`<host>-<pid>-<id>`) that processes of this host left behind
+    when they died without closing their cache. Returns how many were removed."""
+    n = 0
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return 0
+    for d in entries:
+        parts = d.name.rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # someone else's live process (or a bogus pid)
+        _rmtree(str(d))
+        n += 1
+    return n
+
+
+def build_tiers(owner, config, offload: OffloadConfig, swap_tier: Optional[Tier] = None,
+                prefix_tier: Optional[Tier] = None):
+    """(SwapSpace or None, PrefixStore or None, close()) for `offload`: the swap space when a
+    resident cap is set (a private directory per cache, removed by close() or when `owner` is
+    collected), the prefix store when one is configured (`store.open_prefix_store`: ConfigError
+    without a model identity in `config`, or on Redis without a secret). Given tiers replace
+    configured ones."""
+    prefix = open_prefix_store(config, offload, prefix_tier)
+    swap = None
+    finalizer = None
+    if offload.resident_blocks_per_seq is not None:
+        if swap_tier is None:
+            if offload.swap == "memory":
+                swap_tier = MemoryTier(offload.swap_limit_bytes)
+            else:
+                root = offload.swap_path()
+                remove_stale_swap_dirs(root)
+                d = root / f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                swap_tier = SwapFileTier(d, offload.swap_limit_bytes)
+                finalizer = weakref.finalize(owner, _rmtree, str(d))
+        swap = SwapSpace(swap_tier, prefetch=offload.prefetch)
+
+    def close() -> None:
+        if swap is not None:
+            swap.close()
+        if prefix is not None:
+            prefix.tier.close()
+        if finalizer is not None:
+            finalizer()
+
+    return swap, prefix, close
+
+
+class _Layouts:
+    """The record layout of a tuple of layers (recomputed when the layers change)."""
+
+    def __init__(self) -> None:
+        self._for: Optional[tuple] = None
+        self._layout: Optional[BlockLayout] = None
+
+    def of(self, layers: Sequence[PagedLayer]) -> BlockLayout:
+        key = tuple(id(pl.k_pool) for pl in layers) + tuple(id(pl.k_centre) for pl in layers)
+        if self._for != key:
+            self._layout, self._for = BlockLayout.from_layers(layers), key
+        return self._layout  # type: ignore[return-value]
+
+
+class SwapPolicy:
+    """Per-sequence resident cap over one group, records in `swap` (a private tier)."""
+
+    def __init__(self, swap: SwapSpace, cap: int):
+        self.swap, self.cap = swap, cap
+        self.layouts = _Layouts()
+
+    def enforce(self, seqs: SequenceManager, seq_id: Hashable, layers: Sequence[PagedLayer]) -> int:
+        """Swap out down to the cap; returns how many entries moved (TierWriteError from a
+        write leaves that block and the later ones resident)."""
+        todo = seqs.swap_candidates(seq_id, self.cap)
+        if not todo:
+            return 0
+        layout = self.layouts.of(layers)
+        done = []
+        try:
+            for i, b, rid, new in todo:
+                if new:
+                    self.swap.write(layers, layout, b, rid=rid)
+                done.append((i, b, rid, new))
+        finally:
+            seqs.swapped_out(seq_id, done)
+        return len(done)
+
+    def drop_dead(self, seqs: SequenceManager) -> None:
+        """Delete the records no table entry names any more."""
+        for rid in seqs.drain_dead_records():
+            self.swap.release(self.swap.key_of(rid))
+
+    def restore(self, seqs: SequenceManager, rid: int, block: int,
+                layers: Sequence[PagedLayer]) -> None:
+        """Write record `rid` back into pool block `block` (SwapLost if it is not intact)."""
+        layout = self.layouts.of(layers)
+        write_block(layers, block, self.swap.read_whole(layout, self.swap.key_of(rid)))
+
+    def plan(self, seqs: SequenceManager, seq_ids: Sequence[Hashable], device):
+        """(resident block ids int64 [n], record keys, block tables int32 [B, width]) of a batch
+        with swapped entries (tables index the view's pools), or None when nothing is swapped."""
+        res: dict[int, int] = {}
+        recs: dict[str, int] = {}
+        rows = []
+        for s in seq_ids:
+            row = []
+            for e in seqs.table(s):
+                rid = swapped_record(e)
+                if rid is None:
+                    row.append((0, res.setdefault(max(e, 0), len(res))))
+                else:
+                    row.append((1, recs.setdefault(self.swap.key_of(rid), len(recs))))
+            rows.append(row)
+        if not recs:
+            return None
+        from ..cache.tables import block_table_tensor  # tensor helper only (no cache state)
+
+        n_res = len(res)
+        tables = [array("i", [j + n_res if kind else j for kind, j in row]) for row in rows]
+        return (torch.tensor(list(res), dtype=torch.int64, device=device), tuple(recs),
+                block_table_tensor(tables, device))
+
+    def view(self, pl: PagedLayer, index: int, layers: Sequence[PagedLayer], plan) -> PagedLayer:
+        """Layer `pl` (position `index` in the group's `layers`) with temporary pools: the plan's
+        resident blocks, then its swapped records' sections read back."""
+        resident, keys, _ = plan
+        got = self.swap.read_layer(self.layouts.of(layers), index, keys)
+        n_res, n_sw = int(resident.numel()), len(keys)
+        pools = []
+        for side, pool in ((0, pl.k_pool), (1, pl.v_pool)):
+            tmp = torch.empty(n_res + n_sw, pool.shape[1], dtype=torch.uint8, device=pool.device)
+            if n_res:
+                tmp[:n_res] = pool[resident]
+            raw = bytearray().join(item[side] for item in got)
+            tmp[n_res:] = torch.frombuffer(raw, dtype=torch.uint8).view(n_sw, -1).to(pool.device)
+            pools.append(tmp)
+        return dataclasses.replace(pl, k_pool=pools[0], v_pool=pools[1])
+
+
+class PrefixPolicy:
+    """A shared prefix store over one group (blocks keyed by the group's chain hashes)."""
+
+    def __init__(self, store: PrefixStore):
+        self.store = store
+        self.layouts = _Layouts()
+
+    def load(self, seqs: SequenceManager, layers: Sequence[PagedLayer], tokens: Sequence[int],
+             salt: Salt = None) -> int:
+        """Stored leading blocks of `tokens` loaded into the pool (cached, keyed)."""
+        return self.store.load(seqs.pool, layers, self.layouts.of(layers), seqs.namespace,
+                               list(tokens), salt)
+
+    def publish(self, seqs: SequenceManager, seq_id: Hashable, layers: Sequence[PagedLayer]) -> int:
+        blocks = seqs.newly_full(seq_id)
+        if not blocks:
+            return 0
+        return self.store.publish_many(layers, self.layouts.of(layers), blocks)
