@@ -164,6 +164,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     _lens_memo: Optional[tuple] = None  # (columns, row_lengths(columns))
     _valid_version = 0  # bumps whenever _valid changes
     _seq_lens_memo: Optional[tuple] = None
+    tiers = None  # DropInTiers when built with offload= (PagedLatentCache: none)
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[None, int, str] = None, hp_format: Union[str, KVFormat] = "q8_0",
