@@ -25,21 +25,18 @@ from __future__ import annotations
 import sys
 from array import array
 from itertools import count
-from typing import Hashable, Iterable, Optional, Sequence, Union
+from typing import Hashable, Optional, Sequence, Union
 
 from ..errors import CacheFull, ConfigError, InvalidInput, UnknownSequence
-from .hashing import Salt, chain_hash, root_hash
+from .hashing import Salt, root_hash
 from .pool import BlockPool
+from .growth import WindowedAppend
+from .prefixchain import PrefixChain
+from .swapstate import RELEASED, SwapEntries, swapped_record
 
 _NO_UNKNOWN = sys.maxsize
 _MAX_TOKEN = (1 << 63) - 1
-RELEASED = -1
 Tokens = Union[int, Sequence[int]]
-
-
-def swapped_record(entry: int) -> Optional[int]:
-    """The record id of a swapped table entry, None for a resident or released one."""
-    return -2 - entry if entry <= -2 else None
 
 
 class _Seq:
@@ -76,7 +73,7 @@ def check_tokens(tokens, what: str) -> tuple[int, list[int], bool]:
     return len(toks), toks, True
 
 
-class SequenceManager:
+class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
     """All sequences of one block group, sharing one `BlockPool`.
 
     namespace: bytes mixed into every prefix key (model identity, format, layer layout), so
@@ -99,12 +96,7 @@ class SequenceManager:
         self.prefix_queries = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        # swap records: rid -> references, chain key of a keyed block's record (shared by chain)
-        self.rec_refs: dict[int, int] = {}
-        self.rec_chain: dict[int, bytes] = {}
-        self._rec_by_chain: dict[bytes, int] = {}
-        self._rids = count()
-        self.dead_records: list[int] = []  # records whose last reference went: delete them
+        self._init_records()
 
     # ---- lookup ---------------------------------------------------------------------------
     def _get(self, seq_id: Hashable) -> _Seq:
@@ -182,30 +174,6 @@ class SequenceManager:
                                "released or swapped-out blocks")
         return self._slots(s, start, n)
 
-    # ---- prefix lookup ----------------------------------------------------------------------
-    def chain(self, tokens: Sequence[int], salt: Salt = None) -> list[bytes]:
-        """Keys of the full blocks a prompt could hit (always leaving one token to run)."""
-        try:
-            root = root_hash(self.namespace, salt)
-        except TypeError as exc:
-            raise ConfigError(str(exc)) from None
-        bs, out, h = self.block_size, [], root
-        for i in range((len(tokens) - 1) // bs if tokens else 0):
-            h = chain_hash(h, tokens[i * bs:(i + 1) * bs])
-            out.append(h)
-        return out
-
-    def match(self, tokens: Sequence[int], salt: Salt = None) -> int:
-        """Leading full blocks of `tokens` the pool holds now (no change)."""
-        if not self.prefix:
-            return 0
-        n = 0
-        for h in self.chain(tokens, salt):
-            if self.pool.lookup(h) is None:
-                break
-            n += 1
-        return n
-
     # ---- sequences ------------------------------------------------------------------------
     def add(self, tokens: Sequence[int], salt: Salt = None, seq_id: Optional[Hashable] = None,
             *, max_hit_blocks: Optional[int] = None, rest: bool = True
@@ -256,88 +224,6 @@ class SequenceManager:
         self.prefix_query_tokens += n
         self.prefix_hit_tokens += hit_tokens
         return seq_id, hit_tokens, self._slots(s, hit_tokens, held - hit_tokens)
-
-    def _releasable(self, s: _Seq, length: int) -> range:
-        """Table indices `reclaim` would release before appending at `length`."""
-        if self.window is None:
-            return range(0)
-        return range(s.dead, min(self.first_needed(length) // self.block_size, len(s.table)))
-
-    def _need(self, s: _Seq, n: int, shared: dict) -> int:
-        """Blocks an append of n tokens takes (new blocks + a copy of a shared last block).
-        shared: counts writers per shared last block in a batch: once all but one holder copied
-        it, the last writes in place (so copies = min(writers, ref - 1))."""
-        if n == 0:
-            return 0
-        bs = self.block_size
-        L = len(s.tokens)
-        need = -(-(L + n) // bs) - len(s.table)
-        if L % bs:
-            last = s.table[-1]
-            if last < 0:
-                raise InvalidInput("the last block of a sequence is not resident")
-            r = self.pool._ref[last]
-            if r > 1:
-                c = shared.get(last, 0)
-                if c < r - 1:
-                    need += 1
-                shared[last] = c + 1
-        return need
-
-    def demand(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> tuple[int, int]:
-        """(blocks an append of `counts` new tokens takes, blocks its window reclaim frees):
-        no change. Shared blocks count as freed once every holder lets go."""
-        seqs = [self._get(i) for i in seq_ids]
-        shared: dict[int, int] = {}
-        need = sum(self._need(s, n, shared) for s, n in zip(seqs, counts))
-        drops: dict[int, int] = {}
-        for s, n in zip(seqs, counts):
-            if n:
-                for i in self._releasable(s, len(s.tokens)):
-                    b = s.table[i]
-                    if b >= 0:
-                        drops[b] = drops.get(b, 0) + 1
-        return need, sum(1 for b, k in drops.items() if self.pool._ref[b] == k)
-
-    def fits(self, need: int, freed: int) -> bool:
-        return need - freed <= self.pool.headroom
-
-    def full_error(self, n_tokens: int, n_seqs: int, need: int, freed: int) -> CacheFull:
-        what = "global" if self.window is None else f"sliding-window (W={self.window})"
-        pool = self.pool
-        return CacheFull(
-            f"{n_tokens} new tokens over {n_seqs} sequences: the paged cache's {what} layers need "
-            f"{need} more blocks of {self.block_size} tokens but have "
-            f"{pool.num_available + freed} free of {pool.num_blocks} (the limit allows "
-            f"{pool.max_blocks} blocks; raise max_tokens or the cache's capacity)")
-
-    def reclaim(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> None:
-        """Release, per sequence about to get new tokens, the blocks wholly before
-        `first_needed(length)`: no query at or after its current end can see them."""
-        for sid, n in zip(seq_ids, counts):
-            s = self._get(sid)
-            if n:
-                for i in self._releasable(s, len(s.tokens)):
-                    self._drop_entry(s.table[i])
-                    s.table[i] = RELEASED
-                    s.dead = i + 1
-
-    def extend(self, seq_ids: Sequence[Hashable], parsed: Sequence[tuple[int, list[int], bool]]
-               ) -> tuple[list[int], list[tuple[int, int]]]:
-        """Append already checked tokens (`check_tokens` results; capacity from `demand`):
-        reclaim, grow as needed, copy shared last blocks. Returns (slots, copies)."""
-        counts = [p[0] for p in parsed]
-        need, freed = self.demand(seq_ids, counts)
-        self.reclaim(seq_ids, counts)
-        if not self.pool.ensure(need):  # pragma: no cover - callers check `fits` first
-            raise self.full_error(sum(counts), len(seq_ids), need, freed)
-        copies: list[tuple[int, int]] = []
-        slots: list[int] = []
-        for sid, (n, toks, known) in zip(seq_ids, parsed):
-            s = self._seqs[sid]
-            start = self._append(s, n, toks, known, copies)
-            slots.extend(self._slots(s, start, n))
-        return slots, copies
 
     def _append(self, s: _Seq, n: int, toks: list[int], known: bool,
                 copies: list[tuple[int, int]]) -> int:
@@ -400,35 +286,6 @@ class SequenceManager:
             raise self.full_error(sum(counts), len(seq_ids), need, freed)
         return self.extend(seq_ids, parsed)
 
-    def commit(self, seq_ids: Union[Hashable, Iterable[Hashable]]) -> None:
-        """Mark every allocated token of the sequences as written; key newly full blocks."""
-        if isinstance(seq_ids, (list, tuple, set, frozenset)) and seq_ids not in self:
-            ids = list(seq_ids)
-        else:
-            ids = [seq_ids]
-        seqs = [self._get(i) for i in ids]
-        bs, pool = self.block_size, self.pool
-        for s in seqs:
-            s.committed = len(s.tokens)
-            if not self.prefix:
-                continue
-            full = min(s.committed, s.first_unknown) // bs
-            h = s.hashes[-1] if s.hashes else s.root
-            for i in range(len(s.hashes), full):
-                h = chain_hash(h, s.tokens[i * bs:(i + 1) * bs])
-                s.hashes.append(h)
-                if s.table[i] >= 0:
-                    pool.register(s.table[i], h)
-
-    def newly_full(self, seq_id: Hashable) -> list[tuple[int, bytes]]:
-        """(pool block, chain key) of the committed, keyed blocks not handed out before (for a
-        prefix tier to publish); swapped ones are skipped (published before they left)."""
-        s = self._get(seq_id)
-        out = [(s.table[i], s.hashes[i]) for i in range(s.published, len(s.hashes))
-               if s.table[i] >= 0]
-        s.published = len(s.hashes)
-        return out
-
     def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
         """A new sequence sharing every block of `seq_id` (copy-on-write on the first write)."""
         s = self._get(seq_id)
@@ -442,27 +299,6 @@ class SequenceManager:
             self._share_entry(b)
         self._seqs[new_id] = c
         return new_id
-
-    def _share_entry(self, e: int) -> None:
-        if e >= 0:
-            self.pool.share(e)
-        elif e <= -2:
-            self.rec_refs[-2 - e] += 1
-
-    def _drop_entry(self, e: int) -> None:
-        if e >= 0:
-            self.pool.release(e)
-        elif e <= -2:
-            rid = -2 - e
-            r = self.rec_refs[rid] - 1
-            if r:
-                self.rec_refs[rid] = r
-            else:
-                del self.rec_refs[rid]
-                h = self.rec_chain.pop(rid, None)
-                if h is not None:
-                    del self._rec_by_chain[h]
-                self.dead_records.append(rid)
 
     def pop_needs_swap_in(self, seq_id: Hashable, n: int) -> Optional[int]:
         """The record `pop(seq_id, n)` must read back (its new partly filled last block is
@@ -535,63 +371,6 @@ class SequenceManager:
         self._rec_by_chain.clear()
         self._seqs.clear()
         self.pool.reset()
-
-    # ---- swap -------------------------------------------------------------------------------
-    def swap_candidates(self, seq_id: Hashable, cap: int) -> list[tuple[int, int, int, bool]]:
-        """Entries to swap out so at most `cap` blocks of the sequence stay resident: its oldest
-        full committed blocks, never the last. [(index, block, rid, new record)] (no change;
-        the caller writes each new record, then calls `swapped_out`). A keyed block already in a
-        record (another sequence swapped it) shares that record."""
-        s = self._get(seq_id)
-        resident = [i for i, b in enumerate(s.table) if b >= 0]
-        excess = len(resident) - cap
-        full = min(s.committed // self.block_size, len(s.table) - 1)
-        out = []
-        for i in resident:
-            if len(out) >= excess or i >= full:
-                break
-            b = s.table[i]
-            h = self.pool._hash[b]
-            rid = self._rec_by_chain.get(h) if h is not None else None
-            out.append((i, b, next(self._rids), True) if rid is None else (i, b, rid, False))
-        return out
-
-    def swapped_out(self, seq_id: Hashable, done: Sequence[tuple[int, int, int, bool]]) -> None:
-        """The records of `done` (from `swap_candidates`) are written: swap the entries."""
-        s = self._get(seq_id)
-        for i, b, rid, new in done:
-            assert s.table[i] == b
-            h = self.pool._hash[b]
-            if new:
-                self.rec_refs[rid] = 1
-                if h is not None and h not in self._rec_by_chain:
-                    self._rec_by_chain[h] = rid
-                    self.rec_chain[rid] = h
-            else:
-                self.rec_refs[rid] += 1
-            self.pool.release(b)
-            s.table[i] = -2 - rid
-
-    def swapped(self, seq_id: Hashable) -> list[int]:
-        """Logical indices of the sequence's swapped-out blocks."""
-        return [i for i, b in enumerate(self._get(seq_id).table) if b <= -2]
-
-    def drain_dead_records(self) -> list[int]:
-        out, self.dead_records = self.dead_records, []
-        return out
-
-    # ---- size -------------------------------------------------------------------------------
-    def compact(self, target: int) -> list[tuple[int, int]]:
-        """Cut the pool to `target` blocks, renumbering tables (see `BlockPool.compact`)."""
-        moves = self.pool.compact(target)
-        if moves:
-            m = dict(moves)
-            for s in self._seqs.values():
-                t = s.table
-                for i, b in enumerate(t):
-                    if b in m:
-                        t[i] = m[b]
-        return moves
 
     def check_invariants(self) -> None:
         """O(total) self-check (tests, debugging): AssertionError naming the first violation."""

@@ -1,0 +1,128 @@
+"""Shared pieces of the transformers drop-in: the lazy transformers import, the model's layer
+layout, the model identity for shared prefix keys, the read-only view of a block group, and the
+lazy subclassing that keeps `import pagedkv` free of transformers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .transformers import PagedKVCache
+
+ATTN_IMPLEMENTATION = "pagedkv"
+_TAG = "_pagedkv_layer"
+
+
+def _transformers():
+    try:
+        import transformers  # noqa: F401
+        from transformers import cache_utils
+    except ImportError:  # pragma: no cover
+        raise ConfigError("the transformers integration needs transformers>=5: pip install 'pagedkv[model]'") from None
+    return transformers, cache_utils
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache
+
+
+def _layer_layout(config) -> tuple[list[str], list[Optional[int]], list[int], list[int]]:
+    """Per model layer: type, sliding window, num_kv_heads, head_dim (from a HF config)."""
+    _, cache_utils = _transformers()
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):  # MLA caches one latent per token, not K/V per head
+        raise ConfigError(
+            f"{type(text).__name__} uses latent attention (MLA); use "
+            "pagedkv.integrations.deepseek.PagedLatentCache (and deepseek.enable(model))"
+        )
+    types, kwargs = cache_utils.get_layer_types_and_kwargs(text)
+    n_heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or n_heads
+    hd = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    windows = []
+    for i, (t, kw) in enumerate(zip(types, kwargs)):
+        if t == "full_attention":
+            windows.append(None)
+        elif t in ("sliding_attention",):
+            windows.append(int(kw["sliding_window"]))
+        else:
+            raise ConfigError(
+                f"layer {i} of this model is {t!r}; the pagedkv cache supports full_attention and "
+                "sliding_attention layers (Llama, Qwen2/3, Mistral, Gemma2/3 families)"
+            )
+    L = len(types)
+    return list(types), windows, [kv] * L, [hd] * L
+
+
+def _model_identity(model_or_config) -> str:
+    """What names the model in shared prefix keys: a hash of its weights when they are at hand
+    (`pagedkv.offload.weights_identity`), else its config's name and dims."""
+    if isinstance(model_or_config, torch.nn.Module):
+        from ..offload.identity import weights_identity
+
+        return weights_identity(model_or_config)
+    config = getattr(model_or_config, "config", model_or_config)
+    return "|".join(str(getattr(config, k, "")) for k in ("_name_or_path", "model_type",
+                                                            "hidden_size", "num_hidden_layers"))
+
+
+_UNBOUNDED = 1 << 40  # "grow on demand": a block-id limit no pool reaches
+
+
+class GroupView:
+    """Read-only view of one block group of a PagedKVCache (tests, accounting): its window,
+    layers, and per row its table (-1 = released by the window) and released count."""
+
+    def __init__(self, cache: "PagedKVCache", index: int, window: Optional[int], layers: list[int]):
+        self.cache, self.index, self.window, self.layers = cache, index, window, layers
+        self.block_size = cache.config.block_size
+
+    @property
+    def seqs(self):
+        return self.cache.core.groups[self.index]
+
+    @property
+    def name(self) -> str:
+        return "global" if self.window is None else f"sliding-window (W={self.window})"
+
+    @property
+    def tables(self) -> list[list[int]]:
+        return [list(self.seqs.table(s)) for s in self.cache._rows]
+
+    @property
+    def dead(self) -> list[int]:
+        return [self.seqs.dead(s) for s in self.cache._rows]
+
+    @property
+    def used(self) -> int:
+        return self.seqs.pool.num_used
+
+    @property
+    def num_blocks(self) -> int:
+        return self.seqs.pool.num_blocks
+
+    def first_needed(self, length: int) -> int:
+        return self.seqs.first_needed(length)
+
+
+_CONCRETE: dict = {}
+
+
+def _concrete_class(cls, base):
+    if issubclass(cls, base):
+        return cls
+    if cls not in _CONCRETE:
+        _CONCRETE[cls] = type(cls.__name__, (cls, base), {"__doc__": cls.__doc__, "__module__": cls.__module__})
+    return _CONCRETE[cls]
+
+
+def _model_device(model_or_config):
+    try:
+        return next(model_or_config.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
