@@ -339,7 +339,7 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
             back = self.pool._take()
             self._drop_entry(s.table[-1])
             s.table[-1] = back
-        if keep and self.pool._ref[s.table[-1]] == 1:
+        if keep and s.table[-1] >= 0 and self.pool._ref[s.table[-1]] == 1:
             self.pool.fill[s.table[-1]] = new_len - (keep - 1) * self.block_size
             self.pool.version += 1
         del s.tokens[new_len:]
