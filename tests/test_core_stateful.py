@@ -24,7 +24,7 @@ from pagedkv.errors import CacheFull, InvalidInput
 
 BS = 4
 STEMS = ([], [1, 2, 3, 0, 1, 2, 3, 0], [1, 2, 3, 0, 2, 2, 2, 2, 0], [3, 3, 3, 3, 1])
-SETTINGS = settings(max_examples=50, stateful_step_count=100, deadline=None,
+SETTINGS = settings(max_examples=75, stateful_step_count=100, deadline=None,
                     suppress_health_check=list(HealthCheck))
 
 
