@@ -265,3 +265,14 @@ def test_calibration_is_part_of_the_layout():
         changed = [dataclasses.replace(layers[0], **{field: torch.full((h, d), 2.0)})] + \
             list(layers[1:])
         assert BlockLayout.from_layers(changed).fingerprint != base, field
+
+
+def test_weights_identity_samples_tensors_past_2_to_the_24_elements():
+    """A float32 linspace of sample positions rounds the last one past the end above 2**24
+    elements (SmolLM2's embedding has 28.3M): the positions are computed in integers."""
+    from pagedkv.offload import weights_identity
+
+    big = torch.zeros((1 << 24) + 3, dtype=torch.bfloat16)
+    a = weights_identity({"w": big})
+    big[-1] = 1.0  # the last element is sampled
+    assert weights_identity({"w": big}) != a

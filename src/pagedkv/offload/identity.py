@@ -65,6 +65,9 @@ def weights_identity(model, sample_bytes: int = SAMPLE_BYTES) -> str:
         flat = t.reshape(-1)
         n = max(1, sample_bytes // max(1, t.element_size()))
         if flat.numel() > n:
-            flat = flat[torch.linspace(0, flat.numel() - 1, n, device=flat.device).long()]
+            # evenly strided in integers (a float32 linspace rounds past the end above 2**24)
+            idx = torch.arange(n, device=flat.device, dtype=torch.int64) * (flat.numel() - 1) \
+                // max(1, n - 1)
+            flat = flat[idx]
         h.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return "weights:" + h.hexdigest()
