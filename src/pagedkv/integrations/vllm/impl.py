@@ -83,8 +83,11 @@ class PagedKVImpl(AttentionImpl):
         self._paged = None  # (kv_cache data_ptr, PagedLayer)
         self._params: Optional[AttentionParams] = None
         # every format named must store this head_dim (ConfigError now, not at first use)
+        # (in a fixed order: the formats named first, then the high-precision one if any is used)
         names = (settings.kv_format,) if isinstance(settings.kv_format, str) else settings.kv_format
-        for name in set(names) | {settings.hp_format}:
+        if settings.high_precision_layers not in (None, 0):
+            names = tuple(names) + (settings.hp_format,)
+        for name in dict.fromkeys(names):
             parse_format(name).check_head_dim(head_size)
 
     # -- engine start -----------------------------------------------------------------------

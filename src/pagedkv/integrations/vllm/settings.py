@@ -88,6 +88,9 @@ class VllmSettings:
                 raise ConfigError(f"pagedkv kv_format {name!r} names its high-precision layers; do not "
                                   f"give high_precision_layers={self.high_precision_layers!r} as well")
             parse_format(base)  # ConfigError naming the value and the accepted forms
+            if named_hp is not None:  # resolved once: the format, and the layers its name asks for
+                object.__setattr__(self, "kv_format", base)
+                object.__setattr__(self, "high_precision_layers", named_hp)
         parse_format(self.hp_format)
         hp = self.high_precision_layers
         if hp is not None and hp != "auto" and (isinstance(hp, bool) or not isinstance(hp, int) or hp < 0):
