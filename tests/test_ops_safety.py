@@ -92,3 +92,31 @@ def test_int_codecs_saturate_their_fp16_scale(name, big):
     for backend in (None, "reference"):
         o = api.decode_attention(torch.randn(1, 2, 64), layer, tables, lens, PARAMS, backend=backend)
         assert bool(torch.isfinite(o).all()), backend
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+@pytest.mark.parametrize("checks", [True, False])
+def test_a_nan_in_v_leaves_both_pools_unchanged(backend, checks):
+    """Issue 12 item 10: a store is all-or-nothing also with checks off (K was written before V's
+    NaN was found)."""
+    for k_name, v_name in (("turbo3", "turbo3"), ("q8_0", "fp8"), ("bf16", "turbo4")):
+        layer, kbuf, vbuf = _guarded(CODECS[k_name], CODECS[v_name])
+        k, v = torch.randn(3, 1, 64), torch.randn(3, 1, 64)
+        v[2, 0, 5] = float("nan")
+        before_k, before_v = kbuf.clone(), vbuf.clone()
+        with pytest.raises(InvalidInput, match="NaN"):
+            api.store(layer, k, v, torch.tensor([0, 1, 2]), backend=backend, checks=checks)
+        assert torch.equal(kbuf, before_k) and torch.equal(vbuf, before_v), (k_name, v_name)
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_a_nan_in_a_skipped_row_is_not_rejected(backend):
+    """Issue 12 item 10: rows with a negative slot are padding the store skips; their values are
+    not the caller's data and are not scanned. The stored rows equal a store without the pad row."""
+    layer, _, _ = _guarded(CODECS["turbo3"], CODECS["q8_0"])
+    ref, _, _ = _guarded(CODECS["turbo3"], CODECS["q8_0"])
+    k, v = torch.randn(3, 1, 64), torch.randn(3, 1, 64)
+    k[1], v[1] = float("nan"), float("inf")
+    api.store(layer, k, v, torch.tensor([0, -1, 1]), backend=backend)
+    api.store(ref, k[[0, 2]], v[[0, 2]], torch.tensor([0, 1]), backend=backend)
+    assert torch.equal(layer.k_pool, ref.k_pool) and torch.equal(layer.v_pool, ref.v_pool)

@@ -113,13 +113,20 @@ def check_store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.
                 f"({layer.num_blocks} blocks x {layer.block_size}); negative slots mean skip"
             )
     if values:
-        for name, x in (("k", k), ("v", v)):
-            if x is not None:
-                check_finite(name, x)
+        check_store_finite(k, v, slot_mapping)
         if t:
             used = slot_mapping[slot_mapping >= 0]
             if used.unique().numel() != used.numel():
                 raise InvalidInput("slot_mapping writes the same slot twice; each new token needs its own slot")
+
+
+def check_store_finite(k: Optional[torch.Tensor], v: Optional[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """NaN/Inf in a row that will be stored; rows with a negative slot (padding) are skipped, not scanned."""
+    keep = slot_mapping >= 0
+    every = bool(keep.all())
+    for name, x in (("k", k), ("v", v)):
+        if x is not None:
+            check_finite(name, x if every else x[keep])
 
 
 def check_params(params, num_q_heads: int, device: torch.device) -> None:
