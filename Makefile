@@ -68,6 +68,8 @@ vllm-setup: $(VVENV)/.deps $(VMODEL)/config.json
 test-vllm: vllm-setup
 	HF_HUB_OFFLINE=1 $(VBIN)/python -m pytest -q tests_vllm
 
+# The main suite runs on TEST_WORKERS processes (pytest-xdist; CI has 2 cores).
+TEST_WORKERS ?= 2
 test: setup-test redis-server
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 	$(MAKE) test-vllm

@@ -217,8 +217,8 @@ def test_dispatcher_picks_the_c_store_for_cpu_layers():
 
 def test_reference_backend_still_runs_the_reference(monkeypatch):
     calls = []
-    real = ref_store.store_side
-    monkeypatch.setattr(ref_store, "store_side", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = ref_store._encode_side  # the reference's encoder, one call per side
+    monkeypatch.setattr(ref_store, "_encode_side", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     layer = make_layer(CODECS["turbo4"], CODECS["turbo4"], 4, 16, 1, 64)
     x = torch.randn(3, 1, 64)
     api.store(layer, x, x, torch.arange(3, dtype=torch.int64), backend="reference")
@@ -239,13 +239,12 @@ def test_bad_values_raise_before_any_write(checks):
         api.store(layer, x, None, slots, checks=checks, backend="reference")
     assert str(got.value) == str(want.value)
     assert not layer.k_pool.any() and not layer.v_pool.any()
-    # an infinite value in V with checks off: K is written (as the reference does), V is not
+    # an infinite value in V, checks on or off: neither side is written (issue 12 item 10)
     v = torch.randn(6, 2, 64)
     v[0, 0, 0] = float("inf")
-    if not checks:
-        with pytest.raises(InvalidInput, match="fp8 encode got NaN or Inf"):
-            api.store(layer, torch.randn(6, 2, 64), v, slots, checks=False)
-        assert not layer.v_pool.any()
+    with pytest.raises(InvalidInput, match="v holds NaN or Inf"):
+        api.store(layer, torch.randn(6, 2, 64), v, slots, checks=checks)
+    assert not layer.k_pool.any() and not layer.v_pool.any()
     # shape errors come from validation, unchanged
     with pytest.raises(InvalidInput, match="k must have shape"):
         api.store(layer, x[:, :1], None, slots)
