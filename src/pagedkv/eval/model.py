@@ -91,8 +91,32 @@ def _require_transformers():
     return transformers
 
 
-def load_tokenizer(source: ModelSource):
+def default_model_cache() -> Path:
+    """Where converted GGUF models are kept (`pagedkv.eval.model_cache`): ~/.cache/pagedkv/models."""
+    from ..offload.config import default_cache_dir
+
+    return default_cache_dir() / "models"
+
+
+def _converted(source: ModelSource, model_cache: Optional[Path]) -> Optional[Path]:
+    """The private converted folder of a GGUF source, when one exists (None: load the GGUF)."""
+    if not source.gguf_file or model_cache is None:
+        return None
+    from . import model_cache as mc
+
+    return mc.lookup(model_cache, os.path.join(source.directory, source.gguf_file))
+
+
+_DEFAULT = object()
+
+
+def load_tokenizer(source: ModelSource, *, model_cache: Any = _DEFAULT):
+    """The source's tokenizer; for a GGUF, from its converted folder when there is one.
+    model_cache: a folder, None (never use one) or the default (`default_model_cache()`)."""
     transformers = _require_transformers()
+    folder = _converted(source, default_model_cache() if model_cache is _DEFAULT else model_cache)
+    if folder is not None:
+        return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     return transformers.AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
 
@@ -130,14 +154,16 @@ def resolve_device(device: str):
 
 
 def load_model(source: ModelSource, *, attn_implementation: str = "sdpa", dtype=None,
-               device: str = "cpu", tokenizer=None) -> LoadedModel:
+               device: str = "cpu", tokenizer=None, model_cache: Any = _DEFAULT) -> LoadedModel:
     """Load weights (GGUF tensors are dequantized to float32) in eval mode on `device`
     ("cpu", "cuda", "cuda:1", or "auto" = cuda when available).
 
     attn_implementation: "sdpa"/"eager" for the baselines, "pagedkv" for the paged cache (see
     `pagedkv.integrations.transformers.register`). It can be switched later with
     `model.set_attn_implementation`. tokenizer: one already loaded (`load_tokenizer`), to check
-    the input against it before the weights load.
+    the input against it before the weights load. model_cache: where a GGUF is kept converted
+    (`pagedkv.eval.model_cache`: the first load writes it, later loads read it, same weights);
+    None never reads or writes one; default `default_model_cache()`.
     """
     transformers = _require_transformers()
     import torch
@@ -146,12 +172,21 @@ def load_model(source: ModelSource, *, attn_implementation: str = "sdpa", dtype=
         from ..integrations.transformers import register
 
         register()
+    cache = default_model_cache() if model_cache is _DEFAULT else model_cache
     kwargs: dict = {"local_files_only": True, "attn_implementation": attn_implementation}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
     kwargs["dtype"] = dtype if dtype is not None else torch.float32
     dev = resolve_device(device)
-    model = transformers.AutoModelForCausalLM.from_pretrained(source.directory, **kwargs)
+    folder = _converted(source, cache)
+    if folder is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    else:
+        if source.gguf_file:
+            kwargs["gguf_file"] = source.gguf_file
+        model = transformers.AutoModelForCausalLM.from_pretrained(source.directory, **kwargs)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, model_cache=cache)
+    if folder is None and source.gguf_file and cache is not None and kwargs["dtype"] == torch.float32:
+        from . import model_cache as mc
+
+        mc.save(cache, os.path.join(source.directory, source.gguf_file), model, tokenizer)
     model.eval().to(dev)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     return LoadedModel(model, tokenizer, source.label)

@@ -29,46 +29,25 @@ def convert(gguf_dir: str, gguf_file: str, out_dir: str, dtype: str = "float32")
     """
     import torch
     import transformers
-    from safetensors.torch import save_file
+
+    from ...eval.model_cache import write_folder
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
     kw = {"gguf_file": gguf_file, "local_files_only": True}
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, dtype=torch.float32, **kw)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_dir, **kw)
-    cfg = model.config
-    arch = ARCHITECTURES.get(cfg.model_type)
+    arch = ARCHITECTURES.get(model.config.model_type)
     if arch is None:
-        raise SystemExit(f"convert: model_type {cfg.model_type!r} is not supported; supported: "
+        raise SystemExit(f"convert: model_type {model.config.model_type!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)}")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    state = {k: v.detach().to(torch_dtype).contiguous() for k, v in model.state_dict().items()}
-    if getattr(cfg, "tie_word_embeddings", False):
-        emb = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
-        state["model.embed_tokens.weight"] = emb  # the name vLLM loads a tied embedding from
-        state.pop("lm_head.weight", None)
-    tmp.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(tmp)
-    _fix_config(tmp / "config.json", arch, dtype)
-    tokenizer.save_pretrained(tmp)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_folder(model, tokenizer, tmp, dtype=torch_dtype, architectures=[arch])
     if out.exists():
         import shutil
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
-
-
-def _fix_config(path: Path, arch: str, dtype: str) -> None:
-    """Name the architecture and drop the GGUF quantization entry (the saved weights are plain
-    tensors; vLLM would otherwise try to load them as GGUF)."""
-    import json
-
-    cfg = json.loads(path.read_text())
-    cfg["architectures"] = [arch]
-    cfg["dtype"] = dtype
-    cfg.pop("quantization_config", None)
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

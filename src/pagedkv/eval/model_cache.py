@@ -1,0 +1,110 @@
+"""A GGUF model converted once into a private local folder, so that later loads skip the GGUF.
+
+Loading the embedded SmolLM2 GGUF through transformers parses the file (its 49k-entry vocabulary
+included) for the config, the weights and the tokenizer, and dequantizes every tensor: measured
+here ~37 s of CPU for the model and ~11 s for the tokenizer, on every `pagedkv eval`, `generate`
+and test process. The converted folder holds exactly what that load produced (the float32
+dequantized tensors as safetensors, the config, the tokenizer), so a model loaded from it computes
+bit-identical logits (tests/test_model_cache.py) and loads in a few seconds.
+
+The folder is keyed by the GGUF's resolved path, size and modification time and by the
+transformers version; it is written to a temporary folder and renamed (never half a folder; two
+processes racing keep one), and it is used only when it and its files belong to this user and
+are not writable by others (nobody else could have planted weights). safetensors holds no code.
+A cache that cannot be written is skipped: the model still loads, from the GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from hashlib import blake2b
+from pathlib import Path
+from typing import Any, Optional
+
+from ..ops.cpu.build import private_problem
+
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def folder_key(gguf_path: str) -> str:
+    """Name of the converted folder for one GGUF file as it is now (path, size, mtime, transformers)."""
+    import transformers
+
+    real = os.path.realpath(gguf_path)
+    st = os.stat(real)
+    h = blake2b(digest_size=12)
+    for part in (real, str(st.st_size), str(st.st_mtime_ns), transformers.__version__):
+        h.update(part.encode() + b"\0")
+    return f"{Path(real).stem}-{h.hexdigest()}"
+
+
+def lookup(root: Path, gguf_path: str) -> Optional[Path]:
+    """The converted folder for `gguf_path` under `root`, or None (missing, partial or not private)."""
+    folder = Path(root) / folder_key(gguf_path)
+    if private_problem(Path(root), directory=True) or private_problem(folder, directory=True):
+        return None
+    for name in FILES:
+        if private_problem(folder / name, directory=False):
+            return None
+    return folder
+
+
+def write_folder(model: Any, tokenizer: Any, out: Path, dtype: Any = None,
+                 architectures: Optional[list] = None) -> None:
+    """config.json, model.safetensors and the tokenizer of a loaded (e.g. GGUF-dequantized) model.
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model, so the tensors are written with
+    safetensors directly: a tied embedding once, as `model.embed_tokens.weight` (the name both
+    transformers and vLLM load it from). dtype: torch dtype of the saved tensors (None: as loaded).
+    The config drops the GGUF quantization entry (the saved tensors are plain) and records the
+    dtype and, when given, the architectures.
+    """
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    state = {k: (v.detach() if dtype is None else v.detach().to(dtype)).contiguous()
+             for k, v in model.state_dict().items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        state["model.embed_tokens.weight"] = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
+        state.pop("lm_head.weight", None)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = out / "config.json"
+    data = json.loads(cfg_path.read_text())
+    data.pop("quantization_config", None)
+    data["dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+    if architectures:
+        data["architectures"] = list(architectures)
+    cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save(root: Path, gguf_path: str, model: Any, tokenizer: Any) -> Optional[Path]:
+    """Write the loaded GGUF model and tokenizer under `root`; None (nothing written) on any
+    OS error or when `root` is not private. The saved config drops the GGUF quantization entry:
+    the saved tensors are plain float32."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if private_problem(root, directory=True):
+            return None
+        folder = root / folder_key(gguf_path)
+        tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
+    except OSError:
+        return None
+    try:
+        write_folder(model, tokenizer, tmp)
+        if not all((tmp / name).is_file() for name in FILES):
+            return None
+        os.rename(tmp, folder)  # fails if another process renamed its copy first: keep that one
+        return folder
+    except OSError:
+        return folder if lookup(root, gguf_path) else None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
