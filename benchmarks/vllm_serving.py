@@ -2,8 +2,9 @@
 
     .venv-vllm/bin/python benchmarks/vllm_serving.py [--budgets 64MiB,1GiB] [--json]
 
-Configurations: vLLM bf16 (its CPU backend, model in bf16), vLLM fp8 (kv_cache_dtype=fp8; needs
-AVX-512 on CPU, reported as unsupported otherwise), and pagedkv fp8 / turbo4 / turbo3 /
+Configurations: vLLM bf16 (its CPU backend, model in bf16), vLLM auto (its CPU backend, KV in the
+model's --dtype, e.g. float32), vLLM fp8 (kv_cache_dtype=fp8; needs AVX-512 on CPU, reported as
+unsupported otherwise), and pagedkv fp8 / turbo4 / turbo3 /
 fp8k_turbo3v pages (each name as everywhere in pagedkv: that format in every layer, no
 high-precision layers; statistics fitted at engine start). Every configuration serves the same prompts (distinct windows of
 `pydoc_data.topics`, `--prompt-tokens` each, prefix caching off) with greedy decoding of
@@ -12,8 +13,10 @@ small one where bf16 is KV-bound and a large one where nothing is.
 
 Per configuration and budget: KV capacity in tokens (what vLLM reports), the most requests
 vLLM ran at once (overlap of scheduled..last-token intervals), output tokens/s over the whole
-run, mean time to first token, total time, each also as a ratio to vLLM bf16 under the same
-budget. Each engine runs in a fresh child process (one vLLM engine per process), one after the
+run, mean time to first token, total time, each also as a ratio to vLLM's own cache (the first
+vllm-bf16 / vllm-auto row) under the same budget. `--threads` threads per engine (default 1: on
+a shared 2-core machine loaded past its cores, OpenMP's spinning threads cost more than a
+second thread gives; `benchmarks/vllm_attention_step.py` measures it). Each engine runs in a fresh child process (one vLLM engine per process), one after the
 other, so every row sees the same machine state; the table prints at the end (`--json` prints
 the rows as JSON instead).
 """
@@ -29,7 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(ROOT, ".venv-vllm", "smollm2-hf")
-CONFIGS = ("vllm-bf16", "vllm-fp8", "pagedkv-fp8", "pagedkv-turbo4", "pagedkv-turbo3",
+CONFIGS = ("vllm-bf16", "vllm-auto", "vllm-fp8", "pagedkv-fp8", "pagedkv-turbo4", "pagedkv-turbo3",
            "pagedkv-fp8k_turbo3v")
 UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -49,7 +52,7 @@ def engine_kwargs(config: str, budget: int, args) -> dict:
               max_num_seqs=args.prompts)
     kind, fmt = config.split("-", 1)
     if kind == "vllm":
-        if fmt != "bf16":
+        if fmt not in ("bf16", "auto"):
             kw["kv_cache_dtype"] = fmt
     else:
         kw["additional_config"] = {"pagedkv": {"kv_format": fmt}}
@@ -66,6 +69,7 @@ def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 
 def run_one(config: str, budget: int, args) -> dict:
     """One engine, one run (in this process). Returns the row's raw numbers."""
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -90,16 +94,18 @@ def run_one(config: str, budget: int, args) -> dict:
     return {"config": config, "budget_bytes": budget, "capacity_tokens": int(cc.num_gpu_blocks) * int(cc.block_size),
             "concurrency": peak, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None, "total_s": total,
-            "engine_start_s": start_s, "sample": outs[0].outputs[0].text[:60]}
+            "engine_start_s": start_s, "torch_threads": torch.get_num_threads(),
+            "load_1min": os.getloadavg()[0], "sample": outs[0].outputs[0].text[:60]}
 
 
 def child(config: str, budget: int, args) -> dict:
     """Run one configuration in a fresh process; a failed start becomes a row with its error."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", config, "--budget", str(budget),
            "--model", args.model, "--dtype", args.dtype, "--prompts", str(args.prompts),
-           "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens)]
+           "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
+           "--threads", str(args.threads)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
@@ -109,7 +115,10 @@ def child(config: str, budget: int, args) -> dict:
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    base = {r["budget_bytes"]: r for r in rows if r["config"] == "vllm-bf16" and "error" not in r}
+    base = {}
+    for r in rows:  # the first vLLM bf16 / auto row of each budget
+        if r["config"] in ("vllm-bf16", "vllm-auto") and "error" not in r:
+            base.setdefault(r["budget_bytes"], r)
     for r in rows:
         b = base.get(r["budget_bytes"])
         if b is None or "error" in r:
@@ -121,8 +130,10 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict], args) -> str:
+    loads = [r["load_1min"] for r in rows if "load_1min" in r] or [os.getloadavg()[0]]
     head = (f"{args.prompts} prompts x {args.prompt_tokens} tokens + {args.max_tokens} new (greedy), "
-            f"model dtype {args.dtype}, eager; ratios to vLLM bf16 at the same KV budget")
+            f"model dtype {args.dtype}, eager, {args.threads} thread(s) per engine, load "
+            f"{min(loads):.1f}-{max(loads):.1f}; ratios to vLLM's own cache ({args.dtype} KV) at the same KV budget")
     cols = ("KV budget", "config", "KV tokens", "x", "concurrency", "x", "out tok/s", "x",
             "mean TTFT s", "x", "total s", "x")
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -155,6 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads per engine (VLLM_CPU_OMP_THREADS_BIND=0..N-1; default %(default)s: on a "
+                        "shared machine loaded past its cores, spinning OpenMP threads cost more than they give)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
@@ -166,6 +180,9 @@ def main(argv=None) -> int:
     for c in configs:
         if c not in CONFIGS and not c.startswith("pagedkv-"):
             p.error(f"--configs: unknown {c!r}; accepted: {', '.join(CONFIGS)} or pagedkv-<format>")
+    if "vllm-bf16" in configs and args.dtype not in ("bfloat16", "bf16"):
+        p.error(f"vllm-bf16 needs --dtype bfloat16 (vLLM's CPU backend keeps its KV in the model dtype); "
+                f"with --dtype {args.dtype} name vllm-auto")
     rows, failed = [], {}
     for budget in (parse_bytes(b) for b in args.budgets.split(",")):
         for c in configs:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass
-from typing import ClassVar, Optional
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
 
 import torch
 from vllm.v1.attention.backend import (AttentionBackend, AttentionMetadataBuilder, AttentionType,
@@ -35,6 +35,9 @@ class PagedKVMetadata:
 
     Rows 0..num_decodes-1 are decodes (one query each, tokens 0..num_decodes-1); the prefill
     rows follow, their queries at tokens num_decodes.. with prefill_query_start from 0.
+    `checked`: filled by the step's first layer (`impl.attend`): the ops backend that validated
+    these tensors, per op; the group's other layers (same tensors, same page geometry) then call
+    it directly instead of validating the same tables again.
     """
 
     num_actual_tokens: int
@@ -44,6 +47,7 @@ class PagedKVMetadata:
     prefill_block_tables: torch.Tensor
     prefill_seq_lens: torch.Tensor
     prefill_query_start: torch.Tensor
+    checked: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -67,19 +71,26 @@ class PagedKVMetadataBuilder(AttentionMetadataBuilder[PagedKVMetadata]):
         m = common_attn_metadata
         nd, _, nd_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
         assert nd == nd_tokens, "decode rows carry one query each"
-        tables = m.block_table_tensor
-        if tables.dtype != torch.int32:
-            tables = tables.to(torch.int32)
-        lens = m.seq_lens if m.seq_lens.dtype == torch.int32 else m.seq_lens.to(torch.int32)
-        qsl = m.query_start_loc
-        prefill_qsl = qsl[nd:m.num_reqs + 1]
-        prefill_qsl = (prefill_qsl - prefill_qsl[0]).to(torch.int32)
-        return PagedKVMetadata(
-            num_actual_tokens=int(m.num_actual_tokens), num_decodes=int(nd),
-            decode_block_tables=tables[:nd], decode_seq_lens=lens[:nd],
-            prefill_block_tables=tables[nd:m.num_reqs], prefill_seq_lens=lens[nd:m.num_reqs],
-            prefill_query_start=prefill_qsl,
-        )
+        n = m.num_reqs
+        return split_rows(m.query_start_loc[:n + 1], m.seq_lens[:n], m.block_table_tensor[:n],
+                          int(nd), int(m.num_actual_tokens))
+
+
+def split_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+               num_decodes: int, num_actual_tokens: int) -> PagedKVMetadata:
+    """The step's metadata from vLLM's tensors (decodes first): int32, contiguous, split once,
+    so that no layer converts or checks them again (every layer of the group reuses them)."""
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    nd = num_decodes
+    prefill_qsl = query_start_loc[nd:]
+    prefill_qsl = (prefill_qsl - prefill_qsl[0]).to(torch.int32).contiguous()
+    return PagedKVMetadata(
+        num_actual_tokens=num_actual_tokens, num_decodes=nd,
+        decode_block_tables=tables[:nd], decode_seq_lens=lens[:nd],
+        prefill_block_tables=tables[nd:], prefill_seq_lens=lens[nd:],
+        prefill_query_start=prefill_qsl,
+    )
 
 
 class PagedKVBackend(AttentionBackend):

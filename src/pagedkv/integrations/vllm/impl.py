@@ -12,6 +12,8 @@ Life of a layer (all at engine start unless said otherwise):
    fitted once on the fixed calibration text, or read from a file (`fit.py`).
 4. Per step: `do_kv_cache_update` stores the new tokens (`pagedkv.ops.store`) at vLLM's slots;
    `forward` runs `decode_attention` on the decode rows and `prefill_attention` on the rest.
+   The step's first layer validates the shared tensors (slots, tables, lengths) through the
+   public ops; the other layers of its group call the backend that ran (`store_new`, `attend`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ... import ops
 from ...errors import ConfigError
 from ...formats import parse_format
 from ...ops.batch import AttentionParams
+from ...ops.dispatch import Op, select_backend
 from ..calibration import Calibration
 from . import plugin
 from .backend import PagedKVMetadata, backend_for
@@ -115,9 +118,8 @@ class PagedKVImpl(AttentionImpl):
                            slot_mapping: torch.Tensor) -> None:
         if kv_cache.numel() == 0:
             return
-        paged = self._layer(kv_cache)
-        t = slot_mapping.shape[0]
-        ops.store(paged, key[:t], value[:t], slot_mapping.long(), backend=self.settings.backend, checks=self.settings.checks)
+        store_new(self._layer(kv_cache), key, value, slot_mapping, _step_metadata(layer),
+                  backend=self.settings.backend, checks=self.settings.checks)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Optional[PagedKVMetadata], output: torch.Tensor,
@@ -126,20 +128,72 @@ class PagedKVImpl(AttentionImpl):
             raise NotImplementedError("pagedkv vLLM backend: fused output quantization is not supported")
         if attn_metadata is None:  # profiling run
             return output
-        m = attn_metadata
-        n, nd = m.num_actual_tokens, m.num_decodes
-        paged = self._layer(kv_cache)
-        params = self._attention_params()
-        q = query[:n].view(n, self.num_heads, self.head_size)
-        out = output.view(-1, self.num_heads, self.head_size)
-        be, checks = self.settings.backend, self.settings.checks
-        if nd:
-            out[:nd] = ops.decode_attention(q[:nd], paged, m.decode_block_tables, m.decode_seq_lens,
-                                            params, backend=be, checks=checks)
-        if n > nd:
-            out[nd:n] = ops.prefill_attention(q[nd:n], paged, m.prefill_block_tables, m.prefill_seq_lens,
-                                              m.prefill_query_start, params, backend=be, checks=checks)
+        attend(self._layer(kv_cache), self._attention_params(), query.view(-1, self.num_heads, self.head_size),
+               output.view(-1, self.num_heads, self.head_size), attn_metadata, backend=self.settings.backend,
+               checks=self.settings.checks)
         return output
+
+
+def _step_metadata(layer) -> Optional[PagedKVMetadata]:
+    """This step's metadata of the layer's attention group (vLLM's forward context), or None."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    m = md.get(getattr(layer, "layer_name", None)) if isinstance(md, dict) else md
+    return m if isinstance(m, PagedKVMetadata) else None
+
+
+def store_new(paged, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+              m: Optional[PagedKVMetadata] = None, *, backend=None, checks: bool = False) -> None:
+    """Store the step's new keys / values [>= T, H, D] at vLLM's T slots (one layer).
+
+    Validated once per step, like `attend`: the first layer given this step's slot tensor runs
+    the public op (slots checked against the page), the group's other layers, handed the same
+    tensor, call the backend that ran. Without the step's metadata `m` every call validates."""
+    t = slot_mapping.shape[0]
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    k, v = key[:t], value[:t]
+    seen = None if (checks or m is None) else m.checked.get(Op.STORE)
+    if seen is not None and seen[0] is slot_mapping:
+        seen[1].store(paged, k, v, slots)
+        return
+    ops.store(paged, k, v, slots, backend=backend, checks=checks)
+    if m is not None:
+        m.checked[Op.STORE] = (slot_mapping, select_backend(Op.STORE, paged.device, paged, None, backend))
+
+
+def attend(paged, params: AttentionParams, q: torch.Tensor, out: torch.Tensor, m: PagedKVMetadata, *,
+           backend=None, checks: bool = False) -> None:
+    """One layer's attention for the step: decode rows on the decode op, the rest on the varlen
+    prefill op; q and out [>= num_actual_tokens, Hq, D], out written in place.
+
+    The step's first layer goes through the public ops (which validate the tables, lengths and
+    query offsets against the page) and records the backend that ran in `m.checked`; every
+    other layer of the attention group shares those tensors and the page geometry (one format,
+    one block count), so it calls that backend directly. With `checks` every layer validates."""
+    n, nd = m.num_actual_tokens, m.num_decodes
+    if nd:
+        qd = q[:nd]
+        run = None if checks else m.checked.get(Op.DECODE)
+        if run is None:
+            res = ops.decode_attention(qd, paged, m.decode_block_tables, m.decode_seq_lens, params,
+                                       backend=backend, checks=checks)
+            m.checked[Op.DECODE] = select_backend(Op.DECODE, paged.device, paged, params, backend)
+        else:
+            res = run.decode_attention(qd, paged, m.decode_block_tables, m.decode_seq_lens, params)
+        out[:nd] = res
+    if n > nd:
+        qp = q[nd:n]
+        run = None if checks else m.checked.get(Op.PREFILL)
+        args = (qp, paged, m.prefill_block_tables, m.prefill_seq_lens, m.prefill_query_start, params)
+        if run is None:
+            res = ops.prefill_attention(*args, backend=backend, checks=checks)
+            m.checked[Op.PREFILL] = select_backend(Op.PREFILL, paged.device, paged, params, backend)
+        else:
+            res = run.prefill_attention(*args)
+        out[nd:n] = res
 
 
 def _pagedkv_layers(vllm_config) -> list[tuple[str, torch.nn.Module]]:
