@@ -26,6 +26,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from ... import ops
+from ...ops import validate
 from ...errors import ConfigError
 from ...formats import parse_format
 from ...ops.batch import AttentionParams
@@ -157,6 +158,8 @@ def store_new(paged, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch
     k, v = key[:t], value[:t]
     seen = None if (checks or m is None) else m.checked.get(Op.STORE)
     if seen is not None and seen[0] is slot_mapping:
+        if paged.device.type == "cpu":  # as ops.store: NaN/Inf refused before any write
+            validate.check_store_finite(k, v, slots)
         seen[1].store(paged, k, v, slots)
         return
     ops.store(paged, k, v, slots, backend=backend, checks=checks)
