@@ -3,7 +3,7 @@ fill the swap file, and race two processes on one store; every run must stay bit
 
     .venv/bin/python benchmarks/offload_faults.py [--rounds 3] [--json]
 
-Each run generates a prompt with the toy model (`pagedkv.bench.toy`) on a fresh `TieredCache`
+Each run generates a prompt with the toy model (`pagedkv.bench.toy`) on a fresh `PagedCache`
 while one fault is injected, and compares the generated tokens and every step's attention output
 (`torch.equal`) with a plain `PagedCache` run of the same prompt. Printed counts:
 faults injected, runs, runs bit-identical, warnings (TierWarning + the prefix store's logged
@@ -35,7 +35,7 @@ import torch
 
 from pagedkv.bench.toy import ToyLM
 from pagedkv.cache import CacheConfig, PagedCache
-from pagedkv.offload import OffloadConfig, TieredCache, TierWarning, TierWriteError
+from pagedkv.offload import OffloadConfig, TierWarning, TierWriteError
 from pagedkv.offload.record import RecordError, encode_record, parse_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -210,7 +210,7 @@ def damage_redis(client, kind: str, rng: random.Random) -> None:
 # ---- scenarios ---------------------------------------------------------------------------------
 def disk_scenarios(counts: Counts, root: Path, rng: random.Random) -> None:
     def make(**kw):
-        return lambda: TieredCache(CacheConfig(**CFG), OffloadConfig(
+        return lambda: PagedCache(CacheConfig(**CFG), OffloadConfig(
             prefix_store="disk", prefix_dir=str(root), store_secret=SECRET, **kw))
 
     for p in PROMPTS:  # warm the store: later runs hit
@@ -233,7 +233,7 @@ def disk_scenarios(counts: Counts, root: Path, rng: random.Random) -> None:
     run_one(counts, make(), rng.choice(PROMPTS), "disk-removed",
             during=lambda cache: shutil.rmtree(root, ignore_errors=True))
     run_one(counts, make(prefix_limit_bytes=3000), rng.choice(PROMPTS), "disk-tiny-limit")
-    run_one(counts, lambda: TieredCache(CacheConfig(**CFG), OffloadConfig(
+    run_one(counts, lambda: PagedCache(CacheConfig(**CFG), OffloadConfig(
         resident_blocks_per_seq=1, swap_limit_bytes=6000, cache_dir=str(root.parent / "c"))),
         rng.choice(PROMPTS), "swap-full")
 
@@ -242,7 +242,7 @@ def redis_scenarios(counts: Counts, server: RedisServer, rng: random.Random) -> 
     def make(**kw):
         kw.setdefault("redis_timeout_s", 0.3)
         kw.setdefault("redis_retry_after_s", 0.2)
-        return lambda: TieredCache(CacheConfig(**CFG), OffloadConfig(
+        return lambda: PagedCache(CacheConfig(**CFG), OffloadConfig(
             prefix_store="redis", redis_url=server.url, redis_prefix="faults:",
             store_secret=SECRET, **kw))
 
@@ -287,10 +287,10 @@ def race_child(counts: Counts, disk_root: str, redis_url, rounds: int, seed: int
     rng = random.Random(seed)
     for _ in range(rounds):
         for p in rng.sample(PROMPTS, len(PROMPTS)):
-            run_one(counts, lambda: TieredCache(CacheConfig(**CFG), OffloadConfig(
+            run_one(counts, lambda: PagedCache(CacheConfig(**CFG), OffloadConfig(
                 prefix_store="disk", prefix_dir=disk_root, store_secret=SECRET)), p, "race-disk")
             if redis_url:
-                run_one(counts, lambda: TieredCache(CacheConfig(**CFG), OffloadConfig(
+                run_one(counts, lambda: PagedCache(CacheConfig(**CFG), OffloadConfig(
                     prefix_store="redis", redis_url=redis_url, redis_prefix="race:",
                     store_secret=SECRET)), p, "race-redis")
 

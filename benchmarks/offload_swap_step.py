@@ -1,4 +1,4 @@
-"""Decode-step time of a capped TieredCache vs the same run uncapped (same tokens required).
+"""Decode-step time of a capped PagedCache vs the same run uncapped (same tokens required).
 
     .venv/bin/python benchmarks/offload_swap_step.py
 
@@ -17,7 +17,7 @@ import time
 import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
-from pagedkv.offload import OffloadConfig, TieredCache
+from pagedkv.offload import OffloadConfig
 from pagedkv.bench.toy import ToyLM
 
 torch.set_num_threads(1)
@@ -50,7 +50,7 @@ def main() -> None:
     print(f"uncapped: {base_t * 1e3:.1f} ms/step")
     with tempfile.TemporaryDirectory() as d:
         for swap, prefetch in (("memory", True), ("disk", False), ("disk", True)):
-            tc = TieredCache(CFG, OffloadConfig(resident_blocks_per_seq=8, swap=swap,
+            tc = PagedCache(CFG, OffloadConfig(resident_blocks_per_seq=8, swap=swap,
                                                 prefetch=prefetch, cache_dir=d))
             t, toks = run(tc)
             print(f"cap 8 blocks, swap={swap} prefetch={prefetch}: {t * 1e3:.1f} ms/step "

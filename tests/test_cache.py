@@ -136,6 +136,38 @@ def test_fp8_scale_and_key_centring_are_applied_and_undone():
         cache.configure_layer(0, k_scale=1.0)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "turbo3", "q8_0k_q4_0v"])
+def test_gather_undoes_the_whole_layer_transform(fmt):
+    """gather returns keys and values in the model's basis: the ops store `k * k_mult - k_centre`
+    and `v - v_centre`; the oracle is the reference round trip of exactly those stored values."""
+    import dataclasses
+
+    from pagedkv.ops.reference import store as ref_store
+
+    d = 32
+    cache = PagedCache(_cfg(kv_format=fmt, head_dim=d))
+    g = torch.Generator().manual_seed(5)
+    mult = torch.rand(2, d, generator=g) * 1.5 + 0.5
+    kc, vc = torch.randn(2, d, generator=g), torch.randn(2, d, generator=g) * 3
+    layers = list(cache.layers)
+    layers[0] = dataclasses.replace(layers[0], k_mult=mult, k_centre=kc, v_centre=vc)
+    cache.layers = tuple(layers)
+    k, v = _kv(6, d=d)
+    new = cache.add_sequence(list(range(6)))
+    cache.store(0, k, v, new.slot_mapping)
+    f = parse_format(fmt)
+    got_k, got_v = cache.gather(0, new.seq_id)
+    assert torch.allclose(got_k, (roundtrip(f.k, k * mult - kc) + kc) / mult, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got_v, roundtrip(f.v, v - vc) + vc, atol=1e-5, rtol=1e-5)
+    if fmt == "bf16":  # and that is the input, to bf16 rounding
+        assert torch.allclose(got_k, k, atol=0.05, rtol=0.02)
+    twin = dataclasses.replace(layers[0], k_pool=torch.zeros_like(layers[0].k_pool),
+                               v_pool=torch.zeros_like(layers[0].v_pool))
+    ref_store(twin, k, v, new.slot_mapping)  # the reference store wrote the same bytes
+    assert torch.equal(twin.k_pool, cache.layers[0].k_pool)
+    assert torch.equal(twin.v_pool, cache.layers[0].v_pool)
+
+
 # ---- prefix caching -------------------------------------------------------------------------
 def test_shared_prefix_reuses_full_blocks_with_identical_kv():
     cache = PagedCache(_cfg(kv_format=["bf16", "turbo4k3v"], num_blocks=12))

@@ -212,7 +212,10 @@ class CacheMachine(RuleBasedStateMachine):
         held = [0] * pool.num_blocks
         for s in c.sequence_ids():
             for b in c.seqs.table(s):
-                held[b] += 1
+                if b >= 0:  # a swapped entry (-2 - record) holds a record, not a block
+                    held[b] += 1
+                else:
+                    assert c.tiers is not None and b <= -2, f"{s!r}: entry {b} without swap"
         assert [pool.ref_count(b) for b in range(pool.num_blocks)] == held
         free, cached = pool.free_blocks(), pool.cached_blocks()
         used = [b for b in range(pool.num_blocks) if held[b]]

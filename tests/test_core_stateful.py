@@ -121,7 +121,7 @@ class CoreMachine(RuleBasedStateMachine):
         sid, self.next_id = self.next_id, self.next_id + 1
         before = self.snapshot()
         try:
-            hit = self.m.add(sid, toks, rest=False)
+            hit = self.m.add(sid, toks, rest=False)[1]
         except CacheFull:
             assert self.snapshot() == before
             return

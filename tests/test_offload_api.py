@@ -1,13 +1,13 @@
-"""TieredCache / tier configuration errors: clear, typed, raised before any state changes."""
+"""PagedCache(offload=...) / tier configuration errors: clear, typed, raised before any state changes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedkv.cache import CacheConfig
+from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.errors import CacheFull, ConfigError, UnknownSequence
-from pagedkv.offload import OffloadConfig, TieredCache
+from pagedkv.offload import OffloadConfig
 from pagedkv.bench.toy import ToyLM
 
 
@@ -18,7 +18,7 @@ def _cfg(num_blocks=16):
 
 def test_config_errors_name_the_value():
     with pytest.raises(ConfigError, match="OffloadConfig"):
-        TieredCache(_cfg(), "disk")
+        PagedCache(_cfg(), "disk")
     with pytest.raises(ConfigError, match="swap must be one of disk, memory"):
         OffloadConfig(swap="tape")
     with pytest.raises(ConfigError, match="prefetch"):
@@ -40,7 +40,7 @@ def test_redis_tier_argument_errors():
 
 
 def _swapped_cache():
-    tc = TieredCache(_cfg(), OffloadConfig(resident_blocks_per_seq=1, swap="memory"))
+    tc = PagedCache(_cfg(), OffloadConfig(resident_blocks_per_seq=1, swap="memory"))
     run = ToyLM(tc).generate(list(range(9)), 1)  # 9 tokens: blocks 0, 1 swapped, 2 resident
     assert tc.swapped_blocks(run.seq_id) == [0, 1]
     return tc, run.seq_id
@@ -65,10 +65,10 @@ def test_pop_into_a_swapped_block_with_no_room_raises_before_changing_anything()
     tc.enforce_cap(filler.seq_id)
     while tc.pool.num_available:  # take whatever the cap gave back
         tc.allocate(filler.seq_id, 4)
-    before = (list(tc.seqs.table(child)), tc.seq_len(child), dict(tc.swap.refs))
+    before = (list(tc.seqs.table(child)), tc.seq_len(child), dict(tc.seqs.rec_refs), tc.swap.keys())
     with pytest.raises(CacheFull, match="swapped block 1"):
         tc.pop(child, 2)
-    assert (list(tc.seqs.table(child)), tc.seq_len(child), dict(tc.swap.refs)) == before
+    assert (list(tc.seqs.table(child)), tc.seq_len(child), dict(tc.seqs.rec_refs), tc.swap.keys()) == before
     tc.free(filler.seq_id)
     tc.pop(child, 2)  # now it fits: block 1 comes back as the partly filled last block
     assert tc.swapped_blocks(child) == [0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
-from pagedkv.offload import OffloadConfig, TieredCache, TierWarning
+from pagedkv.offload import OffloadConfig, TierWarning
 from pagedkv.bench.toy import ToyLM
 
 PROMPT = [(5 * i + 1) % 97 for i in range(45)]  # 45 tokens, block 8: 5 full blocks can hit
@@ -25,7 +25,7 @@ def _cfg(fmt="q8_0", model_id="toy", **kw):
 
 
 def _cache(tmp_path, cfg=None, **kw):
-    return TieredCache(cfg or _cfg(), OffloadConfig(prefix_store="disk",
+    return PagedCache(cfg or _cfg(), OffloadConfig(prefix_store="disk",
                                                     prefix_dir=str(tmp_path / "prefix"), **kw))
 
 

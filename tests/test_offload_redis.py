@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
-from pagedkv.offload import OffloadConfig, TieredCache, TierWarning
+from pagedkv.offload import OffloadConfig, TierWarning
 from pagedkv.bench.toy import ToyLM
 from helpers.redis_server import RedisServer
 
@@ -40,7 +40,7 @@ def server(tmp_path):
 
 
 def _cache(url, **kw):
-    return TieredCache(CacheConfig(**CFG), OffloadConfig(prefix_store="redis", redis_url=url,
+    return PagedCache(CacheConfig(**CFG), OffloadConfig(prefix_store="redis", redis_url=url,
                                                          redis_timeout_s=0.5, store_secret=SECRET,
                                                          **kw))
 
@@ -53,11 +53,11 @@ def baseline():
 _CHILD = textwrap.dedent("""
     import json, sys, torch
     torch.set_num_threads(1)
-    from pagedkv.cache import CacheConfig
-    from pagedkv.offload import OffloadConfig, TieredCache
+    from pagedkv.cache import CacheConfig, PagedCache
+    from pagedkv.offload import OffloadConfig
     from pagedkv.bench.toy import ToyLM
     cfg, url, prompt, secret = json.loads(sys.argv[1])
-    cache = TieredCache(CacheConfig(**cfg), OffloadConfig(prefix_store="redis", redis_url=url,
+    cache = PagedCache(CacheConfig(**cfg), OffloadConfig(prefix_store="redis", redis_url=url,
                                                           store_secret=secret))
     run = ToyLM(cache).generate(prompt, 8)
     print(json.dumps({"hit_tokens": run.hit_tokens, "prefilled": run.prefilled,
@@ -154,7 +154,7 @@ def test_hung_server_times_out_once_then_misses_fast(baseline):
     t.start()
     try:
         url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
-        cache = TieredCache(CacheConfig(**CFG), OffloadConfig(
+        cache = PagedCache(CacheConfig(**CFG), OffloadConfig(
             prefix_store="redis", redis_url=url, redis_timeout_s=0.3, redis_retry_after_s=60,
             store_secret=SECRET))
         with warnings.catch_warnings(record=True) as caught:

@@ -8,7 +8,7 @@ import pytest
 
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.errors import ConfigError
-from pagedkv.offload import OffloadConfig, TieredCache
+from pagedkv.offload import OffloadConfig
 from pagedkv.bench.toy import ToyLM
 from test_offload_redis import CFG, PROMPT, SECRET, server  # noqa: F401 (fixture)
 
@@ -17,7 +17,7 @@ redis = pytest.importorskip("redis", reason="the redis client package is not ins
 
 def _cache(url, **kw):
     kw.setdefault("store_secret", SECRET)
-    return TieredCache(CacheConfig(**CFG), OffloadConfig(prefix_store="redis", redis_url=url,
+    return PagedCache(CacheConfig(**CFG), OffloadConfig(prefix_store="redis", redis_url=url,
                                                          redis_timeout_s=2, **kw))
 
 
@@ -32,7 +32,7 @@ def _keys(server, pattern="pagedkv:pkv*"):
 
 def test_a_redis_store_needs_a_secret(server):  # noqa: F811
     with pytest.raises(ConfigError, match=r"store_secret=.*token_hex"):
-        TieredCache(CacheConfig(**CFG), OffloadConfig(prefix_store="redis", redis_url=server.url))
+        PagedCache(CacheConfig(**CFG), OffloadConfig(prefix_store="redis", redis_url=server.url))
 
 
 def test_a_damaged_entry_is_replaced(server, baseline):  # noqa: F811

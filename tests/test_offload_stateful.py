@@ -1,5 +1,5 @@
 """Property test: the cache's random add/append/step/fork/pop/free/reset/evict machine, run on a
-TieredCache with a resident cap of one block (swap in memory) and a prefix store.
+PagedCache with offload tiers: a resident cap of one block (swap in memory) and a prefix store.
 
 Every rule and invariant of `test_cache_stateful.CacheMachine` applies unchanged (reference
 counts, no block in two places, and every sequence's K/V reading back bit for bit, swapped blocks
@@ -18,15 +18,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
 import test_cache_stateful as base  # the plain cache's machine: rules, invariants, data banks
+from pagedkv.alloc.swapstate import swapped_record
 from pagedkv.errors import CacheFull
-from pagedkv.offload import MemoryTier, OffloadConfig, TieredCache
+from pagedkv.cache import PagedCache
+from pagedkv.offload import MemoryTier, OffloadConfig
 
 
 class TieredMachine(base.CacheMachine):
     def __init__(self):
         super().__init__()
         self.store = MemoryTier()
-        self.cache = TieredCache(
+        self.cache = PagedCache(
             dataclasses.replace(base._config(), model_id="stateful"), OffloadConfig(resident_blocks_per_seq=1, swap="memory", prefetch=False),
             prefix_tier=self.store)
 
@@ -66,12 +68,13 @@ class TieredMachine(base.CacheMachine):
             n = len(c.seqs.table(s))
             for j in swapped:  # only full committed blocks; the last one only if full
                 assert j < committed_full and (j < n - 1 or c.seq_len(s) % base.BS == 0)
-                key = c._swapped[s][j]
-                refs[key] = refs.get(key, 0) + 1
+                rid = swapped_record(c.seqs.table(s)[j])
+                refs[rid] = refs.get(rid, 0) + 1
             if c.seqs.committed(s) == c.seq_len(s):  # the cap holds after a commit
                 assert c.resident_blocks(s) <= max(1, n - committed_full + (c.seq_len(s) % base.BS > 0))
-        assert refs == c.swap.refs
-        assert sorted(self.cache.swap.tier.keys()) == sorted(refs)
+        assert refs == c.seqs.rec_refs
+        keys = sorted(c.swap.key_of(r) for r in refs)
+        assert sorted(self.cache.swap.tier.keys()) == keys == sorted(c.swap.keys())
 
 
 TieredMachine.TestCase.settings = settings(

@@ -1,7 +1,7 @@
 """Resident cap with swap: capped runs give bit-identical attention outputs and tokens.
 
 The oracle is the same toy model on a plain PagedCache (no cap) calling the reference ops with
-the cache's own block tables; the capped TieredCache must match it exactly (torch.equal), since
+the cache's own block tables; the capped PagedCache must match it exactly (torch.equal), since
 read-back restores the very bytes the attention would have read.
 """
 
@@ -14,7 +14,8 @@ import torch
 
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.errors import CacheFull, InvalidInput
-from pagedkv.offload import OffloadConfig, SwapLost, TieredCache, TierWriteError
+from pagedkv.cache import PagedCache
+from pagedkv.offload import OffloadConfig, SwapLost, TierWriteError
 from pagedkv.offload.swapfile import SwapFileTier
 from pagedkv.bench.toy import ToyLM
 from pagedkv.ops import api as ops
@@ -30,7 +31,7 @@ def _cfg(fmt="turbo3", **kw):
 
 
 def _tiered(tmp_path, cfg, cap, **kw):
-    return TieredCache(cfg, OffloadConfig(resident_blocks_per_seq=cap, cache_dir=str(tmp_path), **kw))
+    return PagedCache(cfg, OffloadConfig(resident_blocks_per_seq=cap, cache_dir=str(tmp_path), **kw))
 
 
 def _same(a, b):
@@ -135,7 +136,7 @@ def test_fork_pop_free_with_swapped_blocks(tmp_path):
         tc.free(sid)
         tc.seqs.check_invariants()
         assert tc.pool.num_used == 0
-        assert tc.swap.refs == {} and len(tc.swap.tier) == 0  # every record deleted
+        assert tc.seqs.rec_refs == {} and len(tc.swap.tier) == 0  # every record deleted
     finally:
         tc.close()
 
@@ -213,7 +214,7 @@ def test_corrupted_swap_record_raises_swap_lost(tmp_path):
 def test_memory_swap_tier_and_config_checks(tmp_path):
     cfg = _cfg("bf16")
     base = ToyLM(PagedCache(cfg)).generate(PROMPT, 6)
-    tc = TieredCache(cfg, OffloadConfig(resident_blocks_per_seq=2, swap="memory"))
+    tc = PagedCache(cfg, OffloadConfig(resident_blocks_per_seq=2, swap="memory"))
     _same(base, ToyLM(tc).generate(PROMPT, 6))
     assert tc.swap.tier.used_bytes > 0
     tc.close()
@@ -235,12 +236,13 @@ def test_shared_prefix_blocks_are_swapped_once(tmp_path):
             _same(a, b)
         assert got[1].hit_tokens == 40
         # the second sequence's 5 prefix blocks reuse the first one's records
-        assert tc.offload_stats()["swap"]["swap_outs"] == len(tc.swap.refs) == 5
-        assert sorted(tc.swap.refs.values()) == [2] * 5
+        assert tc.offload_stats()["swap"]["swap_outs"] == len(tc.seqs.rec_refs) == 5
+        assert sorted(tc.seqs.rec_refs.values()) == [2] * 5  # one record, two table entries
+        assert len(tc.swap.tier) == 5
         tc.free(got[0].seq_id)
-        assert sorted(tc.swap.refs.values()) == [1] * 5
+        assert sorted(tc.seqs.rec_refs.values()) == [1] * 5 and len(tc.swap.tier) == 5
         tc.free(got[1].seq_id)
-        assert tc.swap.refs == {} and tc.swap.by_chain == {}
+        assert tc.seqs.rec_refs == {} and tc.seqs.rec_chain == {} and len(tc.swap.tier) == 0
         tc.seqs.check_invariants()
 
 
@@ -248,7 +250,7 @@ def test_stale_swap_dirs_of_dead_processes_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from pagedkv.offload.tiered import _HOST
+    from pagedkv.offload.policy import _HOST
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()

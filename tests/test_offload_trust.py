@@ -17,7 +17,8 @@ import torch
 from pagedkv.alloc.hashing import chain, root_hash
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.errors import ConfigError
-from pagedkv.offload import DiskTier, OffloadConfig, TieredCache, TierWarning
+from pagedkv.cache import PagedCache
+from pagedkv.offload import DiskTier, OffloadConfig, TierWarning
 from pagedkv.offload.record import encode_record, parse_header
 from pagedkv.bench.toy import ToyLM
 
@@ -32,7 +33,7 @@ def _cfg(**kw):
 
 
 def _cache(tmp_path, cfg=None, **kw):
-    return TieredCache(cfg or _cfg(), OffloadConfig(prefix_store="disk",
+    return PagedCache(cfg or _cfg(), OffloadConfig(prefix_store="disk",
                                                     prefix_dir=str(tmp_path / "prefix"), **kw))
 
 
@@ -51,7 +52,7 @@ def test_a_prefix_store_refuses_to_start_without_a_model_identity(tmp_path):
     with pytest.raises(ConfigError, match=r"model_id=.*weights_identity"):
         _cache(tmp_path, _cfg(model_id=""))
     assert not (tmp_path / "prefix").exists()  # refused before opening anything
-    TieredCache(_cfg(model_id=""), OffloadConfig(resident_blocks_per_seq=2, swap="memory"))
+    PagedCache(_cfg(model_id=""), OffloadConfig(resident_blocks_per_seq=2, swap="memory"))
 
 
 def test_sliding_window_is_part_of_the_key(tmp_path):

@@ -78,24 +78,29 @@ class BlockManager:
         return self.main.length(seq_id)
 
     # ---- sequences ----------------------------------------------------------------------------
-    def add(self, seq_id: Hashable, tokens: Sequence[int], salt: Salt = None, *,
-            rest: bool = True, max_hit_blocks: Optional[int] = None) -> int:
+    def add(self, seq_id: Optional[Hashable], tokens: Sequence[int], salt: Salt = None, *,
+            rest: bool = True, max_hit_blocks: Optional[int] = None
+            ) -> tuple[Hashable, int, tuple[int, ...]]:
         """Admit a sequence in every group (prefix hits in whole blocks, see
-        `SequenceManager.add`); returns the hit tokens. rest=False holds the hits only."""
+        `SequenceManager.add`). seq_id None = a new int id. Returns (seq_id, hit tokens, the
+        main group's slots of the tokens after the hits). rest=False holds the hits only."""
+        if isinstance(tokens, int) and not isinstance(tokens, bool):
+            raise ConfigError("add_sequence needs the prompt's token ids, not a count")
         n, toks, _ = check_tokens(tokens, "add_sequence")
+        seq_id = self.main._new_id(seq_id)
         hit = self.main.match(toks, salt) if self.prefix else 0
         hit = hit if max_hit_blocks is None else min(hit, max_hit_blocks)
         held = n if rest else hit * self.block_size
         for g in self.groups:
-            if seq_id in g:
-                raise ConfigError(f"sequence id {seq_id!r} is already in use")
             need = -(-held // self.block_size) - hit
             if need > g.pool.headroom:
                 raise CacheFull(f"add_sequence of {n} tokens needs {need} new blocks "
                                 f"({hit} prefix hits); {g.pool.headroom} available")
+        slots: list[int] = []
         for g in self.groups:
-            g.add(toks, salt, seq_id, max_hit_blocks=hit, rest=rest)
-        return hit * self.block_size
+            _, _, got = g.add(toks, salt, seq_id, max_hit_blocks=hit, rest=rest)
+            slots = slots or got
+        return seq_id, hit * self.block_size, tuple(slots)
 
     def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[Tokens]) -> StepPlan:
         """New tokens (ids or counts) for several distinct sequences in every group."""
@@ -126,11 +131,11 @@ class BlockManager:
         for g in self.groups:
             g.commit(list(seq_ids))
 
-    def fork(self, seq_id: Hashable, new_id: Hashable) -> Hashable:
+    def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
+        """A copy of `seq_id` in every group sharing its blocks (new_id None = a new int id)."""
         for g in self.groups:
             g._get(seq_id)
-            if new_id in g:
-                raise ConfigError(f"sequence id {new_id!r} is already in use")
+        new_id = self.main._new_id(new_id)
         for g in self.groups:
             g.fork(seq_id, new_id)
         return new_id

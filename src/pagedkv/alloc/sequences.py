@@ -314,9 +314,12 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
                 f"before position {s.dead * self.block_size} were released (keep at least "
                 f"{self.min_length(seq_id)}, or 0)")
         keep = -(-new_len // self.block_size)
-        if new_len % self.block_size:
-            return swapped_record(s.table[keep - 1])
-        return None
+        rid = swapped_record(s.table[keep - 1]) if new_len % self.block_size else None
+        if rid is not None and self.pool.headroom < 1 and not any(
+                b >= 0 and self.pool._ref[b] == 1 for b in s.table[keep:]):
+            raise CacheFull(f"pop of {n} tokens from sequence {seq_id!r} must read swapped block "
+                            f"{keep - 1} back and no pool block is available")
+        return rid
 
     def pop(self, seq_id: Hashable, n: int) -> Optional[int]:
         """Roll back the last n tokens (speculative decoding, crop); frees blocks left empty.
@@ -326,10 +329,6 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
         s = self._get(seq_id)
         new_len = len(s.tokens) - n
         keep = -(-new_len // self.block_size)
-        freed = sum(1 for b in s.table[keep:] if b >= 0 and self.pool._ref[b] == 1)
-        if rid is not None and not freed and not self.pool.ensure(1):
-            raise CacheFull(f"pop of {n} tokens from sequence {seq_id!r} must read a swapped "
-                            "block back and no pool block is available")
         while len(s.table) > keep:
             self._drop_entry(s.table.pop())
         back = None

@@ -6,8 +6,9 @@ through the cache's pools; x += attention @ W_o; the greedy next token from the 
 (x minus the input embedding) @ E^T, so it depends on attention. Outputs feed the next layer
 and the next token, so any difference in stored or read-back bytes shows in the tokens.
 
-Works with a plain `PagedCache` (calls `pagedkv.ops` with the cache's own tables) and with a
-`TieredCache` (calls its attention methods, which read swapped blocks back).
+Works with a plain `PagedCache` (calls `pagedkv.ops` with the cache's own tables: the oracle of
+the tier tests) and with one built with offload tiers (calls its attention methods, which read
+swapped blocks back).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class ToyLM:
     def _attend(self, li: int, q: torch.Tensor, seq_ids: Sequence[Hashable],
                 qsl: torch.Tensor | None) -> torch.Tensor:
         c = self.cache
-        if hasattr(c, "attention_view"):
+        if getattr(c, "tiers", None) is not None:
             if qsl is None:
                 return c.decode_attention(li, q, seq_ids, self.params[li])
             return c.prefill_attention(li, q, seq_ids, qsl, self.params[li])

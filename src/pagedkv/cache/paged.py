@@ -19,25 +19,20 @@ by later prefix lookups; a block is never keyed before its K/V were stored in ev
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from ..alloc import BlockPool, SequenceManager
 from ..alloc.hashing import Salt
+from ..alloc.manager import BlockManager, GroupSpec, StepPlan
 from ..alloc.trace import BlockTrace
-from ..errors import ConfigError, InvalidInput
+from ..errors import ConfigError
 from ..ops.batch import PagedLayer
 from . import storage
 from .config import CacheConfig
+from .dataplane import DataPlane
 from .tables import StepBatch, block_table_tensor, int_tensor
-
-try:  # the public op (validation + backend dispatch); the fallback keeps the cache usable alone
-    from ..ops import store as _ops_store
-except ImportError:  # pragma: no cover - only while ops are being built
-    _ops_store = None
 
 
 @dataclass(frozen=True)
@@ -76,14 +71,25 @@ class CacheStats:
     evictions: int
 
 
-class PagedCache:
-    """Paged KV storage for every attention layer of one model.
+class PagedCache(DataPlane):
+    """Paged KV storage for every attention layer of one model, on the block manager.
 
     layers: tuple of PagedLayer (index = cache layer). Sequence ids are any hashable value given
     by the caller, or ints handed out by `add_sequence`/`fork`.
+
+    offload: None, or an `pagedkv.offload.OffloadConfig`: the resident cap (after each commit a
+    sequence holding more than N blocks in memory swaps its oldest full committed blocks out;
+    attention through `decode_attention` / `prefill_attention` / `attention_view` reads them
+    back, bit-identical; `step` / `block_tables` show -1 there so a direct op call fails loudly)
+    and the shared prefix store (`add_sequence` loads stored prefix blocks first, `commit`
+    publishes newly full ones; `NewSequence.hit_tokens` counts both kinds of hit,
+    `offload_stats()` says which). A swap write that fails raises TierWriteError from `commit`
+    after the commit itself took effect (blocks stay resident; committing again retries);
+    prefix-store faults never raise. swap_tier / prefix_tier: tiers to use instead of those
+    `offload` describes. `close()` (or `with`) deletes this cache's swap records.
     """
 
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, offload=None, *, swap_tier=None, prefix_tier=None):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"PagedCache needs a CacheConfig, got {type(config).__name__}")
         if config.latent is not None:  # latent (MLA) layers have one pool, not K/V pools
@@ -93,74 +99,192 @@ class PagedCache:
         self.block_size = config.block_size
         self.num_blocks = config.total_blocks
         self.device = config.device
-        self.pool = BlockPool(self.num_blocks, trace=config.trace)
-        self.seqs = SequenceManager(self.pool, config.block_size, config.fingerprint)
+        self.core = BlockManager([GroupSpec(None, self.num_blocks)], config.block_size,
+                                 config.fingerprint, trace=config.trace)
+        self.seqs = self.core.main  # the one block group: tables, prefix chain, swap entries
+        self.pool = self.seqs.pool
         self.layers: tuple[PagedLayer, ...] = storage.build_layers(config)
         self._checked: tuple = (None, -1, -1)  # (slot tensor, its _version, pool.version)
+        self._epoch = 0  # bumps whenever tables or layers change (attention plans are per epoch)
+        self.tiers = None
+        if offload is not None or swap_tier is not None or prefix_tier is not None:
+            from ..offload.config import OffloadConfig
+            from .tiering import CacheTiers
+
+            self.tiers = CacheTiers(self, OffloadConfig() if offload is None else offload,
+                                    swap_tier, prefix_tier)
+
+    def _changed(self) -> None:
+        self._epoch += 1
+
+    def _dropped(self) -> None:
+        """Table entries went: delete the swap records nothing names any more."""
+        self._changed()
+        if self.tiers is not None:
+            self.tiers.drop_dead(self.seqs)
+
+    def _apply(self, plan: StepPlan) -> tuple[int, ...]:
+        """Apply the plan's data-plane part (copy-on-write copies in every layer); its slots."""
+        gs = plan.groups[0]
+        assert not gs.moves and gs.num_blocks == self.num_blocks, "the engine pool is fixed"
+        storage.copy_blocks(self.layers, list(gs.copies))
+        self._changed()
+        return gs.slots
+
+    def _ids(self, seq_ids: Union[Hashable, Iterable[Hashable]]) -> list:
+        if isinstance(seq_ids, (list, tuple, set, frozenset)) and seq_ids not in self.seqs:
+            return list(seq_ids)
+        return [seq_ids]
 
     # ---- sequences ------------------------------------------------------------------------
     def add_sequence(self, tokens: Sequence[int], salt: Salt = None,
                      seq_id: Optional[Hashable] = None) -> NewSequence:
         """Admit a prompt. Full blocks whose keys (token chain + salt + cache fingerprint) are
-        cached are shared instead of recomputed; hits are whole blocks and always fewer than
-        len(tokens). Store K/V of `tokens[hit_tokens:]` at `slot_mapping`, then `commit`."""
-        sid, hit, slots = self.seqs.add(tokens, salt, seq_id)
+        cached (in memory, or in the prefix store: loaded first) are shared instead of
+        recomputed; hits are whole blocks and always fewer than len(tokens). Store K/V of
+        `tokens[hit_tokens:]` at `slot_mapping`, then `commit`."""
+        loaded = 0
+        if self.tiers is not None:
+            tokens, loaded = self.tiers.before_add(self.seqs, self.layers, tokens, salt, seq_id)
+        sid, hit, slots = self.core.add(seq_id, tokens, salt)
+        self._changed()
+        if self.tiers is not None:
+            self.tiers.tier_hit_tokens += min(loaded * self.block_size, hit)
         return NewSequence(sid, hit, int_tensor(slots, torch.int64, self.device))
 
     def allocate(self, seq_id: Hashable, tokens: Union[int, Sequence[int]]) -> torch.Tensor:
         """Slots (int64 [n]) for new tokens at the end of a sequence: their ids, or a count when
         the ids are unknown (such blocks are never prefix-keyed). A shared partly filled last
         block is copied first, in every layer."""
-        slots, copies = self.seqs.allocate(seq_id, tokens)
-        storage.copy_blocks(self.layers, copies)
-        return int_tensor(slots, torch.int64, self.device)
+        self.seqs._get(seq_id)
+        return int_tensor(self._apply(self.core.step([seq_id], [tokens])), torch.int64, self.device)
 
     def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[Union[int, Sequence[int]]]
              ) -> StepBatch:
         """Allocate new tokens for several sequences at once (all or nothing) and build the
-        step's tensors: slot mapping, block tables, seq_lens, query_start_loc."""
-        slots, copies = self.seqs.allocate_batch(seq_ids, tokens)
-        storage.copy_blocks(self.layers, copies)
-        seqs = self.seqs
-        lens = [seqs.length(i) for i in seq_ids]
+        step's tensors: slot mapping, block tables (-1 where swapped), seq_lens,
+        query_start_loc."""
+        for i in seq_ids:
+            self.seqs._get(i)
+        plan = self.core.step(seq_ids, tokens)
+        slots = self._apply(plan)
         starts = [0]
-        for t in tokens:
-            starts.append(starts[-1] + (t if isinstance(t, int) else len(t)))
+        for n in plan.counts:
+            starts.append(starts[-1] + n)
         return StepBatch(
             slot_mapping=int_tensor(slots, torch.int64, self.device),
-            block_tables=block_table_tensor([seqs.table(i) for i in seq_ids], self.device),
-            seq_lens=int_tensor(lens, torch.int32, self.device),
+            block_tables=self.block_tables(seq_ids),
+            seq_lens=self.seq_lens(seq_ids),
             query_start_loc=int_tensor(starts, torch.int32, self.device),
         )
 
     def commit(self, seq_ids: Union[Hashable, Iterable[Hashable]]) -> None:
         """Declare every allocated token's K/V stored in every layer (one id or a list); full
-        blocks are then keyed for prefix hits."""
-        self.seqs.commit(seq_ids)
+        blocks are then keyed for prefix hits (and published, and the resident cap enforced,
+        with offload tiers)."""
+        ids = self._ids(seq_ids)
+        self.core.commit(ids)
+        self._changed()
+        if self.tiers is not None:
+            self.tiers.after_commit(self.seqs, ids, self.layers)
 
     def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
-        """A copy of a sequence sharing all its blocks (beam search, parallel sampling)."""
-        return self.seqs.fork(seq_id, new_id)
+        """A copy of a sequence sharing all its blocks and swap records (beam search, parallel
+        sampling)."""
+        out = self.core.fork(seq_id, new_id)
+        self._changed()
+        return out
 
     def pop(self, seq_id: Hashable, n: int) -> None:
-        """Drop the last n tokens (rejected speculative tokens); empty blocks are released."""
-        self.seqs.pop(seq_id, n)
+        """Drop the last n tokens (rejected speculative tokens); empty blocks are released. A
+        swapped block that becomes the partly filled last block is read back first (CacheFull
+        / SwapLost before any change if that is impossible)."""
+        rid = self.core.check_pop(seq_id, n)[0]
+        sections = None if rid is None else self.tiers.fetch(self.seqs, rid, self.layers)
+        back = self.core.pop(seq_id, n)[0]
+        if back is not None:
+            self.tiers.write_back(self.layers, back, sections)
+        self._dropped()
 
     def reset(self, seq_id: Hashable) -> None:
         """Empty a sequence, keeping its id."""
-        self.seqs.reset(seq_id)
+        self.pop(seq_id, self.seqs.length(seq_id))
 
     def free(self, seq_id: Hashable) -> None:
         """Drop a sequence; its committed full blocks stay cached for prefix hits (LRU)."""
-        self.seqs.free(seq_id)
+        self.core.free(seq_id)
+        self._dropped()
 
     def clear(self) -> None:
-        """Drop every sequence and every cached prefix (the pools keep their bytes)."""
-        self.seqs.clear()
+        """Drop every sequence, swap record and cached prefix (the pools keep their bytes)."""
+        self.core.clear()
+        self._dropped()
 
     def reset_prefix_cache(self) -> int:
         """Forget all prefix keys; cached blocks return to the free list. Returns how many."""
+        self._changed()
         return self.pool.reset_prefix_cache()
+
+    # ---- swap -----------------------------------------------------------------------------
+    def swapped_blocks(self, seq_id: Hashable) -> list[int]:
+        """Logical indices of the sequence's blocks that are swapped out (sorted)."""
+        return self.seqs.swapped(seq_id)
+
+    def resident_blocks(self, seq_id: Hashable) -> int:
+        return len(self.seqs.table(seq_id)) - len(self.seqs.swapped(seq_id))
+
+    def enforce_cap(self, seq_id: Hashable) -> int:
+        """Swap out the sequence's oldest full committed blocks until at most the cap stay
+        resident (the last block always stays; `commit` does this). Returns how many moved;
+        TierWriteError if a write fails (that block and the later ones stay resident)."""
+        self.seqs._get(seq_id)
+        if self.tiers is None:
+            return 0
+        moved = self.tiers.enforce(self.seqs, seq_id, self.layers)
+        self._changed()
+        return moved
+
+    @property
+    def swap(self):
+        """The swap space (records, tier, stats) or None without a resident cap."""
+        t = self.tiers
+        return None if t is None or t.swap is None else t.swap.swap
+
+    @property
+    def prefix(self):
+        """The shared prefix store or None."""
+        t = self.tiers
+        return None if t is None or t.prefix is None else t.prefix.store
+
+    @property
+    def layout(self):
+        """The record layout of the layers now (`pagedkv.offload.record.BlockLayout`: what swap
+        records and the prefix store hold)."""
+        from ..offload.record import BlockLayout
+
+        return BlockLayout.from_layers(self.layers)
+
+    @property
+    def tier_hit_tokens(self) -> int:
+        """Prompt tokens found in the prefix store (not in memory) by add_sequence."""
+        return 0 if self.tiers is None else self.tiers.tier_hit_tokens
+
+    def offload_stats(self) -> dict:
+        """Counters of the tiers: swap (outs, ins, bytes, read time) and prefix store."""
+        if self.tiers is None:
+            return {"tier_hit_tokens": 0, "swapped_blocks": 0}
+        return self.tiers.stats(self.seqs)
+
+    def close(self) -> None:
+        """Delete this cache's swap records (and directory) and close the tiers."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def __enter__(self) -> "PagedCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- queries --------------------------------------------------------------------------
     def __contains__(self, seq_id: Hashable) -> bool:
@@ -177,8 +301,11 @@ class PagedCache:
         return self.seqs.tokens(seq_id)
 
     def block_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
-        """int32 [B, max_blocks], 0-padded."""
-        return block_table_tensor([self.seqs.table(i) for i in seq_ids], self.device)
+        """int32 [B, max_blocks], 0-padded; -1 where a block is swapped out."""
+        t = block_table_tensor([self.seqs.table(i) for i in seq_ids], torch.device("cpu"))
+        if self.tiers is not None:
+            t = t.clamp(min=-1)  # a swapped entry (-2 - record) reads -1
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     def seq_lens(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 [B]."""
@@ -186,13 +313,18 @@ class PagedCache:
 
     def slot_mapping(self, seq_id: Hashable, start: int = 0, end: Optional[int] = None
                      ) -> torch.Tensor:
-        """int64 [end - start]: slots of positions start..end-1 of a sequence."""
+        """int64 [end - start]: slots of positions start..end-1 of a sequence (ConfigError if
+        they include swapped-out blocks: read those through attention_view / gather)."""
         n = self.seqs.length(seq_id)
         end = n if end is None else end
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
             raise ConfigError(f"positions [{start}, {end}) are outside sequence {seq_id!r} of {n}")
-        return int_tensor(self.seqs._slots(self.seqs._get(seq_id), start, end - start),
-                          torch.int64, self.device)
+        bs = self.block_size
+        hit = [i for i in self.seqs.swapped(seq_id) if i * bs < end and (i + 1) * bs > start]
+        if hit:
+            raise ConfigError(f"positions [{start}, {end}) of sequence {seq_id!r} include "
+                              f"swapped-out blocks {hit}; use attention_view / gather to read them")
+        return int_tensor(self.seqs.slots(seq_id, start, end - start), torch.int64, self.device)
 
     @property
     def trace(self) -> Optional[BlockTrace]:
@@ -221,104 +353,3 @@ class PagedCache:
             prefix_hit_rate=(s.prefix_hit_tokens / q) if q else 0.0,
             evictions=self.pool.evictions,
         )
-
-    # ---- data -----------------------------------------------------------------------------
-    def _layer(self, layer: int) -> PagedLayer:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(self.layers):
-            raise ConfigError(f"layer must be an int in [0, {len(self.layers)}), got {layer!r}")
-        return self.layers[layer]
-
-    def _check_slots(self, slot_mapping: torch.Tensor) -> None:
-        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 \
-                or slot_mapping.dim() != 1:
-            raise InvalidInput(
-                f"slot_mapping must be an int64 [T] tensor, got "
-                f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)} "
-                f"{list(getattr(slot_mapping, 'shape', []))}"
-            )
-        last, tv, pv = self._checked
-        if last is slot_mapping and tv == slot_mapping._version and pv == self.pool.version:
-            return  # the same, unmodified tensor was checked for an earlier layer of this step
-        s = slot_mapping.detach().cpu()
-        s = s[s >= 0]
-        if not s.numel():
-            return
-        bs = self.block_size
-        hi = int(s.max())
-        if hi >= self.num_blocks * bs:
-            raise InvalidInput(f"slot {hi} is outside the pool ({self.num_blocks} blocks x {bs})")
-        blocks, offs = s // bs, s % bs
-        in_use = torch.frombuffer(self.pool.in_use, dtype=torch.uint8)
-        fill = torch.frombuffer(self.pool.fill, dtype=torch.int32)  # zero-copy view
-        bad = (in_use[blocks] == 0) | (offs >= fill[blocks].long())
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise InvalidInput(
-                f"slot {int(s[i])} (block {int(blocks[i])}, offset {int(offs[i])}) was not "
-                "allocated to any sequence; store only at slots returned by add_sequence, "
-                "allocate or step"
-            )
-        keyed = torch.frombuffer(self.pool.keyed, dtype=torch.uint8)[blocks]
-        if bool(keyed.any()):
-            i = int(keyed.nonzero()[0, 0])
-            raise InvalidInput(
-                f"slot {int(s[i])} is in block {int(blocks[i])}, a committed prefix block that "
-                "other sequences may share; its K/V are already stored (store only the tokens "
-                "after NewSequence.hit_tokens)"
-            )
-        if torch.unique(s).numel() != s.numel():
-            raise InvalidInput("slot_mapping holds the same slot twice")
-        self._checked = (slot_mapping, slot_mapping._version, self.pool.version)
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """Encode k, v (float [T, H, D]) into layer `layer`'s pools at `slot_mapping` (int64 [T],
-        negative = skip). Slots must have been allocated (checked unless config.check_slots is
-        False). Raises before writing anything."""
-        pl = self._layer(layer)
-        if self.config.check_slots:
-            self._check_slots(slot_mapping)
-        if _ops_store is not None:
-            _ops_store(pl, k, v, slot_mapping)
-        else:  # pragma: no cover
-            storage.store_fallback(pl, k, v, slot_mapping)
-
-    def gather(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode a sequence's stored K and V in `layer`: float32 [len, H, D] each, in the
-        original (unrotated, uncentred) basis. For tests and the reference attention."""
-        pl = self._layer(layer)
-        slots = self.slot_mapping(seq_id)
-        return storage.gather_side(pl, "k", slots), storage.gather_side(pl, "v", slots)
-
-    def configure_layer(self, layer: int, *, k_scale: Optional[float] = None,
-                        v_scale: Optional[float] = None,
-                        k_centre: Optional[torch.Tensor] = None) -> None:
-        """Set a layer's fp8 tensor scales and/or key centre (float32 [H, D]; needs
-        CacheConfig(key_centring=True)). Only while the cache holds no data (they change what
-        stored bytes mean)."""
-        pl = self._layer(layer)
-        if self.pool.num_used or self.pool.num_cached:
-            raise ConfigError(
-                "configure_layer needs an empty cache (stored blocks were encoded with the old "
-                "settings); call clear() first"
-            )
-        for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if val is not None and not (isinstance(val, (int, float)) and 0 < float(val) < float("inf")):
-                raise ConfigError(f"{name} must be a finite number > 0, got {val!r}")
-        changes = {}
-        if k_centre is not None:
-            if not self.config.key_centring:
-                raise ConfigError("k_centre needs CacheConfig(key_centring=True)")
-            shape = (pl.num_kv_heads, pl.head_dim)
-            if not isinstance(k_centre, torch.Tensor) or tuple(k_centre.shape) != shape \
-                    or not torch.is_floating_point(k_centre) or not bool(torch.isfinite(k_centre).all()):
-                raise InvalidInput(f"k_centre must be a finite float tensor of shape {list(shape)}")
-            changes["k_centre"] = k_centre.detach().to(self.device, torch.float32).clone()
-        if k_scale is not None:
-            changes["k_scale"] = torch.tensor([float(k_scale)], dtype=torch.float32, device=self.device)
-        if v_scale is not None:
-            changes["v_scale"] = torch.tensor([float(v_scale)], dtype=torch.float32, device=self.device)
-        if changes:
-            layers = list(self.layers)
-            layers[layer] = dataclasses.replace(pl, **changes)
-            self.layers = tuple(layers)

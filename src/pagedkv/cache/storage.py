@@ -60,32 +60,21 @@ def _tensor_scale(pl_codec, scale: torch.Tensor) -> Optional[float]:
     return float(scale.item()) if pl_codec.scale_type is ScaleType.TENSOR_FP32 else None
 
 
-def store_fallback(pl: PagedLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Reference encode + scatter, used only when `pagedkv.ops.store` cannot be imported."""
-    keep = slots >= 0
-    slots = slots[keep]
-    blocks, offs = slots // pl.block_size, slots % pl.block_size
-    kf = k[keep].float()
-    if pl.k_centre is not None:
-        kf = kf - pl.k_centre
-    for codec, pool, scale, x in ((pl.k_codec, pl.k_pool, pl.k_scale, kf),
-                                  (pl.v_codec, pl.v_pool, pl.v_scale, v[keep].float())):
-        data, scales = codec_ref.encode(codec, x, _tensor_scale(codec, scale))
-        dv, sv = block_views(codec, pool, pl.block_size, pl.num_kv_heads, pl.head_dim)
-        dv[blocks, offs] = data
-        if scales.shape[-1]:
-            sv[blocks, offs] = scales
-
-
 def gather_side(pl: PagedLayer, side: str, slots: torch.Tensor) -> torch.Tensor:
-    """Decode the rows at `slots` (int64 [n]) of one side -> float32 [n, H, D], unrotated,
-    with the key centre added back."""
+    """Decode the rows at `slots` (int64 [n]) of one side -> float32 [n, H, D] in the basis the
+    model produced: unrotated, the layer transform undone (keys are stored as
+    `k * k_mult - k_centre`, values as `v - v_centre`)."""
     codec, pool, scale = ((pl.k_codec, pl.k_pool, pl.k_scale) if side == "k"
                           else (pl.v_codec, pl.v_pool, pl.v_scale))
     dv, sv = block_views(codec, pool, pl.block_size, pl.num_kv_heads, pl.head_dim)
     blocks, offs = slots // pl.block_size, slots % pl.block_size
     out = codec_ref.decode(codec, dv[blocks, offs], sv[blocks, offs], pl.head_dim,
                            _tensor_scale(codec, scale))
-    if side == "k" and pl.k_centre is not None:
-        out = out + pl.k_centre
+    if side == "k":
+        if pl.k_centre is not None:
+            out = out + pl.k_centre
+        if pl.k_mult is not None:
+            out = out / pl.k_mult
+    elif pl.v_centre is not None:
+        out = out + pl.v_centre
     return out

@@ -1,6 +1,8 @@
 """Tiers below memory: a per-sequence resident cap with swap, and a shared prefix store.
 
-- `TieredCache(cache_config, OffloadConfig(...))`: a PagedCache with both features.
+- Policies (`policy.py`) the cache core calls at admit, commit and attend: `SwapPolicy` (the
+  resident cap), `PrefixPolicy` (the prefix store); `pagedkv.cache.PagedCache(config,
+  offload=OffloadConfig(...))` and the transformers drop-in use them.
 - Tiers: `DiskTier` (a file per value, size limit, LRU: the embedded prefix store),
   `SwapFileTier` (fixed-size slots in one file: the disk swap), `RedisTier` (shared across
   processes and machines), `MemoryTier` (tests, benchmarks, swap in memory).
@@ -19,11 +21,10 @@ from .record import BlockLayout, RecordError, decode_record, encode_record, pars
 from .swap import SwapSpace
 from .store import open_prefix_store
 from .swapfile import SwapFileTier
-from .tiered import TieredCache
 from .tiers import MemoryTier, SwapLost, Tier, TierWarning, TierWriteError
 
 __all__ = [
-    "OffloadConfig", "default_cache_dir", "TieredCache",
+    "OffloadConfig", "default_cache_dir",
     "Tier", "MemoryTier", "DiskTier", "SwapFileTier", "TierWarning", "TierWriteError", "SwapLost",
     "PrefixStore", "StoreKeys", "open_prefix_store", "store_identity", "weights_identity",
     "SwapSpace",

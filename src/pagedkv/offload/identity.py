@@ -11,16 +11,25 @@ the cache's own settings and `model_id`; a store refuses to start with the defau
 from __future__ import annotations
 
 from hashlib import blake2b
+from typing import Protocol, Sequence
 
 import torch
 
-from ..cache import CacheConfig
 from ..errors import ConfigError
+
+
+class CacheIdentity(Protocol):
+    """What the tiers read of a cache's configuration (`pagedkv.cache.CacheConfig` is one; the
+    tiers never import the cache)."""
+
+    model_id: str
+    fingerprint: bytes
+    layers: Sequence  # each with .sliding_window (None or W)
 
 SAMPLE_BYTES = 1 << 16  # bytes hashed per tensor beyond its name, dtype and shape
 
 
-def require_model_id(config: CacheConfig) -> str:
+def require_model_id(config: CacheIdentity) -> str:
     """`config.model_id`, or ConfigError naming what to pass when it is empty."""
     if not config.model_id:
         raise ConfigError(
@@ -32,7 +41,7 @@ def require_model_id(config: CacheConfig) -> str:
     return config.model_id
 
 
-def store_identity(config: CacheConfig) -> bytes:
+def store_identity(config: CacheIdentity) -> bytes:
     """16 bytes: the cache fingerprint (model id, block size, dims, formats, key centring) and
     every layer's sliding window. Mixed into every store key."""
     require_model_id(config)

@@ -24,7 +24,6 @@ import shutil
 import socket
 import uuid
 import weakref
-from array import array
 from pathlib import Path
 from typing import Hashable, Optional, Sequence
 
@@ -39,7 +38,7 @@ from .store import open_prefix_store
 from .record import BlockLayout, write_block
 from .swap import SwapSpace
 from .swapfile import SwapFileTier
-from .tiers import MemoryTier, Tier
+from .tiers import MemoryTier, SwapLost, Tier
 
 
 _HOST = re.sub(r"[^0-9A-Za-z_.]", "_", socket.gethostname())[:40] or "host"
@@ -107,17 +106,21 @@ def build_tiers(owner, config, offload: OffloadConfig, swap_tier: Optional[Tier]
 
 
 class _Layouts:
-    """The record layout of a tuple of layers (recomputed when the layers change)."""
+    """The record layout of a tuple of layers (recomputed when a layer's pools or transform
+    change: `configure_layer`, growth, calibration)."""
 
     def __init__(self) -> None:
-        self._for: Optional[tuple] = None
+        self._for: tuple = ()
         self._layout: Optional[BlockLayout] = None
 
     def of(self, layers: Sequence[PagedLayer]) -> BlockLayout:
-        key = tuple(id(pl.k_pool) for pl in layers) + tuple(id(pl.k_centre) for pl in layers)
-        if self._for != key:
+        key = tuple(getattr(pl, f) for pl in layers for f in _LAYOUT_FIELDS)
+        if len(key) != len(self._for) or any(a is not b for a, b in zip(key, self._for)):
             self._layout, self._for = BlockLayout.from_layers(layers), key
         return self._layout  # type: ignore[return-value]
+
+
+_LAYOUT_FIELDS = ("k_pool", "k_centre", "k_mult", "v_centre", "k_scale", "v_scale")
 
 
 class SwapPolicy:
@@ -138,7 +141,7 @@ class SwapPolicy:
         try:
             for i, b, rid, new in todo:
                 if new:
-                    self.swap.write(layers, layout, b, rid=rid)
+                    self.swap.write(layers, layout, b, rid)
                 done.append((i, b, rid, new))
         finally:
             seqs.swapped_out(seq_id, done)
@@ -149,15 +152,39 @@ class SwapPolicy:
         for rid in seqs.drain_dead_records():
             self.swap.release(self.swap.key_of(rid))
 
+    def fetch(self, seqs: SequenceManager, rid: int, layers: Sequence[PagedLayer]):
+        """Every layer's bytes of record `rid` (SwapLost naming the sequences if not intact)."""
+        try:
+            return self.swap.read_whole(self.layouts.of(layers), self.swap.key_of(rid))
+        except SwapLost as exc:
+            raise self.lost(seqs, exc, None) from None
+
     def restore(self, seqs: SequenceManager, rid: int, block: int,
                 layers: Sequence[PagedLayer]) -> None:
         """Write record `rid` back into pool block `block` (SwapLost if it is not intact)."""
-        layout = self.layouts.of(layers)
-        write_block(layers, block, self.swap.read_whole(layout, self.swap.key_of(rid)))
+        write_block(layers, block, self.fetch(seqs, rid, layers))
+
+    def lost(self, seqs: SequenceManager, exc: SwapLost, layer: Optional[int]) -> SwapLost:
+        """The SwapLost a caller sees: the sequences and token ranges whose K/V is gone."""
+        lost = set(exc.keys)
+        bs = seqs.block_size
+        hit = []
+        for sid in seqs.ids():
+            idx = [i for i in seqs.swapped(sid)
+                   if self.swap.key_of(swapped_record(seqs.table(sid)[i])) in lost]
+            if idx:
+                spans = ", ".join(f"{i * bs}..{(i + 1) * bs - 1}" for i in idx)
+                hit.append(f"sequence {sid!r} (tokens {spans})")
+        where = "" if layer is None else f" of layer {layer}"
+        return SwapLost(f"K/V{where} swapped out to {self.swap.tier.name} cannot be read back "
+                        f"intact (removed or corrupted outside pagedkv) for "
+                        f"{'; '.join(hit) or 'no live sequence'}: free and recompute them",
+                        keys=exc.keys)
 
     def plan(self, seqs: SequenceManager, seq_ids: Sequence[Hashable], device):
         """(resident block ids int64 [n], record keys, block tables int32 [B, width]) of a batch
-        with swapped entries (tables index the view's pools), or None when nothing is swapped."""
+        with swapped entries (tables index the view's pools, 0-padded), or None when nothing
+        is swapped."""
         res: dict[int, int] = {}
         recs: dict[str, int] = {}
         rows = []
@@ -166,24 +193,31 @@ class SwapPolicy:
             for e in seqs.table(s):
                 rid = swapped_record(e)
                 if rid is None:
-                    row.append((0, res.setdefault(max(e, 0), len(res))))
+                    row.append(res.setdefault(max(e, 0), len(res)))
                 else:
-                    row.append((1, recs.setdefault(self.swap.key_of(rid), len(recs))))
+                    row.append(~recs.setdefault(self.swap.key_of(rid), len(recs)))
             rows.append(row)
         if not recs:
             return None
-        from ..cache.tables import block_table_tensor  # tensor helper only (no cache state)
-
         n_res = len(res)
-        tables = [array("i", [j + n_res if kind else j for kind, j in row]) for row in rows]
+        width = max(1, max(len(r) for r in rows))
+        tables = torch.tensor([[j if j >= 0 else n_res + ~j for j in r] + [0] * (width - len(r))
+                               for r in rows], dtype=torch.int32)
         return (torch.tensor(list(res), dtype=torch.int64, device=device), tuple(recs),
-                block_table_tensor(tables, device))
+                tables.to(device))
 
-    def view(self, pl: PagedLayer, index: int, layers: Sequence[PagedLayer], plan) -> PagedLayer:
+    def view(self, pl: PagedLayer, index: int, layers: Sequence[PagedLayer], plan,
+             seqs: Optional[SequenceManager] = None) -> PagedLayer:
         """Layer `pl` (position `index` in the group's `layers`) with temporary pools: the plan's
-        resident blocks, then its swapped records' sections read back."""
+        resident blocks, then its swapped records' sections read back (SwapLost naming the
+        sequences of `seqs` if one is not intact)."""
         resident, keys, _ = plan
-        got = self.swap.read_layer(self.layouts.of(layers), index, keys)
+        try:
+            got = self.swap.read_layer(self.layouts.of(layers), index, keys)
+        except SwapLost as exc:
+            if seqs is None:
+                raise
+            raise self.lost(seqs, exc, index) from None
         n_res, n_sw = int(resident.numel()), len(keys)
         pools = []
         for side, pool in ((0, pl.k_pool), (1, pl.v_pool)):

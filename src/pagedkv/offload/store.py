@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..cache import CacheConfig
 from ..errors import ConfigError
 from .config import OffloadConfig
 from .disk import DiskTier
-from .identity import store_identity
+from .identity import CacheIdentity, store_identity
 from .keys import StoreKeys, disk_secret, process_secret, secret_bytes
 from .prefix import PrefixStore
 from .tiers import Tier
@@ -57,7 +56,7 @@ def _needs_secret(where: str) -> ConfigError:
     )
 
 
-def open_prefix_store(config: CacheConfig, offload: OffloadConfig,
+def open_prefix_store(config: CacheIdentity, offload: OffloadConfig,
                       tier: Optional[Tier] = None) -> Optional[PrefixStore]:
     """The prefix store of a cache (None when `offload` has none and no `tier` is given).
     Raises ConfigError, before opening anything, when `config.model_id` is empty."""

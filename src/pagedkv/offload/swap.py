@@ -8,14 +8,14 @@ prefetch on, layer l+1's sections are fetched in a background thread while layer
 A record that is missing, short or fails a checksum raises `SwapLost` (its data would otherwise
 be silently wrong; the swap tier never evicts, so this means outside damage).
 
-Several sequences may reference one record (fork, or the same prefix block swapped out by
-several sequences: records of prefix-keyed blocks are shared by chain hash, so a common prompt is
-swapped out once); a record is deleted when its last reference goes.
+Who references a record is not kept here: the block manager counts the table entries naming
+each record (`pagedkv.alloc.swapstate`, the one reference-count system) and records sharing
+there (fork, or one prefix block swapped out by several sequences); the policy deletes a record
+here when its last entry goes.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 import uuid
@@ -49,12 +49,8 @@ class SwapSpace:
     def __init__(self, tier: Tier, *, prefetch: bool = True):
         self.tier = tier
         self.session = f"s{os.getpid()}{uuid.uuid4().hex[:10]}"
-        self._ids = itertools.count()
-        self.refs: dict[str, int] = {}
-        self.by_chain: dict[bytes, str] = {}  # prefix chain hash -> record of that block
-        self._heads: dict[str, tuple[int, bytes]] = {}  # key -> (header length, header digest)
+        self._heads: dict[str, tuple[int, bytes]] = {}  # live key -> (header length, digest)
         self._offsets: tuple[Optional[BlockLayout], list[int]] = (None, [])
-        self._chain_of: dict[str, bytes] = {}
         self.stats = SwapStats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-swap") \
             if prefetch else None
@@ -62,56 +58,36 @@ class SwapSpace:
 
     # ---- writing ----------------------------------------------------------------------------
     def key_of(self, rid: int) -> str:
-        """The record key of the block manager's swap record `rid`."""
+        """The record key of the block manager's swap record `rid` (fixed width: fixed-size
+        records)."""
         return f"{self.session}-r{rid:012d}"
 
-    def write(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int,
-              chain: Optional[bytes] = None, rid: Optional[int] = None) -> str:
-        """Store block `block` of every layer; returns its record key (one more reference).
-        `chain`: the block's prefix key when it has one (immutable contents): a record already
-        holding that block is shared instead of written again. Raises TierWriteError with
-        nothing stored."""
-        if chain is not None and chain in self.by_chain:
-            key = self.by_chain[chain]
-            self.refs[key] += 1
-            return key
-        key = self.key_of(rid) if rid is not None else \
-            f"{self.session}-{next(self._ids):013d}"  # fixed width: fixed-size records
+    def keys(self) -> list[str]:
+        """The records held now."""
+        return list(self._heads)
+
+    def write(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int, rid: int) -> str:
+        """Store block `block` of every layer as record `rid`; returns its key. Raises
+        TierWriteError with nothing stored."""
+        key = self.key_of(rid)
         rec = encode_record(layout, key.encode(), read_block(layers, block))
         self.tier.put(key, rec)
-        self.refs[key] = 1
         head = header_bytes(layout, key.encode())
         self._heads[key] = (len(head), head[-16:])
-        if chain is not None:
-            self.by_chain[chain] = key
-            self._chain_of[key] = chain
         self.stats.swap_outs += 1
         self.stats.bytes_out += len(rec)
         return key
 
-    def share(self, key: str) -> None:
-        self.refs[key] += 1
-
     def release(self, key: str) -> None:
-        r = self.refs[key] - 1
-        if r:
-            self.refs[key] = r
-        else:
-            del self.refs[key]
-            self._heads.pop(key, None)
-            chain = self._chain_of.pop(key, None)
-            if chain is not None:
-                del self.by_chain[chain]
+        """Delete a record (its last table entry went)."""
+        if self._heads.pop(key, None) is not None:
             self.tier.delete(key)
 
     def clear(self) -> None:
         self._drop_pending()
-        for key in list(self.refs):
+        for key in list(self._heads):
             self.tier.delete(key)
-        self.refs.clear()
         self._heads.clear()
-        self.by_chain.clear()
-        self._chain_of.clear()
 
     # ---- reading ----------------------------------------------------------------------------
     def read_whole(self, layout: BlockLayout, key: str) -> Sections:
