@@ -68,9 +68,6 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     except Exception:
         layer._abort(pending, was_initialized)
         raise
-    if layer.k_mult is not None:  # q . k == (q / m) . (k * m): stored keys are k * m
-        g = hq // layer.k_mult.shape[0]
-        query = (query.float() / layer.k_mult.repeat_interleave(g, dim=0)[None, :, None, :]).to(query.dtype)
     params = AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap, sinks=sinks)
     cache = layer.cache
     dev = query.device
@@ -99,10 +96,6 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         paged, tables = cache.attention_inputs(layer, dev)
         out = prefill_attention(q_rows.contiguous(), paged, tables, seq_lens,
                                 qsl, params, backend=cache.backend, checks=cache.checks)
-    if layer.v_centre is not None:  # sum_j p_j (v_j - c) + c, the weights summing to one
-        g = hq // layer.v_centre.shape[0]
-        out = out.float()  # the ops' own output: added to in place (no second output-sized buffer)
-        out.add_(layer.v_centre.repeat_interleave(g, dim=0))
     out = out.to(query.dtype)
     if valid is None:
         return out.reshape(b, tq, hq, d), None

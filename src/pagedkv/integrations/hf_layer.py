@@ -91,7 +91,7 @@ class PagedCacheLayer:
         p = self._make(self.group.num_blocks)
         on = {k: (None if v is None else v.to(dev, torch.float32)) for k, v in t.items()}
         self.k_mult, self.v_centre = on["k_mult"], on["v_centre"]
-        self.paged = replace(p, k_centre=on["k_centre"],
+        self.paged = replace(p, k_centre=on["k_centre"], k_mult=on["k_mult"], v_centre=on["v_centre"],
                              k_scale=on["k_scale"] if on["k_scale"] is not None else p.k_scale,
                              v_scale=on["v_scale"] if on["v_scale"] is not None else p.v_scale)
         self.is_initialized = True
@@ -146,7 +146,9 @@ class PagedCacheLayer:
         cal = calibrate(key_states, value_states, query_states, p.k_codec.name, p.v_codec.name,
                         options, p.device)
         self.k_mult, self.v_centre = cal.k_mult, cal.v_centre
-        changes = {name: getattr(cal, name) for name in ("k_centre", "k_scale", "v_scale")
+        # the whole transform goes into the layer the ops receive: they store and attend with it
+        changes = {name: getattr(cal, name) for name in ("k_centre", "k_scale", "v_scale",
+                                                         "k_mult", "v_centre")
                    if getattr(cal, name) is not None}
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True
@@ -173,10 +175,6 @@ class PagedCacheLayer:
             v = value_states.transpose(1, 2)
             k = k.reshape(b * t, h, d) if valid is None else k[valid]
             v = v.reshape(b * t, h, d) if valid is None else v[valid]
-            if self.k_mult is not None:
-                k = k.float() * self.k_mult
-            if self.v_centre is not None:
-                v = v.float() - self.v_centre
             slots = cache._slots_rows(starts, counts, self.paged.device, self.group, valid)
             store(self.paged, k, v, slots, backend=cache.backend, checks=cache.checks)
         cache._record(start, valid, b, t)

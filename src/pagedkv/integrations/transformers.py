@@ -52,7 +52,10 @@ Key centring (on by default for non-bf16 K): on its first stored chunk a layer f
 under the K codec's error model); stored keys are k - k_centre and attention adds q . k_centre
 back, which softmax makes exact. It removes the large shared component of keys (the RoPE-rotated bias most
 models have) before quantization. Value centring (on by default for non-bf16 V, off in layers
-with sinks) stores v - v_centre and adds v_centre to the output (the weights sum to one).
+with sinks) stores v - v_centre and adds v_centre to the output (the weights sum to one). The
+whole transform (key centre and multipliers, value centre, fp8 scales) is part of the layer the
+ops receive (`PagedLayer.k_mult` / `v_centre` / `k_centre`): the ops store and attend with it,
+nothing is transformed around them, and a prefix store's record layout covers it.
 
 Limitations: `torch.compile` is not supported; a prepared 4D attention mask is refused (pass
 the 2D padding mask); the mask must cover every column seen so far ([B, past + new], as
