@@ -68,7 +68,7 @@ from pagedkv.eval.model import embedded_model_source, load_model  # noqa: E402
 from pagedkv.eval.runner import EvalConfig, _forward, parse_choice  # noqa: E402
 from pagedkv.eval.text import bos_id, default_text, make_windows, read_text, tokenize  # noqa: E402
 from pagedkv.codecs.catalogue import get_codec  # noqa: E402
-from pagedkv.integrations import calibration as cal  # noqa: E402
+from pagedkv.cache import calibration as cal  # noqa: E402
 from pagedkv.integrations import transformers as tfi  # noqa: E402
 
 STDLIB_MODULES = (

@@ -82,7 +82,7 @@ class Paged:
 
     def __init__(self, fmt_name: str, num_blocks: int, gen: torch.Generator):
         from pagedkv.formats import parse_format
-        from pagedkv.integrations.calibration import Calibration
+        from pagedkv.cache.calibration import Calibration
         from pagedkv.integrations.vllm.layout import content_bytes, paged_layer
         from pagedkv.ops.batch import AttentionParams
 

@@ -1,4 +1,4 @@
-"""First-chunk calibration (pagedkv.integrations.calibration): the attention-weighted key centre
+"""First-chunk calibration (pagedkv.cache.calibration): the attention-weighted key centre
 against a written-out oracle (loops over queries and keys), its minimiser property, the fallbacks,
 and calibrate()'s choice of estimator."""
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pagedkv.integrations import calibration as cal
-from pagedkv.integrations.calibration import CalibrationOptions, attention_key_centre, calibrate, key_centre
+from pagedkv.cache import calibration as cal
+from pagedkv.cache.calibration import CalibrationOptions, attention_key_centre, calibrate, key_centre
 
 
 def _oracle_weights(keys, values, queries, k_codec, positions=None):

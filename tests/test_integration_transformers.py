@@ -146,7 +146,7 @@ def test_compressed_cache_equals_dense_attention_on_decoded_kv(family, fmt, cent
 
 
 def test_channel_multipliers_minimise_the_logit_error_bound():
-    from pagedkv.integrations.calibration import MULT_RANGE, channel_multipliers
+    from pagedkv.cache.calibration import MULT_RANGE, channel_multipliers
 
     torch.manual_seed(0)
     k = torch.randn(1, 2, 50, 16) * torch.linspace(0.1, 3, 16)
@@ -267,7 +267,7 @@ def test_plain_forward_without_cache_is_exact_attention():
 def test_key_centre_estimator_per_codec():
     """fp8 K: per-channel mean without the 1 + 3% tokens farthest from the median (the sink);
     other codecs: per-channel median over tokens averaged over rows (oracle: written out)."""
-    from pagedkv.integrations.calibration import key_centre
+    from pagedkv.cache.calibration import key_centre
 
     g = torch.Generator().manual_seed(3)
     k = torch.randn(2, 3, 9, 8, generator=g)

@@ -108,6 +108,22 @@ def test_key_centre_changes_the_layout():
     assert BlockLayout.from_layers([a]) != BlockLayout.from_layers([b])
 
 
+@pytest.mark.parametrize("field", ["k_centre", "k_mult", "v_centre", "k_scale", "v_scale"])
+def test_every_part_of_the_transform_changes_the_layout(field):
+    """Stored bytes mean something else under another transform: a record (and a prefix-store
+    key, which mixes in the layout fingerprint) of one transform never matches another."""
+    fp8 = get_codec("fp8")
+    base = dict(k_centre=torch.zeros(2, 32), k_mult=torch.ones(2, 32), v_centre=torch.zeros(2, 32))
+    a = make_layer(fp8, fp8, 2, 8, 2, 32, **base)
+    if field in base:
+        other = dict(base, **{field: base[field] + 0.5})
+        b = make_layer(fp8, fp8, 2, 8, 2, 32, **other)
+    else:
+        b = make_layer(fp8, fp8, 2, 8, 2, 32, **base, **{field: 0.5})
+    la, lb = BlockLayout.from_layers([a]), BlockLayout.from_layers([b])
+    assert la != lb and la.fingerprint != lb.fingerprint
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
 def test_parse_header_of_garbage_raises_only_record_error(buf):

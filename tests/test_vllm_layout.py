@@ -97,7 +97,7 @@ def test_views_of_a_vllm_page_equal_contiguous_pools(name):
     backing = torch.zeros(nb, 2, h, n, c, dtype=torch.uint8)  # [B, L, H, N, C]: BLHNC
     page = backing[:, 1]
     cal_scale = torch.tensor([0.05])
-    from pagedkv.integrations.calibration import Calibration
+    from pagedkv.cache.calibration import Calibration
 
     stats = {"k_centre": torch.randn(h, d, generator=g), "k_mult": torch.rand(h, d, generator=g) + 0.5,
              "v_centre": torch.randn(h, d, generator=g)}

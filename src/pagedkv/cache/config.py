@@ -10,9 +10,10 @@ or `high_precision_layers=N / "auto"` make the first and last N layers use `hp_f
 turbo3 with 3+3 q8_0 layers measured KL 0.0886 at 4.5 bits/element against 0.0924 at 6 with
 bf16, 2 eval windows) instead of the
 base format; per side, the more precise of the two codecs is kept, so hp never lowers precision.
-`high_precision_layers="auto"` picks N from the most aggressive K codec among the layers:
-K >= 8 bits: 0, 4 bits: 2, 3 bits: 3, 2 bits: 4 (low-bit keys shift attention scores; the first
-and last layers are the most sensitive). 2N >= num_layers makes every layer high precision.
+`high_precision_layers="auto"` picks N from the most aggressive K codec among the layers
+(`codecs.derive.auto_high_precision_layers`, derived from the row: max(0, 6 - code bits), so
+K >= 8 bits: 0, 4 bits: 2, 3 bits: 3, 2 bits: 4, 5 bits: 1; low-bit keys shift attention scores,
+and the first and last layers are the most sensitive). 2N >= num_layers makes every layer high precision.
 
 Capacity: `num_blocks`, or `memory_bytes` (blocks = memory_bytes // bytes of one block id summed
 over every layer's K and V block; fp8's per-layer fp32 scales are outside the blocks).
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
+from ..codecs.derive import auto_high_precision_layers
 from ..errors import ConfigError
 from ..formats import KVFormat, parse_format
 
@@ -36,8 +38,6 @@ if TYPE_CHECKING:
 
 FormatSpec = Union[str, KVFormat]
 
-# K code bits -> N for high_precision_layers="auto"
-AUTO_HP_BY_K_BITS = {16: 0, 8: 0, 4: 2, 3: 3, 2: 4}
 _HP_SUFFIX = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
 
 
@@ -174,8 +174,7 @@ class CacheConfig:
 
         n_hp = self.high_precision_layers
         if n_hp == "auto":
-            k_bits = min(f.k.code_bits for f in base)
-            n_hp = AUTO_HP_BY_K_BITS.get(k_bits, 4 if k_bits < 2 else 0)
+            n_hp = max(auto_high_precision_layers(f.k) for f in base)
         elif not isinstance(n_hp, int) or isinstance(n_hp, bool) or n_hp < 0:
             raise ConfigError(
                 f"high_precision_layers must be an int >= 0 or 'auto', got {n_hp!r}"

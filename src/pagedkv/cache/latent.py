@@ -26,13 +26,21 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..codecs.catalogue import Codec, get_codec
+from ..codecs.derive import DecodeKind
 from ..errors import ConfigError
 from ..formats import KVFormat
 from ..ops.latent_layer import LatentSpec
 
 
-# latent codec -> rope codec chosen by measurement (module doc); others keep the latent's codec
-ROPE_AUTO = {"fp8": "q8_0", "turbo8": "q8_0"}
+# the rope codec of an 8-bit float (E4M3-valued) latent, chosen by measurement (module doc);
+# every other latent keeps its own codec for the rope part
+E4M3_LATENT_ROPE = "q8_0"
+
+
+def auto_rope_codec(latent: Codec) -> Optional[Codec]:
+    """The measured rope codec for `latent` (derived from its row: E4M3 values, i.e. fp8 and
+    turbo8 today), or None = the latent's own codec."""
+    return get_codec(E4M3_LATENT_ROPE) if latent.traits.decode is DecodeKind.E4M3 else None
 
 
 @dataclass(frozen=True)
@@ -63,11 +71,11 @@ class LatentLayout:
         rope = self.rope_format
         if rope is None:
             rope = latent
-            auto = ROPE_AUTO.get(latent.name)
+            auto = auto_rope_codec(latent)
             if auto is not None:
                 try:
-                    get_codec(auto).check_head_dim(self.rope_dim)
-                    rope = get_codec(auto)
+                    auto.check_head_dim(self.rope_dim)
+                    rope = auto
                 except ConfigError:
                     pass
         elif rope == "same":

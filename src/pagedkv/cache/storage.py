@@ -1,4 +1,5 @@
-"""The tensors of a paged cache: per layer a K pool and a V pool, built from the catalogue.
+"""The tensors of a paged cache: per layer a K pool and a V pool (or one latent pool), built
+from the catalogue by `build_layer`, the one layer builder of every front door.
 
 Layer i's pools are uint8 `[num_blocks, spec.k_block_bytes]` and `[num_blocks, spec.v_block_bytes]`
 (each side its own stride: asymmetric formats differ), zero-filled on `config.device`, wrapped in a
@@ -8,34 +9,32 @@ configured) and the optional key centre. Block id b addresses the same token slo
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..codecs import reference as codec_ref
 from ..codecs.catalogue import ScaleType
 from ..codecs.layout import block_views
-from ..ops.batch import PagedLayer
+from ..ops.batch import PagedLayer, make_layer
+from ..ops.latent_layer import LatentLayer, make_latent_layer
 from .config import CacheConfig, LayerSpec
 
 
 def build_layer(spec: LayerSpec, num_blocks: int, block_size: int, device: torch.device,
-                key_centring: bool) -> PagedLayer:
-    """Zeroed pools for one layer, sized from its format (exact catalogue bytes, no padding)."""
+                key_centring: bool = False) -> Union[PagedLayer, LatentLayer]:
+    """Zeroed pools for one layer, sized from its format (exact catalogue bytes, no padding):
+    the one builder every front door uses. A latent spec (MLA) gets a `LatentLayer` (one pool,
+    `ops.latent`), a K/V spec a `PagedLayer` (`ops.batch.make_layer`: fp8 scales 1.0, a zero
+    key centre when `key_centring`)."""
+    if spec.latent is not None:
+        return make_latent_layer(spec.latent, num_blocks, block_size, device=device)
     f = spec.format
-    return PagedLayer(
-        k_pool=torch.zeros(num_blocks, spec.k_block_bytes, dtype=torch.uint8, device=device),
-        v_pool=torch.zeros(num_blocks, spec.v_block_bytes, dtype=torch.uint8, device=device),
-        k_codec=f.k,
-        v_codec=f.v,
-        block_size=block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        k_scale=torch.ones(1, dtype=torch.float32, device=device),
-        v_scale=torch.ones(1, dtype=torch.float32, device=device),
-        k_centre=(torch.zeros(spec.num_kv_heads, spec.head_dim, dtype=torch.float32, device=device)
-                  if key_centring else None),
-    )
+    pl = make_layer(f.k, f.v, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                    k_centre=(torch.zeros(spec.num_kv_heads, spec.head_dim) if key_centring
+                              else None), device=device)
+    assert pl.k_pool.shape[1] == spec.k_block_bytes and pl.v_pool.shape[1] == spec.v_block_bytes
+    return pl
 
 
 def build_layers(config: CacheConfig) -> tuple[PagedLayer, ...]:

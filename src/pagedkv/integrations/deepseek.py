@@ -41,8 +41,8 @@ from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..ops import AttentionParams
 from ..ops.latent import (LatentLayer, latent_decode_attention, latent_prefill_attention,
-                          latent_store, make_latent_layer)
-from .calibration import fp8_tensor_scale
+                          latent_store)
+from ..cache.calibration import fp8_tensor_scale
 from .transformers import PagedCacheLayer, PagedKVCache, _model_device, _transformers
 
 _ORIGINAL = "_pagedkv_original_forward"
@@ -114,10 +114,6 @@ class LatentCacheLayer(PagedCacheLayer):
     def __repr__(self):
         return f"LatentCacheLayer({self.spec.index}, {self.spec.latent.name}, len={self.length})"
 
-    def _make(self, num_blocks: int) -> LatentLayer:
-        return make_latent_layer(self.spec.latent, num_blocks, self.cache.config.block_size,
-                                 device=self.device)
-
     def _pool_names(self) -> tuple[str, ...]:
         return ("pool",)
 
@@ -129,10 +125,10 @@ class LatentCacheLayer(PagedCacheLayer):
         p = self._make(self.cache.blocks.num_blocks)
         spec = p.spec
         changes = {}
-        if spec.latent_codec.name == "fp8":
+        if spec.latent_codec.traits.tensor_scaled:
             x = torch.cat([latent.flatten(), rope.flatten()]) if spec.uniform else latent
             changes["latent_scale"] = fp8_tensor_scale(x, p.device)
-        if not spec.uniform and spec.rope_codec.name == "fp8":
+        if not spec.uniform and spec.rope_codec.traits.tensor_scaled:
             changes["rope_scale"] = fp8_tensor_scale(rope, p.device)
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True

@@ -12,8 +12,9 @@ import torch
 
 from ..errors import InvalidInput
 from ..heap import release_free_heap
+from ..cache.storage import build_layer
 from ..ops import PagedLayer, store
-from .calibration import CalibrationOptions, calibrate
+from ..cache.calibration import CalibrationOptions, calibrate
 from .hf_common import _TAG, GroupView, _concrete_class, _transformers
 from .padding import valid_tokens as _valid_tokens
 
@@ -51,8 +52,8 @@ class PagedCacheLayer:
         self.paged: Optional[PagedLayer] = None
         self.k_mult: Optional[torch.Tensor] = None  # float32 [H, D]: stored keys are k * k_mult
         self.pending = None  # (k, v, start column) of the chunk waiting for the attention function
-        self.scale_keys = cache.key_scaling and spec.format.k.name != "bf16"
-        self.centre_values = cache.value_centring and spec.format.v.name != "bf16"
+        self.scale_keys = cache.key_scaling and not spec.format.k.traits.raw
+        self.centre_values = cache.value_centring and not spec.format.v.traits.raw
         self.v_centre: Optional[torch.Tensor] = None  # float32 [H, D]
         self.device = cache.config.device
         self.group: GroupView = cache._group_of[spec.index]
@@ -62,15 +63,7 @@ class PagedCacheLayer:
 
     # pools ---------------------------------------------------------------------------------
     def _make(self, num_blocks: int) -> PagedLayer:
-        s, dev = self.spec, self.device
-        return PagedLayer(
-            k_pool=torch.zeros(num_blocks, s.k_block_bytes, dtype=torch.uint8, device=dev),
-            v_pool=torch.zeros(num_blocks, s.v_block_bytes, dtype=torch.uint8, device=dev),
-            k_codec=s.format.k, v_codec=s.format.v, block_size=self.cache.config.block_size,
-            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-            k_scale=torch.ones(1, dtype=torch.float32, device=dev),
-            v_scale=torch.ones(1, dtype=torch.float32, device=dev),
-        )
+        return build_layer(self.spec, num_blocks, self.cache.config.block_size, self.device)
 
     def _pool_names(self) -> tuple[str, ...]:
         return ("k_pool", "v_pool")

@@ -157,7 +157,7 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
             model_id=_model_identity(model_or_config) if offload is not None else "",
         )
         if key_centring is None:
-            key_centring = any(s.format.k.name != "bf16" for s in self.config.layers)
+            key_centring = any(not s.format.k.traits.raw for s in self.config.layers)
         self.key_centring = bool(key_centring)
         self.key_scaling = bool(key_scaling)
         self.value_centring_auto = value_centring is None

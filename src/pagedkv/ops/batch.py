@@ -24,7 +24,7 @@ class PagedLayer:
     applied by every backend's store and attention so callers never transform around the ops:
     - k_mult: stored keys are `k * k_mult - k_centre`; attention divides q by k_mult (per kv
       head, broadcast over its GQA group), so q . k is unchanged;
-    - k_centre: in the multiplied space (as `integrations.calibration.Calibration` defines it);
+    - k_centre: in the multiplied space (as `cache.calibration.Calibration` defines it);
       attention adds (q / k_mult) . k_centre back to every logit, so results stay exact with
       soft-cap and sinks;
     - v_centre: stored values are `v - v_centre`; attention adds v_centre times the sum of the

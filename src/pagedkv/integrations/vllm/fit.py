@@ -5,7 +5,7 @@ multipliers, value centre, fp8 tensor scales) that must not depend on which requ
 arrive first. So they are fitted once, on fixed calibration text that is not the evaluation
 text (`calibration_text`: docstrings of standard-library modules), with the served model's own
 weights: a transformers forward (fp32) records every attention layer's queries, keys and
-values, and `pagedkv.integrations.calibration.calibrate` (the fitter the transformers cache
+values, and `pagedkv.cache.calibration.calibrate` (the fitter the transformers cache
 uses) turns them into one `Calibration` per layer, with the options the transformers cache
 would use for the same formats. The result is kept in a small file keyed by the model, the
 text, the formats and the options, so later engine starts only read it.
@@ -24,7 +24,7 @@ import torch
 
 from ...errors import ConfigError
 from ...formats import KVFormat
-from ..calibration import Calibration, CalibrationOptions, calibrate
+from ...cache.calibration import Calibration, CalibrationOptions, calibrate
 
 # fixed, ordered: the calibration text never changes with the request stream
 CALIBRATION_MODULES = ("collections", "functools", "itertools", "json", "pathlib", "argparse",

@@ -30,8 +30,8 @@ from ...ops import validate
 from ...errors import ConfigError
 from ...formats import parse_format
 from ...ops.batch import AttentionParams
+from ...cache.calibration import Calibration
 from ...ops.dispatch import Op, select_backend
-from ..calibration import Calibration
 from . import plugin
 from .backend import PagedKVMetadata, backend_for
 from .fit import FitPlan, describe, fit, load

@@ -19,7 +19,7 @@ from ...cache.config import CacheConfig
 from ...errors import ConfigError
 from ...formats import KVFormat
 from ...ops.batch import PagedLayer
-from ..calibration import Calibration
+from ...cache.calibration import Calibration
 
 
 def layer_formats(kv_format, high_precision_layers, hp_format, num_layers: int,

@@ -30,6 +30,12 @@ BIAS_CG_STEPS = 4  # conjugate-gradient steps of its D x D solve (converges in ~
 _CHUNK_ELEMENTS = 1 << 22  # bound on one [B, H, G, n, T] attention slice of the key-centre fit
 
 
+def _tensor_scaled(codec: str) -> bool:
+    """Whether the codec's row has one fp32 scale per layer and side (fp8 today): what the
+    statistics fit, and how the key centre weighs channels, follow from the row, not its name."""
+    return get_codec(codec).traits.tensor_scaled
+
+
 @dataclass(frozen=True)
 class CalibrationOptions:
     """Which statistics to fit: key centring, key channel multipliers (needs queries), value
@@ -64,7 +70,7 @@ def calibrate(keys: torch.Tensor, values: torch.Tensor, queries: Optional[torch.
     if options.key_centring and t:
         if queries is not None and queries.shape[2]:
             v32, q32 = values.detach().float(), queries.detach().float()
-            if k_codec != "fp8" and get_codec(k_codec).rotated:
+            if not _tensor_scaled(k_codec) and get_codec(k_codec).rotated:
                 centre = bias_aware_key_centre(k32, v32, q32, k_codec)
             else:
                 centre = attention_key_centre(k32, v32, q32, k_codec)
@@ -87,8 +93,8 @@ def calibrate(keys: torch.Tensor, values: torch.Tensor, queries: Optional[torch.
         v32 = v32 - v_centre[None, :, None, :]
     return Calibration(
         k_centre=centre, k_mult=mult, v_centre=v_centre,
-        k_scale=fp8_tensor_scale(kc, device) if k_codec == "fp8" else None,
-        v_scale=fp8_tensor_scale(v32, device) if v_codec == "fp8" else None,
+        k_scale=fp8_tensor_scale(kc, device) if _tensor_scaled(k_codec) else None,
+        v_scale=fp8_tensor_scale(v32, device) if _tensor_scaled(v_codec) else None,
     )
 
 
@@ -134,7 +140,7 @@ def key_centre(keys: torch.Tensor, k_codec: str) -> torch.Tensor:
     """
     med = keys.median(dim=2).values.mean(dim=0)
     t = keys.shape[2]
-    if k_codec != "fp8" or t < 2:
+    if not _tensor_scaled(k_codec) or t < 2:
         return med
     dist = (keys - med[None, :, None, :]).norm(dim=-1)  # [B, H, T]
     keep = max(1, t - int(0.03 * t) - 1)
@@ -176,7 +182,7 @@ def attention_key_centre(keys: torch.Tensor, values: torch.Tensor, queries: torc
     q, pos = _spaced_queries(queries, h, t, max_queries)
     hq = queries.shape[1]
     q2 = q * q
-    per_channel = k_codec == "fp8"
+    per_channel = _tensor_scaled(k_codec)
     num = keys.new_zeros(h, d)
     den = keys.new_zeros(h, d if per_channel else 1)
     step = max(1, _CHUNK_ELEMENTS // max(1, b * hq * t))
