@@ -106,6 +106,9 @@ def child(config: str, budget: int, args) -> dict:
            "--threads", str(args.threads)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    # the in-process engine ("uni" executor) does not apply the bind's thread count to torch's
+    # OpenMP pool, which starts with the child: set it there (rows report torch_threads)
+    env["OMP_NUM_THREADS"] = str(args.threads)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
@@ -131,8 +134,9 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict], args) -> str:
     loads = [r["load_1min"] for r in rows if "load_1min" in r] or [os.getloadavg()[0]]
+    threads = ",".join(str(t) for t in sorted({r["torch_threads"] for r in rows if "torch_threads" in r})) or "?"
     head = (f"{args.prompts} prompts x {args.prompt_tokens} tokens + {args.max_tokens} new (greedy), "
-            f"model dtype {args.dtype}, eager, {args.threads} thread(s) per engine, load "
+            f"model dtype {args.dtype}, eager, torch threads in the engines {threads}, load "
             f"{min(loads):.1f}-{max(loads):.1f}; ratios to vLLM's own cache ({args.dtype} KV) at the same KV budget")
     cols = ("KV budget", "config", "KV tokens", "x", "concurrency", "x", "out tok/s", "x",
             "mean TTFT s", "x", "total s", "x")
@@ -192,8 +196,7 @@ def main(argv=None) -> int:
             rows.append(child(c, budget, args))
             if "error" in rows[-1]:
                 failed[c] = rows[-1]
-            print(f"done {c} @ {budget >> 20} MiB: {rows[-1].get('output_tok_s', rows[-1].get('error'))}",
-                  file=sys.stderr, flush=True)
+            print(f"done {c} @ {budget >> 20} MiB: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     rows = with_ratios(rows)
     print(json.dumps(rows, indent=2) if args.json else table(rows, args))
     return 0
