@@ -30,7 +30,7 @@ def convert(gguf_dir: str, gguf_file: str, out_dir: str, dtype: str = "float32")
     import torch
     import transformers
 
-    from ...eval.model_cache import write_folder
+    from ..hf_folder import write_folder
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
