@@ -110,7 +110,7 @@ CASES = [  # (argv with {file} placeholders, a word the one line must contain)
     (["bench", "attention", "--threads", "0"], "threads"),
     (["bench", "memory", "--memory-context", "-1"], "--memory-context"),
     (["bench", "offload", "--tokens", "4", "--repeats", "1"], "--tokens"),
-    (["formats", "turbo5"], "turbo5"),
+    (["formats", "turbo9"], "turbo9"),
 ]
 
 

@@ -162,5 +162,5 @@ def test_the_dispatcher_enforces_a_declaration():
 def test_auto_high_precision_layers_has_a_value_for_every_width():
     """The rule replaces the table {16: 0, 8: 0, 4: 2, 3: 3, 2: 4}, which fell through to 0."""
     got = {c.code_bits: auto_high_precision_layers(c) for c in CODECS.values()}
-    assert got == {16: 0, 8: 0, 4: 2, 3: 3, 2: 4}
+    assert got == {16: 0, 8: 0, 5: 1, 4: 2, 3: 3, 2: 4}
     assert auto_high_precision_layers(Q5) == 1 and auto_high_precision_layers(Q6) == 0

@@ -7,7 +7,8 @@ import torch
 
 from pagedkv.codecs import CODECS, decode, encode, get_codec, roundtrip
 from pagedkv.codecs import packing, wht
-from pagedkv.codecs.floats import e2m1_table, from_e4m3_bytes, to_e2m1_codes, to_e4m3_bytes
+from pagedkv.codecs.floats import (e2m1_table, e5m2_table, from_e4m3_bytes, to_e2m1_codes, to_e4m3_bytes,
+                                   to_e5m2_bytes)
 from pagedkv.codecs.lloyd_max import gaussian_levels, gaussian_mse
 from pagedkv.codecs.layout import block_views
 from pagedkv.errors import ConfigError, InvalidInput
@@ -15,7 +16,10 @@ from pagedkv.errors import ConfigError, InvalidInput
 # The table of DESIGN.md, written out independently: (data bytes, scale bytes) for E elements.
 DESIGN_TABLE = {
     "bf16": lambda E: (2 * E, 0),
+    "f16": lambda E: (2 * E, 0),
     "fp8": lambda E: (E, 0),
+    "fp8_e5m2": lambda E: (E, 0),
+    "turbo5": lambda E: (5 * E // 8, E // 16),
     "nvfp4": lambda E: (E // 2, E // 16),
     "turbo4": lambda E: (E // 2, E // 16),
     "turbo3": lambda E: (3 * E // 8, E // 16),
@@ -24,10 +28,10 @@ DESIGN_TABLE = {
     "q8_0": lambda E: (E, E // 32 * 2),
     "q4_0": lambda E: (E // 2, E // 32 * 2),
 }
-DESIGN_BITS = {"bf16": 16, "fp8": 8, "nvfp4": 4.5, "turbo4": 4.5, "turbo3": 3.5, "turbo2": 2.5,
+DESIGN_BITS = {"bf16": 16, "f16": 16, "fp8": 8, "fp8_e5m2": 8, "turbo5": 5.5, "nvfp4": 4.5, "turbo4": 4.5, "turbo3": 3.5, "turbo2": 2.5,
                "turbo8": 9, "q8_0": 8.5, "q4_0": 4.5}
 # Documented round-trip tolerance (normalised MSE on iid N(0,1), head_dim 128).
-TOLERANCE = {"bf16": 1e-5, "fp8": 1e-3, "nvfp4": 0.009, "turbo4": 0.0050, "turbo3": 0.0212,
+TOLERANCE = {"bf16": 1e-5, "f16": 1e-7, "fp8": 1e-3, "fp8_e5m2": 3e-3, "turbo5": 0.0014, "nvfp4": 0.009, "turbo4": 0.0050, "turbo3": 0.0212,
              "turbo2": 0.0945, "turbo8": 0.0015, "q8_0": 5e-5, "q4_0": 0.009}
 
 
@@ -71,7 +75,8 @@ def test_bf16_roundtrip_is_exact():
 def test_turbo_nmse_bars_of_issue():
     x = _gaussian(8192)
     got = {n: float(((x - roundtrip(CODECS[n], x)) ** 2).sum() / (x**2).sum())
-           for n in ("turbo4", "turbo3", "turbo2", "turbo8")}
+           for n in ("turbo5", "turbo4", "turbo3", "turbo2", "turbo8")}
+    assert got["turbo5"] <= got["turbo4"] / 3  # each bit buys ~4x (rate-distortion 4^-b)
     assert got["turbo4"] <= 0.0060 and got["turbo3"] <= 0.024
     assert got["turbo2"] <= 0.100 and got["turbo8"] <= 0.0015
 
@@ -124,7 +129,7 @@ def test_lloyd_max_solver_matches_max_1960():
 
 
 def test_fitted_codebooks_are_symmetric_and_ascending():
-    for name in ("turbo2", "turbo3", "turbo4"):
+    for name in ("turbo2", "turbo3", "turbo4", "turbo5"):
         t = CODECS[name].value_table()
         assert torch.all(t[1:] > t[:-1])
         assert torch.allclose(t, -t.flip(0))
@@ -140,6 +145,19 @@ def test_small_float_tables():
     assert float(from_e4m3_bytes(to_e4m3_bytes(torch.tensor([1e6])))) == 448.0  # saturates
     t = e2m1_table()
     assert torch.equal(t[to_e2m1_codes(t).long()], t)
+    e5 = e5m2_table()  # every finite E5M2 byte round-trips; inf / NaN codes are never written
+    raw = b.view(torch.float8_e5m2).float()
+    ok = torch.isfinite(raw) & (raw != 0)
+    assert int((~torch.isfinite(raw)).sum()) == 8 and torch.equal(e5[ok], raw[ok])
+    assert torch.equal(to_e5m2_bytes(raw[ok]), b[ok])
+    assert float(e5[to_e5m2_bytes(torch.tensor([1e9, -1e9])).long()].abs().min()) == 57344.0
+
+
+def test_f16_is_ieee_half_and_saturates():
+    x = torch.tensor([[1.0, -2.5, 1e-5, 7e4] + [0.0] * 12])
+    data, _ = encode(CODECS["f16"], x)
+    assert torch.equal(data.view(torch.float16)[0, :3], x[0, :3].half())
+    assert float(decode(CODECS["f16"], data, _, 16)[0, 3]) == 65504.0  # not inf
 
 
 def test_fp8_tensor_scale_is_applied():
@@ -169,8 +187,10 @@ def test_block_views_are_views_of_the_pool():
 
 
 def test_invalid_inputs_get_clear_errors():
-    with pytest.raises(ConfigError, match="unknown codec 'turbo5'.*turbo3"):
-        get_codec("turbo5")
+    with pytest.raises(ConfigError, match="unknown codec 'turbo9'.*turbo3"):
+        get_codec("turbo9")
+    with pytest.raises(ConfigError, match="'q5_0' is not the same thing.*use turbo5"):
+        get_codec("q5_0")
     with pytest.raises(InvalidInput, match="NaN or Inf"):
         encode(CODECS["turbo3"], torch.tensor([[float("nan")] * 64]))
     with pytest.raises(InvalidInput, match="floating-point"):
@@ -186,7 +206,7 @@ def test_invalid_inputs_get_clear_errors():
 def test_shipped_codebooks_are_what_the_solver_fits():
     from pagedkv.codecs.tables import LEVEL_QUANTUM, fit_lloyd_max_table, lloyd_max_table
 
-    for name in ("turbo2", "turbo3", "turbo4"):
+    for name in ("turbo2", "turbo3", "turbo4", "turbo5"):
         c = CODECS[name]
         shipped = lloyd_max_table(c.code_bits, c.group_size)
         fitted = fit_lloyd_max_table(c.code_bits, c.group_size)

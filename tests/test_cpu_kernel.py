@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from helpers.attention_oracle import oracle_attention, run_op
-from helpers.backend_check import CheckCase, check_backend, default_cases
+from helpers.backend_check import CheckCase, all_pairs, check_backend, default_cases, refused_codecs
 
 from pagedkv.codecs.catalogue import CODECS
-from pagedkv.ops import AttentionParams, reference
+from pagedkv.ops import AttentionParams, Op, reference, select_backend
 from pagedkv.ops.cpu import build as kbuild
 
 cpu = pytest.importorskip("pagedkv.ops.cpu")
@@ -32,10 +32,18 @@ def _check(cases, **kw):
 
 
 def test_every_codec_pair_and_settings_grid():
-    """All 81 pairs on a ragged batch + the helper's settings grid (window, cap, sinks, sparse)."""
-    results = _check(default_cases())
-    assert len(results) >= len(CODECS) ** 2
+    """Every pair the kernel declares on a ragged batch + the helper's settings grid (window,
+    cap, sinks, sparse); the rows it does not read (f16, turbo5) fall back to the reference."""
+    from pagedkv.ops.cpu.attention import ATTENTION_SUPPORT
+
+    pairs = all_pairs(ATTENTION_SUPPORT)
+    results = _check(default_cases(pairs))
+    assert len(results) >= len(pairs) >= 81
     assert max(r["decode_max_err"] for r in results) < 2e-4
+    assert set(refused_codecs(ATTENTION_SUPPORT)) == {"f16", "turbo5"}
+    for name in refused_codecs(ATTENTION_SUPPORT):
+        layer = CheckCase(name, "turbo3").build().layer
+        assert select_backend(Op.DECODE, layer.k_pool.device, layer, AttentionParams(scale=0.1)).name == "reference"
 
 
 SHAPES = [

@@ -191,10 +191,17 @@ def test_one_side_only_and_block_size_not_16():
     assert torch.equal(layer.k_pool, twin.k_pool) and torch.equal(layer.v_pool, twin.v_pool)
 
 
+REFERENCE_STORED = {"f16", "fp8_e5m2", "turbo5"}  # rules store_kernel.c does not implement
+
+
 def test_every_codec_is_served_by_the_c_store():
-    """The description is derived for every catalogue row (no row falls back to the reference)."""
+    """The description is derived for every catalogue row but the ones the C store hands to the
+    reference store (their bytes are still the reference's: the shared backend check)."""
     for codec in CODECS.values():
         desc = cstore.store_desc(codec)
+        if codec.name in REFERENCE_STORED:
+            assert desc is None, codec.name
+            continue
         assert desc is not None, codec.name
         if codec.values in (ValueKind.E2M1, ValueKind.LLOYD_MAX):
             assert desc.kind == cstore.SK_TABLE and desc.levels.numel() == 2**codec.code_bits

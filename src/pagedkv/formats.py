@@ -6,6 +6,9 @@ Accepted spellings (case-insensitive):
 - the short aliases of the original system, `<k>k<N>v` = `<k>k_turbo<N>v` (`turbo4k3v`,
   `bf16k4v`, `fp8k2v`);
 - `k=<codec>,v=<codec>` (`k=fp8,v=turbo2`).
+A codec may be spelled by one of its aliases (`catalogue.ALIASES`: vLLM's `fp8_e4m3`, `bfloat16`,
+`auto`; `float16`/`fp16`/`half` for f16); a name another system uses for different bytes
+(`catalogue.REFUSED`: `fp8_inc`, llama.cpp's `q5_0`, ...) is refused with what to use instead.
 Canonical names are the first two forms. Every pair of catalogue codecs is a format.
 """
 
@@ -15,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from .codecs.catalogue import CODECS, Codec, get_codec
+from .codecs.catalogue import ALIASES, CODECS, Codec, canonical_codec_name, get_codec, refusal_hint
 from .errors import ConfigError
 
 _ASYM = re.compile(r"^(?P<k>[a-z0-9_]+?)k_(?P<v>[a-z0-9_]+)v$")
@@ -61,10 +64,21 @@ class KVFormat:
 
 def _valid_names_hint() -> str:
     codecs = ", ".join(CODECS)
+    aliases = ", ".join(f"{a}={c}" for a, c in ALIASES.items())
     return (
-        f"valid: a codec ({codecs}), '<k>k_<v>v' with two codecs (e.g. bf16k_turbo3v), "
-        "'<k>k<N>v' for a turbo<N> V (e.g. turbo4k3v), or 'k=<codec>,v=<codec>'"
+        f"valid: a codec ({codecs}; aliases {aliases}), '<k>k_<v>v' with two codecs (e.g. "
+        "bf16k_turbo3v), '<k>k<N>v' for a turbo<N> V (e.g. turbo4k3v), or 'k=<codec>,v=<codec>'"
     )
+
+
+def _refused_parts(key: str) -> str:
+    """The refusal hint of the first refused codec name in `key` (whole, or a K / V part)."""
+    parts = [key]
+    for pattern in (_KV, _ASYM):
+        m = pattern.match(key)
+        if m:
+            parts += [m["k"], m["v"]]
+    return next((h for h in map(refusal_hint, parts) if h), "")
 
 
 def parse_format(name: "str | KVFormat") -> KVFormat:
@@ -74,20 +88,22 @@ def parse_format(name: "str | KVFormat") -> KVFormat:
     if not isinstance(name, str):
         raise ConfigError(f"KV format must be a name, got {name!r}; {_valid_names_hint()}")
     key = name.strip().lower()
-    try:
-        if key in CODECS:
-            c = CODECS[key]
-            return KVFormat(c, c)
-        for pattern in (_KV, _ASYM):
-            m = pattern.match(key)
-            if m and m["k"] in CODECS and m["v"] in CODECS:
-                return KVFormat(get_codec(m["k"]), get_codec(m["v"]))
-        m = _ALIAS.match(key)
-        if m and m["k"] in CODECS and f"turbo{m['bits']}" in CODECS:
-            return KVFormat(get_codec(m["k"]), get_codec(f"turbo{m['bits']}"))
-    except ConfigError:
-        pass
-    raise ConfigError(f"unknown KV format {name!r}; {_valid_names_hint()}")
+    whole = canonical_codec_name(key)
+    if whole is not None:
+        c = CODECS[whole]
+        return KVFormat(c, c)
+    for pattern in (_KV, _ASYM):
+        m = pattern.match(key)
+        if m:
+            k, v = canonical_codec_name(m["k"]), canonical_codec_name(m["v"])
+            if k is not None and v is not None:
+                return KVFormat(CODECS[k], CODECS[v])
+    m = _ALIAS.match(key)
+    if m:
+        k = canonical_codec_name(m["k"])
+        if k is not None and f"turbo{m['bits']}" in CODECS:
+            return KVFormat(CODECS[k], get_codec(f"turbo{m['bits']}"))
+    raise ConfigError(f"unknown KV format {name!r}{_refused_parts(key)}; {_valid_names_hint()}")
 
 
 def all_formats() -> Iterator[KVFormat]:

@@ -78,9 +78,20 @@ class CheckCase:
                          transform=self.transform, device=device)
 
 
-def all_pairs() -> list:
-    """Every (K codec, V codec) name pair of the catalogue, from the format registry."""
-    return [(f.k.name, f.v.name) for f in all_formats()]
+def all_pairs(support=None, *, store: bool = False) -> list:
+    """Every (K codec, V codec) name pair of the catalogue, from the format registry; with a
+    `CodecSupport` only the pairs whose both codecs it implements (attention, or the store with
+    store=True): a backend's tests loop over what it declares, and `refused_codecs` gives the
+    rows the dispatcher must hand to the reference instead."""
+    ok = set(CODECS) - set(refused_codecs(support, store=store))
+    return [(f.k.name, f.v.name) for f in all_formats() if f.k.name in ok and f.v.name in ok]
+
+
+def refused_codecs(support=None, *, store: bool = False) -> list:
+    """Names of the catalogue rows `support` (a CodecSupport, None = all) does not implement."""
+    if support is None:
+        return []
+    return [n for n, c in CODECS.items() if support.refusal(c, store=store) is not None]
 
 
 def default_cases(pairs: Optional[Iterable] = None) -> list:

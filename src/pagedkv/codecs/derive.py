@@ -3,10 +3,12 @@
 A row (`catalogue.Codec`) says what is stored: code bits, what a code means (`ValueKind`), the
 group size and scale type, whether the row is rotated. `traits(codec)` turns that into the four
 facts every implementation switches on:
-- `decode`: how a code becomes a value before the scale (`DecodeKind`): raw bf16, an E4M3 float,
-  a two's complement int8, an offset integer `u - 2**(bits-1)`, or a lookup in the value table;
-- `encode`: the rule that picks codes and scales (`EncodeRule`): round to bf16; E4M3 of x over the
-  layer's tensor scale; E4M3 over a half-precision group scale amax / 448; integers over an fp16
+- `decode`: how a code becomes a value before the scale (`DecodeKind`): raw bf16 or IEEE half,
+  an E4M3 float,
+  a two's complement int8, an offset integer `u - 2**(bits-1)`, or a lookup in the value table
+  (Lloyd-Max levels, E2M1, E5M2);
+- `encode`: the rule that picks codes and scales (`EncodeRule`): round to bf16 or fp16 (saturating);
+  E4M3 or E5M2 of x over the layer's tensor scale; E4M3 over a half-precision group scale amax / 448; integers over an fp16
   group scale (llama.cpp's q8_0 and q4_0 rules, generalised to the code width); the nearest table
   level under the best E4M3 group scale of a small search;
 - `scale`: the scale's storage (`ScaleType`) and `group` (elements per scale, 0 = none);
@@ -31,6 +33,7 @@ class DecodeKind(enum.Enum):
     """How a code becomes its value before the scale."""
 
     RAW_BF16 = "raw-bf16"  # 16-bit codes are bf16 values
+    RAW_FP16 = "raw-fp16"  # 16-bit codes are IEEE half values
     E4M3 = "e4m3"  # 8-bit E4M3 float
     INT8 = "int8"  # two's complement byte
     INT_OFFSET = "int-offset"  # unsigned u of `bits` bits, value u - 2**(bits - 1)
@@ -41,7 +44,9 @@ class EncodeRule(enum.Enum):
     """How the encoder picks codes and scales (codecs/reference.py is the definition)."""
 
     ROUND_BF16 = "round-bf16"
+    ROUND_FP16 = "round-fp16"  # round to nearest even IEEE half, saturating at +-65504
     E4M3_TENSOR = "e4m3-tensor-scale"  # E4M3 of x / the layer's fp32 scale, saturating at 448
+    E5M2_TENSOR = "e5m2-tensor-scale"  # E5M2 of x / the layer's fp32 scale, saturating at 57344
     E4M3_GROUP = "e4m3-half-group-scale"  # half scale amax / 448 per group, E4M3 of x / scale
     INT_AMAX = "int-amax"  # d = amax / (2**(bits-1) - 1), q = round(x / d) (q8_0)
     INT_SIGNED_MAX = "int-signed-max"  # d = m / -2**(bits-1), m the largest-magnitude element (q4_0)
@@ -75,8 +80,8 @@ class CodecTraits:
 
     @property
     def raw(self) -> bool:
-        """True when codes are the model's values (bf16): nothing to centre or scale."""
-        return self.decode is DecodeKind.RAW_BF16
+        """True when codes are the model's values (bf16, f16): nothing to centre or scale."""
+        return self.decode in (DecodeKind.RAW_BF16, DecodeKind.RAW_FP16)
 
 
 _HALF_SCALES = (ScaleType.BF16, ScaleType.FP16)
@@ -102,8 +107,16 @@ def traits(codec: Codec) -> CodecTraits:
         if bits != 16 or s is not ScaleType.NONE:
             raise _refuse(codec, "bf16 values are raw 16-bit codes without a scale")
         decode, encode = DecodeKind.RAW_BF16, EncodeRule.ROUND_BF16
+    elif v is ValueKind.FP16:
+        if bits != 16 or s is not ScaleType.NONE:
+            raise _refuse(codec, "fp16 values are raw 16-bit codes without a scale")
+        decode, encode = DecodeKind.RAW_FP16, EncodeRule.ROUND_FP16
     elif bits == 16:
-        raise _refuse(codec, "16-bit codes are only raw bf16 values")
+        raise _refuse(codec, "16-bit codes are only raw bf16 or fp16 values")
+    elif v is ValueKind.FP8_E5M2:
+        if bits != 8 or s is not ScaleType.TENSOR_FP32:
+            raise _refuse(codec, "E5M2 values are 8-bit codes with a tensor scale")
+        decode, encode = DecodeKind.TABLE, EncodeRule.E5M2_TENSOR
     elif v is ValueKind.FP8_E4M3:
         if bits != 8:
             raise _refuse(codec, "E4M3 values are 8-bit codes")

@@ -1,7 +1,7 @@
-"""Small-float conversions: E4M3 (torch's float8_e4m3fn), E2M1 (FP4), bf16/fp16 as raw bytes.
+"""Small-float conversions: E4M3 (torch's float8_e4m3fn), E5M2, E2M1 (FP4), bf16/fp16 as raw bytes.
 
 E4M3 rounds to nearest even and saturates at +-448 (torch would turn overflow into NaN, so values
-are clamped first). E2M1 has 8 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; its nibble is sign bit 3
+are clamped first); E5M2 likewise at +-57344 (never its infinity codes). E2M1 has 8 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; its nibble is sign bit 3
 and the magnitude index in bits 0-2.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+FP16_MAX = 65504.0
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -27,6 +29,19 @@ def e4m3_table() -> torch.Tensor:
     """float32 [256]: the value of every E4M3 byte (the two NaN codes map to 0, never written)."""
     t = from_e4m3_bytes(torch.arange(256, dtype=torch.int32).to(torch.uint8))
     return torch.nan_to_num(t, nan=0.0)
+
+
+def to_e5m2_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float -> uint8 E5M2 bit patterns (round to nearest even, saturating at +-57344: never
+    the infinity or NaN codes), same shape."""
+    return x.float().clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2).view(torch.uint8)
+
+
+def e5m2_table() -> torch.Tensor:
+    """float32 [256]: the value of every E5M2 byte (the infinity and NaN codes, never written,
+    map to 0)."""
+    t = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e5m2).float()
+    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
 
 
 def e2m1_table() -> torch.Tensor:

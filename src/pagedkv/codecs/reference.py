@@ -10,8 +10,10 @@ Scale rules (chosen to minimise squared error):
   largest magnitude, u = min(15, floor(x / d + 8.5)), value (u - 8) d (llama.cpp); the nibbles
   use our generic 4-bit order (element 2i low), not ggml's in-block order. d saturates at the
   largest finite fp16 (65504), so huge finite inputs clip rather than decode to NaN.
-- fp8: E4M3 of x / tensor_scale, saturating at +-448.
-- bf16: round to nearest even.
+- fp8: E4M3 of x / tensor_scale, saturating at +-448; fp8_e5m2: E5M2 of x / tensor_scale,
+  saturating at +-57344 (vLLM's fp8_e5m2 bytes; the front doors leave its scale at 1.0).
+- bf16: round to nearest even; f16: round to nearest even IEEE half, saturating at +-65504
+  (llama.cpp's f16 would store an infinity there).
 Rotated codecs encode rotate(x). NaN or Inf in x raises InvalidInput. Which rule a row uses is
 derived from the row (`derive.traits`); the integer rules take their constants from the code
 width (2**(bits-1) - 1 and -2**(bits-1)), so a q5 row would be llama.cpp's q5_0 rule.
@@ -25,7 +27,7 @@ from ..errors import InvalidInput
 from . import packing, wht
 from .catalogue import Codec, ScaleType
 from .derive import DecodeKind, EncodeRule, traits
-from .floats import from_e4m3_bytes, from_half_bytes, to_e4m3_bytes, to_half_bytes
+from .floats import FP16_MAX, from_e4m3_bytes, from_half_bytes, to_e4m3_bytes, to_e5m2_bytes, to_half_bytes
 
 SCALE_SEARCH = range(-5, 5)  # E4M3 code offsets tried around amax / max|level|
 _HALF = {ScaleType.BF16: torch.bfloat16, ScaleType.FP16: torch.float16}
@@ -111,11 +113,14 @@ def encode(codec: Codec, x: torch.Tensor, tensor_scale: float | None = None):
 
     if rule is EncodeRule.ROUND_BF16:
         return to_half_bytes(xf, torch.bfloat16), empty
-    if rule is EncodeRule.E4M3_TENSOR:
+    if rule is EncodeRule.ROUND_FP16:
+        return to_half_bytes(xf.clamp(-FP16_MAX, FP16_MAX), torch.float16), empty
+    if rule in (EncodeRule.E4M3_TENSOR, EncodeRule.E5M2_TENSOR):
         s = 1.0 if tensor_scale is None else float(tensor_scale)
         if not s > 0:
-            raise InvalidInput(f"fp8 tensor_scale must be > 0, got {tensor_scale!r}")
-        return to_e4m3_bytes(xf / s), empty
+            raise InvalidInput(f"{codec.name} tensor_scale must be > 0, got {tensor_scale!r}")
+        to_bytes = to_e4m3_bytes if rule is EncodeRule.E4M3_TENSOR else to_e5m2_bytes
+        return to_bytes(xf / s), empty
 
     groups = xf.reshape(-1, t.group)  # [N, G]
     amax = groups.abs().amax(-1)
@@ -173,6 +178,8 @@ def decode(
     t = traits(codec)
     if t.decode is DecodeKind.RAW_BF16:
         out = from_half_bytes(data, torch.bfloat16)
+    elif t.decode is DecodeKind.RAW_FP16:
+        out = from_half_bytes(data, torch.float16)
     else:  # every other decode kind is value_table[code] (the table is the definition)
         codes = packing.unpack(data, codec.code_bits, head_dim).long()
         table = codec.value_table().to(data.device)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .catalogue import Codec, ValueKind
-from .floats import e2m1_table, e4m3_table
+from .floats import e2m1_table, e4m3_table, e5m2_table
 from .lloyd_max import fit_levels, gaussian_levels
 
 FIT_SEED = 20240917
@@ -77,12 +77,14 @@ def fit_lloyd_max_table(bits: int, group_size: int) -> torch.Tensor:
 
 
 def value_table(codec: Codec) -> torch.Tensor | None:
-    """float32 [2**code_bits] for codecs with codes, None for bf16 (see Codec.value_table)."""
+    """float32 [2**code_bits] for codecs with codes, None for raw bf16 / f16 (see Codec.value_table)."""
     kind = codec.values
-    if kind is ValueKind.BF16:
+    if kind in (ValueKind.BF16, ValueKind.FP16):
         return None
     if kind is ValueKind.FP8_E4M3:
         return e4m3_table()
+    if kind is ValueKind.FP8_E5M2:
+        return e5m2_table()
     if kind is ValueKind.E2M1:
         return e2m1_table()
     if kind is ValueKind.INT:

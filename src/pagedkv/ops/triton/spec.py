@@ -115,7 +115,7 @@ def codec_spec(codec: Codec, block_size: int, num_kv_heads: int, head_dim: int, 
         bits=t.bits,
         group=t.group,
         scale_kind=_SCALE_KIND[t.scale],
-        encode=_ENCODE[t.encode],
+        encode=_ENCODE.get(t.encode, -1),  # -1: a rule only the reference store writes (E5M2)
         rotated=t.rotated,
         row_data=codec.row_data_bytes(head_dim),
         row_scale=codec.row_scale_bytes(head_dim),
