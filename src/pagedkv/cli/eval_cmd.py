@@ -29,7 +29,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--text", default=None, help="UTF-8 text file (default: pydoc_data.topics)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help="comma-separated formats; NAME+hp adds the automatic high-precision "
-                        "first/last layers, NAME+hpN N of them (default: %(default)s)")
+                        "first/last layers, NAME+hpN N of them; a last +rR (+rRq8_0) keeps the "
+                        "last R tokens in a bf16 (q8_0) recent window (default: %(default)s)")
     p.add_argument("--windows", type=int, default=D.windows,
                    help=f"windows spread over the text (default {D.windows})")
     p.add_argument("--subset", type=int, default=None, metavar="K",

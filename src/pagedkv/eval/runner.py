@@ -10,7 +10,8 @@ from a prompt of that length.)
 
 Metrics against the pagedkv bf16 cache run on the same window (the reference): mean KL of the
 next-token distribution, top-1 agreement; plus perplexity, bits/element (averaged over layers,
-high-precision layers included), KV bytes per token, the longest context that fits a memory
+high-precision layers included; a recent window's tail blocks as held at the end of the window),
+KV bytes per token, the longest context that fits a memory
 budget, and decode tokens/s (median of a few greedy steps on the first window, 1 thread, timed in
 the thread's CPU time so that other processes on the machine do not count).
 """
@@ -29,10 +30,12 @@ import torch
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from ..formats import KVFormat, parse_format
+from ..ops.recent import RecentWindow, stored_tail_tokens
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, log_probs, window_sums
 
 _HP = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
+_RECENT = re.compile(r"^(?P<rest>.+?)\+r(?P<r>\d+)(?P<codec>[a-z0-9_]*)$")
 
 
 @dataclass(frozen=True)
@@ -40,17 +43,26 @@ class FormatChoice:
     """One row of the evaluation: a KV format and its high-precision layers.
 
     `turbo3` = turbo3 everywhere; `turbo3+hp` = turbo3 with the automatic first/last
-    high-precision layers (see `pagedkv.cache.config`); `turbo3+hp2` = two at each end.
+    high-precision layers (see `pagedkv.cache.config`); `turbo3+hp2` = two at each end;
+    a last `+r64` / `+r64q8_0` adds a high-precision recent window of 64 tokens in bf16 / q8_0
+    (`pagedkv.ops.recent`).
     """
 
     label: str
     kv_format: KVFormat
     high_precision_layers: Union[int, str]
+    recent: Optional[RecentWindow] = None
 
 
 def parse_choice(spec: str) -> FormatChoice:
-    """A FormatChoice from `name`, `name+hp` or `name+hpN`; ConfigError naming the bad value."""
+    """A FormatChoice from `name`, `name+hp` or `name+hpN`, each optionally followed by
+    `+r<R>[codec]`; ConfigError naming the bad value."""
     s = spec.strip()
+    m = _RECENT.match(s.lower())
+    if m:
+        base = parse_choice(m["rest"])
+        recent = RecentWindow(int(m["r"]), m["codec"] or "bf16")
+        return FormatChoice(f"{base.label}+{recent.name}", base.kv_format, base.high_precision_layers, recent)
     m = _HP.match(s.lower())
     if m:
         fmt = parse_format(m["fmt"])
@@ -92,6 +104,8 @@ def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks:
     from ..integrations.deepseek import mla_dims
 
     if mla_dims(model.config) is not None:  # latent (MLA) models: one [latent | rope] per token
+        if choice.recent is not None:
+            raise ConfigError(f"{choice.label}: a recent window is not implemented for latent (MLA) layers")
         from ..integrations.deepseek import PagedLatentCache
         from ..integrations.deepseek import enable as enable_mla
 
@@ -101,16 +115,24 @@ def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks:
     from ..integrations.transformers import PagedKVCache
 
     return PagedKVCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
-                        block_size=block_size, checks=checks)
+                        block_size=block_size, checks=checks, recent_window=choice.recent)
 
 
-def layout_numbers(cache, memory_bytes: int) -> tuple[float, float, int]:
-    """(bits/element over all layers, bytes/token, longest context fitting memory_bytes)."""
+def layout_numbers(cache, memory_bytes: int, recent: Optional[RecentWindow] = None,
+                   window_tokens: int = 0) -> tuple[float, float, int]:
+    """(bits/element over all layers, bytes/token, longest context fitting memory_bytes), as
+    stored at the end of a window of `window_tokens` tokens: with a recent window, its tail
+    blocks (`stored_tail_tokens`, tail codec on both sides) are added to the format's pages."""
     cfg = cache.config
     elems_per_token = sum(s.latent.elements if s.latent is not None else 2 * s.num_kv_heads * s.head_dim
                           for s in cfg.layers)
     bytes_per_token = cfg.bytes_per_block / cfg.block_size
     fits = (memory_bytes // cfg.bytes_per_block) * cfg.block_size
+    if recent is not None and window_tokens:
+        tail_per_token = sum(2 * recent.codec.row_bytes(s.head_dim) * s.num_kv_heads for s in cfg.layers)
+        tail = stored_tail_tokens(window_tokens, recent.tokens, cfg.block_size) * tail_per_token
+        bytes_per_token += tail / window_tokens
+        fits = int((memory_bytes - tail) // cfg.bytes_per_block) * cfg.block_size
     return 8 * bytes_per_token / elems_per_token, bytes_per_token, int(fits)
 
 
@@ -132,7 +154,7 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
     results = []
     for c in choices:
         cache = cache_for(model, c, cfg.block_size)
-        bits, bpt, fits = layout_numbers(cache, cfg.memory_bytes)
+        bits, bpt, fits = layout_numbers(cache, cfg.memory_bytes, c.recent, cfg.window_tokens)
         results.append(FormatResult(c, bits, bpt, fits, cache.config.num_high_precision_layers))
         del cache
     if cfg.compute.workers > 1 and len(windows) > 1:

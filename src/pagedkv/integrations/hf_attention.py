@@ -83,25 +83,42 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         out = q_rows.float()
     elif layer.paged is None:  # nothing stored yet (every token so far a pad)
         out = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
+    elif layer.tail is not None:  # the high-precision recent window (ops/recent.py)
+        out = _recent_attention(layer, q_rows, b, tq, counts, seq_lens, params)
     elif tq == 1 and valid is None:
         paged, tables = cache.attention_inputs(layer, dev)
         out = decode_attention(q_rows.contiguous(), paged, tables, seq_lens,
                                params, backend=cache.backend, checks=cache.checks)
     else:
-        if counts is None:
-            qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * tq
-        else:
-            qsl = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-            qsl[1:] = torch.cumsum(counts.to(dev), 0)
         paged, tables = cache.attention_inputs(layer, dev)
-        out = prefill_attention(q_rows.contiguous(), paged, tables, seq_lens,
-                                qsl, params, backend=cache.backend, checks=cache.checks)
+        out = prefill_attention(q_rows.contiguous(), paged, tables, seq_lens, _query_start_loc(b, tq, counts, dev),
+                                params, backend=cache.backend, checks=cache.checks)
     out = out.to(query.dtype)
     if valid is None:
         return out.reshape(b, tq, hq, d), None
     full = torch.zeros(b, tq, hq, d, dtype=query.dtype, device=dev)  # pad queries: zeros
     full[valid.to(dev)] = out
     return full, None
+
+
+def _query_start_loc(b: int, tq: int, counts, dev) -> torch.Tensor:
+    """int32 [B+1] row offsets of the packed valid queries (counts: int [B] or None = all tq)."""
+    if counts is None:
+        return torch.arange(b + 1, dtype=torch.int32, device=dev) * tq
+    qsl = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+    qsl[1:] = torch.cumsum(counts.to(dev), 0)
+    return qsl
+
+
+def _recent_attention(layer, q_rows, b, tq, counts, seq_lens, params):
+    """Attention with the last R keys read from the layer's high-precision tail."""
+    from ..ops.recent import recent_prefill_attention
+
+    cache, dev = layer.cache, q_rows.device
+    paged, tables = cache.attention_inputs(layer, dev)
+    return recent_prefill_attention(q_rows.contiguous(), paged, layer.tail, tables, seq_lens,
+                                    _query_start_loc(b, tq, counts, dev), params,
+                                    recent=cache.recent_window.tokens, checks=cache.checks)
 
 
 def _dense_attention(query, key, value, scaling, window, softcap, sinks, key_valid=None):

@@ -50,6 +50,7 @@ class PagedCacheLayer:
         self.is_sliding = spec.sliding_window is not None
         self.length = 0
         self.paged: Optional[PagedLayer] = None
+        self.tail: Optional[PagedLayer] = None  # the high-precision recent window (cache.recent_window)
         self.k_mult: Optional[torch.Tensor] = None  # float32 [H, D]: stored keys are k * k_mult
         self.pending = None  # (k, v, start column) of the chunk waiting for the attention function
         self.scale_keys = cache.key_scaling and not spec.format.k.traits.raw
@@ -64,6 +65,22 @@ class PagedCacheLayer:
     # pools ---------------------------------------------------------------------------------
     def _make(self, num_blocks: int) -> PagedLayer:
         return build_layer(self.spec, num_blocks, self.cache.config.block_size, self.device)
+
+    def _make_tail(self) -> None:
+        """The recent window's tail: the tail codec on both sides, this layer's blocks, slots and
+        key centre (stored keys and values are the same transformed rows as in `paged`)."""
+        recent = self.cache.recent_window
+        if recent is None:
+            return
+        p, c, s = self.paged, recent.codec, self.spec
+        self.tail = replace(
+            p, k_codec=c, v_codec=c,
+            k_pool=torch.zeros(p.num_blocks, c.block_bytes(p.block_size, s.num_kv_heads, s.head_dim),
+                               dtype=torch.uint8, device=p.device),
+            v_pool=torch.zeros(p.num_blocks, c.block_bytes(p.block_size, s.num_kv_heads, s.head_dim),
+                               dtype=torch.uint8, device=p.device),
+            k_scale=torch.ones(1, dtype=torch.float32, device=p.device),
+            v_scale=torch.ones(1, dtype=torch.float32, device=p.device))
 
     def _pool_names(self) -> tuple[str, ...]:
         return ("k_pool", "v_pool")
@@ -87,6 +104,7 @@ class PagedCacheLayer:
         self.paged = replace(p, k_centre=on["k_centre"], k_mult=on["k_mult"], v_centre=on["v_centre"],
                              k_scale=on["k_scale"] if on["k_scale"] is not None else p.k_scale,
                              v_scale=on["v_scale"] if on["v_scale"] is not None else p.v_scale)
+        self._make_tail()
         self.is_initialized = True
 
     def _apply(self, step) -> None:
@@ -94,7 +112,11 @@ class PagedCacheLayer:
         a cut (new tensors, so the memory is returned), or growth; then copy-on-write."""
         if self.paged is None:
             return
-        p = self.paged
+        if self.tail is not None:
+            self.tail = self._applied(self.tail, step)
+        self.paged = self._applied(self.paged, step)
+
+    def _applied(self, p: PagedLayer, step) -> PagedLayer:
         changes = {}
         for name in self._pool_names():
             pool = getattr(p, name)
@@ -111,7 +133,7 @@ class PagedCacheLayer:
                 src = torch.tensor([c[0] for c in step.copies], device=pool.device)
                 pool[torch.tensor([c[1] for c in step.copies], device=pool.device)] = pool[src]
             changes[name] = pool
-        self.paged = replace(p, **changes)
+        return replace(p, **changes)
 
     def pool_bytes(self) -> int:
         if self.paged is None:
@@ -120,6 +142,8 @@ class PagedCacheLayer:
         extra = 8 + (0 if p.k_centre is None else p.k_centre.numel() * 4)
         extra += 0 if self.k_mult is None else self.k_mult.numel() * 4
         extra += 0 if self.v_centre is None else self.v_centre.numel() * 4
+        if self.tail is not None:
+            extra += self.tail.k_pool.numel() + self.tail.v_pool.numel()
         return p.k_pool.numel() + p.v_pool.numel() + extra
 
     # contract -------------------------------------------------------------------------------
@@ -144,6 +168,7 @@ class PagedCacheLayer:
                                                          "k_mult", "v_centre")
                    if getattr(cal, name) is not None}
         self.paged = replace(p, **changes) if changes else p
+        self._make_tail()
         self.is_initialized = True
         release_free_heap()  # the statistics' one-time temporaries would stay as heap holes,
         # accumulating over the first chunk's layers (~1-1.5 MB on SmolLM2, the turbo3 run's peak)
@@ -170,6 +195,8 @@ class PagedCacheLayer:
             v = v.reshape(b * t, h, d) if valid is None else v[valid]
             slots = cache._slots_rows(starts, counts, self.paged.device, self.group, valid)
             store(self.paged, k, v, slots, backend=cache.backend, checks=cache.checks)
+            if self.tail is not None:
+                store(self.tail, k, v, slots, backend=cache.backend, checks=cache.checks)
         cache._record(start, valid, b, t)
 
     def flush(self, query_states: Optional[torch.Tensor] = None,
@@ -192,6 +219,7 @@ class PagedCacheLayer:
         self.length = pending[2]
         if not was_initialized:
             self.paged, self.k_mult, self.v_centre, self.is_initialized = None, None, None, False
+            self.tail = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take the new tokens' K/V (float [B, H, T, D]); return them tagged with this layer for
@@ -230,6 +258,7 @@ class PagedCacheLayer:
     def reset(self) -> None:
         self.length = 0
         self.paged = None
+        self.tail = None
         self.k_mult = None
         self.v_centre = None
         self.pending = None

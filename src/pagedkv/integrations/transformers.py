@@ -132,8 +132,10 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
                  block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
                  checks: bool = True, check_attn_implementation: bool = True,
-                 reclaim_sliding: bool = True, offload=None, swap_tier=None, prefix_tier=None):
+                 reclaim_sliding: bool = True, offload=None, swap_tier=None, prefix_tier=None,
+                 recent_window=None):
         config = getattr(model_or_config, "config", model_or_config)
+        self.recent_window = _recent_window(recent_window, offload)
         if check_attn_implementation and hasattr(model_or_config, "config"):
             impl = getattr(config, "_attn_implementation", None)
             if impl != ATTN_IMPLEMENTATION:
@@ -337,3 +339,19 @@ def _watch_input_ids(model) -> None:
     if hasattr(model, "register_forward_pre_hook") and not getattr(model, "_pagedkv_ids_hook", False):
         model.register_forward_pre_hook(_note_input_ids, with_kwargs=True)
         model._pagedkv_ids_hook = True
+
+
+def _recent_window(recent, offload):
+    """The cache's `ops.recent.RecentWindow` (None = off; an int R = a bf16 tail of R tokens):
+    every layer then keeps a high-precision tail and attends with `ops.recent`."""
+    if recent is None:
+        return None
+    from ..ops.recent import RecentWindow
+
+    if isinstance(recent, int) and not isinstance(recent, bool):
+        recent = RecentWindow(recent)
+    if not isinstance(recent, RecentWindow):
+        raise ConfigError(f"recent_window must be None, an int or a RecentWindow, got {recent!r}")
+    if offload is not None:
+        raise ConfigError("recent_window does not work with offload yet (the tail is not swapped)")
+    return recent

@@ -60,6 +60,14 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, lay
     q: float [Tq, Hq, D] (original basis, Hq = H * G); k: float32 [n, H, D] in the stored basis;
     q_pos: int64 [Tq] positions of the queries.
     """
+    h, hq = layer.num_kv_heads, q.shape[1]
+    return masked_softmax(attention_logits(q, k, layer), q_pos, params, sink_shape=(h, hq // h, 1, 1))
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, layer: PagedLayer) -> torch.Tensor:
+    """Raw logits float32 [H, G, Tq, n] (before scale, cap, mask) of q float [Tq, Hq, D]
+    (original basis) against keys k float32 [n, H, D] in `layer`'s stored basis: q / k_mult,
+    rotated when K is, plus q . k_centre."""
     tq, hq, d = q.shape
     h = layer.num_kv_heads
     qf = transform.query_for_keys(layer, q).reshape(tq, h, hq // h, d)
@@ -68,7 +76,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, lay
     if layer.k_centre is not None:
         centre = layer.k_centre.to(qf.device, torch.float32)
         s = s + torch.einsum("thgd,hd->hgt", qf, centre)[..., None]
-    return masked_softmax(s, q_pos, params, sink_shape=(h, hq // h, 1, 1))
+    return s
 
 
 def masked_softmax(s: torch.Tensor, q_pos: torch.Tensor, params: AttentionParams,
