@@ -115,3 +115,44 @@ def all_formats() -> Iterator[KVFormat]:
         for v in codecs:
             if k != v:
                 yield KVFormat(k, v)
+
+
+# ---- plan files (`pagedkv tune --out plan.json`): a per-layer format wherever a format is accepted ----
+PLAN_VERSION = 1
+
+
+def is_plan_path(name) -> bool:
+    """True for a format argument that names a plan file (a path ending in .json)."""
+    return isinstance(name, str) and name.strip().lower().endswith(".json")
+
+
+def read_plan(path: str, layer_dims=None) -> dict:
+    """The plan file at `path` as {"formats": tuple[KVFormat] per layer, "recent_window": None or
+    {"tokens", "codec"}, "doc": the JSON}; with `layer_dims` (per layer (kv heads, head_dim)) it
+    is checked against the model's layout. ConfigError naming the file and what is wrong."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"plan file {path!r} cannot be read as JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("pagedkv_plan") != PLAN_VERSION or not isinstance(doc.get("layers"), list):
+        raise ConfigError(f"plan file {path!r} is not a pagedkv plan (version {PLAN_VERSION}; make one "
+                          "with `pagedkv tune`)")
+    try:
+        formats = tuple(KVFormat(get_codec(e["k"]), get_codec(e["v"])) for e in doc["layers"])
+    except (TypeError, KeyError) as exc:
+        raise ConfigError(f"plan file {path!r}: every layer needs 'k' and 'v' codecs ({exc})") from None
+    if layer_dims is not None:
+        dims = [tuple(d) for d in layer_dims]
+        planned = [tuple(d) for d in doc.get("layer_dims") or []]
+        if len(formats) != len(dims) or (planned and planned != dims):
+            raise ConfigError(f"plan file {path!r} was made for {len(formats)} layers {planned[:1]}..., the model "
+                              f"has {len(dims)} layers {dims[:1]}... (kv heads, head_dim): run `pagedkv tune` for it")
+        for f, (_, d) in zip(formats, dims):
+            f.check_head_dim(d)
+    recent = doc.get("recent_window")
+    if recent is not None and not (isinstance(recent, dict) and {"tokens", "codec"} <= set(recent)):
+        raise ConfigError(f"plan file {path!r}: recent_window must be null or {{'tokens', 'codec'}}")
+    return {"formats": formats, "recent_window": recent, "doc": doc}

@@ -30,7 +30,7 @@ import torch
 
 from ..codecs.derive import auto_high_precision_layers
 from ..errors import ConfigError
-from ..formats import KVFormat, parse_format
+from ..formats import KVFormat, is_plan_path, parse_format, read_plan
 
 if TYPE_CHECKING:
     from ..ops.latent_layer import LatentSpec
@@ -143,7 +143,10 @@ class CacheConfig:
                 _pos_int(f"layer_dims[{i}] head_dim", d[1])
             _set(self, "layer_dims", dims)
 
-        # formats, parsed once; a "+hp" suffix is the high-precision policy
+        # formats, parsed once; a "+hp" suffix is the high-precision policy; a plan file
+        # (`pagedkv tune`) is one format per layer, checked against the dims
+        if is_plan_path(self.kv_format):
+            _set(self, "kv_format", read_plan(self.kv_format, dims)["formats"])
         name, named_hp = split_hp(self.kv_format)
         if named_hp is not None:
             if self.high_precision_layers is not None:

@@ -24,6 +24,7 @@ COMMANDS = {
     "eval": "eval_cmd",
     "generate": "generate_cmd",
     "plan": "plan_cmd",
+    "tune": "tune_cmd",
     "bench": "bench",
 }
 _NEGATIVE = re.compile(r"^-[0-9.]")

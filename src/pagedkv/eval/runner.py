@@ -19,6 +19,7 @@ the thread's CPU time so that other processes on the machine do not count).
 from __future__ import annotations
 
 import math
+import os
 import re
 import statistics
 import time
@@ -29,7 +30,7 @@ import torch
 
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
-from ..formats import KVFormat, parse_format
+from ..formats import KVFormat, is_plan_path, parse_format, read_plan
 from ..ops.recent import RecentWindow, stored_tail_tokens
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, log_probs, window_sums
@@ -49,15 +50,24 @@ class FormatChoice:
     """
 
     label: str
-    kv_format: KVFormat
+    kv_format: Union[KVFormat, str]  # a str: a plan file (`pagedkv tune`), one format per layer
     high_precision_layers: Union[int, str]
     recent: Optional[RecentWindow] = None
+
+    @property
+    def format_name(self) -> str:
+        return self.kv_format if isinstance(self.kv_format, str) else self.kv_format.name
 
 
 def parse_choice(spec: str) -> FormatChoice:
     """A FormatChoice from `name`, `name+hp` or `name+hpN`, each optionally followed by
     `+r<R>[codec]`; ConfigError naming the bad value."""
     s = spec.strip()
+    if is_plan_path(s):
+        plan = read_plan(s)
+        r = plan["recent_window"]
+        recent = None if r is None else RecentWindow(int(r["tokens"]), r["codec"])
+        return FormatChoice(os.path.basename(s), s, 0, recent)
     m = _RECENT.match(s.lower())
     if m:
         base = parse_choice(m["rest"])
@@ -86,7 +96,7 @@ class FormatResult:
         dt = statistics.median(self.decode_times) if self.decode_times else float("nan")
         return {
             "format": self.choice.label,
-            "kv_format": self.choice.kv_format.name,
+            "kv_format": self.choice.format_name,
             "high_precision_layers": self.high_precision_layers,
             "bits_per_element": self.bits_per_element,
             "bytes_per_token": self.bytes_per_token,

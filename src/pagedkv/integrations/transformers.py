@@ -135,7 +135,8 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
                  reclaim_sliding: bool = True, offload=None, swap_tier=None, prefix_tier=None,
                  recent_window=None):
         config = getattr(model_or_config, "config", model_or_config)
-        self.recent_window = _recent_window(recent_window, offload)
+        self.recent_window = _recent_window(recent_window if recent_window is not None
+                                            else _plan_recent(kv_format), offload)
         if check_attn_implementation and hasattr(model_or_config, "config"):
             impl = getattr(config, "_attn_implementation", None)
             if impl != ATTN_IMPLEMENTATION:
@@ -339,6 +340,20 @@ def _watch_input_ids(model) -> None:
     if hasattr(model, "register_forward_pre_hook") and not getattr(model, "_pagedkv_ids_hook", False):
         model.register_forward_pre_hook(_note_input_ids, with_kwargs=True)
         model._pagedkv_ids_hook = True
+
+
+def _plan_recent(kv_format):
+    """The recent window a plan file (`pagedkv tune`) asks for, or None."""
+    from ..formats import is_plan_path, read_plan
+
+    if not is_plan_path(kv_format):
+        return None
+    r = read_plan(kv_format)["recent_window"]
+    if r is None:
+        return None
+    from ..ops.recent import RecentWindow
+
+    return RecentWindow(int(r["tokens"]), r["codec"])
 
 
 def _recent_window(recent, offload):

@@ -1,0 +1,152 @@
+"""`pagedkv tune`: sensitivities on calibration text, the greedy plan, plan files as KV formats.
+
+Oracles: a brute-force search over every plan of a small synthetic problem (the greedy must stay
+within the budget and reach the optimum there), the budget itself, determinism (two runs, same
+file), and the text the tokenizer was given (the standard-library docstrings, never the eval
+text, which is made to fail if read).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from pagedkv.codecs import CODECS  # noqa: E402
+from pagedkv.errors import ConfigError  # noqa: E402
+from pagedkv.eval.runner import parse_choice  # noqa: E402
+from pagedkv.formats import read_plan  # noqa: E402
+from pagedkv.integrations.transformers import ATTN_IMPLEMENTATION, PagedKVCache, register  # noqa: E402
+from pagedkv.integrations.vllm.fit import calibration_text  # noqa: E402
+from pagedkv.ops.recent import RecentWindow  # noqa: E402
+from pagedkv.tune import tune  # noqa: E402
+from pagedkv.tune.choose import choose, write_plan  # noqa: E402
+
+VOCAB = 96
+
+
+class CharTokenizer:
+    """Characters -> ids; remembers the texts it was given."""
+
+    bos_token_id = 1
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, text, add_special_tokens=False):
+        self.seen.append(text)
+        return {"input_ids": [3 + ord(c) % (VOCAB - 3) for c in text]}
+
+
+def _model():
+    register()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    import pagedkv.eval.text as eval_text
+
+    saved = eval_text.default_text
+    eval_text.default_text = lambda: (_ for _ in ()).throw(AssertionError("tune read the eval text"))
+    try:
+        model, tok = _model(), CharTokenizer()
+        docs = [tune(model, tok, bits=4.0, tokens=96, ladder=("turbo2", "turbo3", "turbo4", "q8_0"))
+                for _ in range(2)]
+        low = tune(model, tok, bits=3.5, tokens=96, ladder=("turbo2", "turbo3", "turbo4", "q8_0"),
+                   recent=RecentWindow(16, "q8_0"), context=256)
+    finally:
+        eval_text.default_text = saved
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    write_plan(str(path), docs[0])
+    return model, tok, docs, low, str(path)
+
+
+def test_deterministic_within_budget_and_never_the_eval_text(plans):
+    model, tok, docs, low, _ = plans
+    assert json.dumps(docs[0], sort_keys=True) == json.dumps(docs[1], sort_keys=True)
+    assert set(tok.seen) == {calibration_text()} and docs[0]["calibration_text"] == "stdlib-docstrings"
+    assert docs[0]["bits_per_element"] <= 4.0 + 1e-9
+    tail = 16 * 8.5 / 256  # the recent window's q8_0 tail blocks at 256 tokens
+    assert low["bits_per_element"] + tail <= 3.5 + 1e-9 and low["recent_window"] == {"tokens": 16, "codec": "q8_0"}
+    spent = {c: 0 for c in ("turbo2", "turbo3", "turbo4", "q8_0")}
+    for e in docs[0]["layers"]:
+        spent[e["k"]] += 1
+        spent[e["v"]] += 1
+    assert spent["turbo2"] < 6  # the budget above the cheapest plan was spent
+
+
+def test_greedy_reaches_the_brute_force_optimum_on_a_small_problem():
+    ladder = [CODECS[c] for c in ("turbo2", "turbo3", "turbo4")]
+    errors = [{"k": {"turbo2": 0.5, "turbo3": 0.1, "turbo4": 0.03}, "v": {"turbo2": 0.08, "turbo3": 0.03, "turbo4": 0.01}},
+              {"k": {"turbo2": 0.05, "turbo3": 0.02, "turbo4": 0.006}, "v": {"turbo2": 0.2, "turbo3": 0.05, "turbo4": 0.015}}]
+    dims = [(2, 64), (2, 64)]
+    for bits in (2.5, 3.0, 3.5, 4.0):
+        got = choose(errors, ladder, dims, bits)
+        cost = lambda f: (f.k.bits_per_element + f.v.bits_per_element) / 2  # noqa: E731
+        err = lambda fs: sum(errors[i]["k"][f.k.name] + errors[i]["v"][f.v.name] for i, f in enumerate(fs))  # noqa: E731
+        assert sum(map(cost, got)) / 2 <= bits + 1e-9
+        best = min(err([type(got[0])(a, b), type(got[0])(c, d)])
+                   for a, b, c, d in itertools.product(ladder, repeat=4)
+                   if (a.bits_per_element + b.bits_per_element + c.bits_per_element + d.bits_per_element) / 4 <= bits)
+        assert err(got) == pytest.approx(best), bits
+    with pytest.raises(ConfigError, match="cheapest plan"):
+        choose(errors, ladder, dims, 2.0)
+
+
+def test_a_plan_file_is_a_kv_format_in_every_python_front_door(plans, tmp_path):
+    model, _, docs, low, path = plans
+    want = [(e["k"], e["v"]) for e in docs[0]["layers"]]
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, path)
+    assert [(s.format.k.name, s.format.v.name) for s in cache.config.layers] == want
+    with torch.no_grad():
+        out = model(torch.randint(3, VOCAB, (1, 20)), cache=cache, use_cache=True).logits
+    assert torch.isfinite(out).all()
+    choice = parse_choice(path)
+    assert choice.label == "plan.json" and choice.recent is None
+    lowpath = tmp_path / "low.json"
+    write_plan(str(lowpath), low)
+    assert PagedKVCache(model, str(lowpath)).recent_window == RecentWindow(16, "q8_0")
+    assert parse_choice(str(lowpath)).recent == RecentWindow(16, "q8_0")
+
+
+def test_plan_files_are_validated_against_the_layout(plans, tmp_path):
+    model, _, docs, _, path = plans
+    with pytest.raises(ConfigError, match="3 layers"):
+        read_plan(path, [(2, 32)] * 4)
+    with pytest.raises(ConfigError, match="3 layers"):
+        read_plan(path, [(4, 32)] * 3)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"layers": []}')
+    with pytest.raises(ConfigError, match="not a pagedkv plan"):
+        PagedKVCache(model, str(bad))
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        parse_choice(str(bad))
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["tune", "--bits", "3.5", "--out", "plan.txt"], "--out"),
+    (["tune", "--bits", "0", "--out", "p.json"], "--bits"),
+    (["tune", "--bits", "3.5", "--recent", "x64", "--out", "p.json"], "--recent"),
+])
+def test_cli_bad_input_is_one_line_exit_2(argv, word, capsys):
+    from pagedkv.cli.main import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and word in err
