@@ -2,7 +2,7 @@
 
 One fp32 forward records every attention layer's queries, keys and values (after RoPE). For a
 layer, a side (K or V) and a codec, the statistics the cache would fit are computed
-(`integrations.calibration.calibrate`: key centre, value centre, fp8 scales), only that side is
+(`cache.calibration.calibrate`: key centre, value centre, fp8 scales), only that side is
 round-tripped through the codec, and the error is the mean squared difference of the layer's
 causal attention output from the exact one, relative to the output's mean square. Everything is
 seeded or exact, so the numbers are the same on every run (a test).
@@ -17,7 +17,7 @@ import torch
 from ..codecs import reference as codec_ref
 from ..codecs.catalogue import Codec
 from ..errors import ConfigError
-from ..integrations.calibration import CalibrationOptions, calibrate
+from ..cache.calibration import CalibrationOptions, calibrate
 
 _CAPTURE = "pagedkv_tune_capture"
 
