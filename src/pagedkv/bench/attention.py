@@ -52,19 +52,6 @@ def _timed_layers(shape: BenchShape, layer_bytes: int) -> int:
     return max(1, min(shape.layers, want, fit))
 
 
-def _median_ms(fn: Callable[[int], object], n_layers: int, repeats: int,
-               clock: Callable[[], float] = time.perf_counter) -> float:
-    """Median over repeats of the per-layer time (ms) of running fn(l) for l in range(n_layers)."""
-    fn(0)  # warm-up (first touch, allocator)
-    times = []
-    for _ in range(repeats):
-        t = clock()
-        for i in range(n_layers):
-            fn(i)
-        times.append((clock() - t) / n_layers)
-    return statistics.median(times) * 1e3
-
-
 def _seeded_layers(fmt: KVFormat, shape: BenchShape, num_blocks: int, count: int) -> list[PagedLayer]:
     """`count` layers of `num_blocks` blocks filled with tiled real encoded blocks."""
     h, d, bs = shape.num_kv_heads, shape.head_dim, shape.block_size
@@ -254,7 +241,8 @@ def peak_memory_decode(fmt: KVFormat, shape: BenchShape, context: int, attention
 
 def prefill_row(fmt: KVFormat, shape: BenchShape, context: int, q_len: int, attention: Callable) -> dict:
     """One chunked-prefill step (q_len queries at the end of `context`, batch 1) vs torch SDPA
-    over bf16 with the same bottom-right causal mask (fastest of enable_gqa / expanded K,V)."""
+    over bf16 with the same bottom-right causal mask (fastest of enable_gqa / expanded K,V), each
+    timed once per repeat, interleaved, so that all see the same machine conditions."""
     h, hq, d, bs = shape.num_kv_heads, shape.num_q_heads, shape.head_dim, shape.block_size
     g = hq // h
     nb = -(-context // bs)
@@ -267,10 +255,6 @@ def prefill_row(fmt: KVFormat, shape: BenchShape, context: int, q_len: int, atte
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(q_len, hq, d, generator=gen).to(torch.bfloat16)
     params = AttentionParams(scale=d ** -0.5)
-    clock = shape.timer()
-    ms = _median_ms(lambda i: attention(q, layers[i], tables, lens, qsl, params, num_threads=shape.threads),
-                    n, reps, clock) * shape.layers
-
     kb = [torch.randn(1, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
     vb = [torch.randn(1, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
     ke = [k.repeat_interleave(g, dim=1) for k in kb]
@@ -278,15 +262,27 @@ def prefill_row(fmt: KVFormat, shape: BenchShape, context: int, q_len: int, atte
     qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
     pos = torch.arange(context - q_len, context)
     mask = torch.arange(context)[None, :] <= pos[:, None]
-    ways = {
-        "sdpa_gqa": _median_ms(lambda i: F.scaled_dot_product_attention(
-            qb, kb[i], vb[i], attn_mask=mask, scale=d ** -0.5, enable_gqa=True), n, reps, clock) * shape.layers,
-        "sdpa_expanded": _median_ms(lambda i: F.scaled_dot_product_attention(
-            qb, ke[i], ve[i], attn_mask=mask, scale=d ** -0.5), n, reps, clock) * shape.layers,
-    }
+    # timed interleaved, once per repeat each (as the decode grid): the same machine conditions
+    everyone = [
+        Contender("ours", lambda i: attention(q, layers[i], tables, lens, qsl, params,
+                                              num_threads=shape.threads), n, 0),
+        Contender("sdpa_gqa", lambda i: F.scaled_dot_product_attention(
+            qb, kb[i], vb[i], attn_mask=mask, scale=d ** -0.5, enable_gqa=True), n, 0),
+        Contender("sdpa_expanded", lambda i: F.scaled_dot_product_attention(
+            qb, ke[i], ve[i], attn_mask=mask, scale=d ** -0.5), n, 0),
+    ]
+    for c in everyone:
+        c.fn(0)
+    clock = shape.timer()
+    for _ in range(reps):
+        for c in everyone:
+            c.time_once(clock)
+    ms = everyone[0].step_ms(shape.layers)
+    ways = {c.name: c.step_ms(shape.layers) for c in everyone[1:]}
     best = min(ways, key=ways.get)
     return {"format": fmt.name, "context": context, "q_len": q_len, "ms": ms, "baseline_ms": ways[best],
-            "ratio": ms / ways[best], "baseline": best, "baseline_ways": ways}
+            "ratio": ms / ways[best], "baseline": best, "baseline_ways": ways,
+            "threads": shape.threads, "load": machine_load()}
 
 
 # ---------------------------------------------------------------------------- driver
@@ -330,7 +326,8 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
         for fmt in fmts:
             res.prefill.append(prefill_row(fmt, shape, prefill_shape[0], prefill_shape[1], cpu.attention))
             p = res.prefill[-1]
-            say(f"prefill {fmt.name:>14}: {p['ms']:.0f} ms vs {p['baseline_ms']:.0f} ms ratio {p['ratio']:.2f}")
+            say(f"prefill {fmt.name:>14}: {p['ms']:.0f} ms vs {p['baseline_ms']:.0f} ms ratio {p['ratio']:.2f}, "
+                f"{p['threads']} thread(s), load {p['load']:.1f}")
     if memory:
         for i, fmt in enumerate(fmts):
             res.memory.append(peak_memory_decode(fmt, shape, max(contexts), cpu.attention, with_reference=i == 0))

@@ -187,7 +187,7 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     if max_q <= 1:  # decode: every kv head of a block in one task (each cache line read once)
         a.rows_per_tile, a.heads_per_task = 1, h
     else:  # prefill: one kv head per task, ~64 query vectors share each decoded block
-        a.rows_per_tile, a.heads_per_task = max(1, 64 // g), 1
+        a.rows_per_tile, a.heads_per_task = _prefill_rows(g), 1
     a.num_splits = 0
     a.stats = counters.data_ptr()
     rc = kernel.lib.pkv_attention(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
@@ -221,3 +221,16 @@ def _reference_attention(q, layer, block_tables, seq_lens, query_start_loc, para
     if bool(((qsl[1:] - qsl[:-1]) == 1).all()):
         return reference.decode_attention(q, layer, block_tables, seq_lens, params)
     return reference.prefill_attention(q, layer, block_tables, seq_lens, query_start_loc, params)
+
+
+PREFILL_QUERY_VECTORS = 96
+
+
+def _prefill_rows(group: int) -> int:
+    """Query rows per prefill task: ~PREFILL_QUERY_VECTORS query vectors (rows x GQA group) share
+    each decoded K/V chunk, rounded to a multiple of 6 vectors where possible (the AVX2 tiles
+    take 6 query vectors per pass)."""
+    rows = max(1, PREFILL_QUERY_VECTORS // group)
+    while rows > 1 and (rows * group) % 6:
+        rows -= 1
+    return rows if (rows * group) % 6 == 0 else max(1, PREFILL_QUERY_VECTORS // group)

@@ -774,32 +774,33 @@ static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
 }
 
 /* Scores of many query vectors against a decoded K tile rows[BSP][D]: transposed to
-   kt[BSP/8][D][8], then 4 queries x 16 tokens of accumulators per pass (broadcast-FMA). */
+   kt[BSP/8][D][8], then 6 queries x 16 tokens of accumulators per pass (broadcast-FMA, named
+   variables: 12 accumulators give the FMA latency slack; a short last pass repeats query 0). */
+#define PKV_ST_FMA(z, a, b)                                                                        \
+    w = _mm256_broadcast_ss(qz[z] + d);                                                            \
+    a = _mm256_fmadd_ps(w, x, a);                                                                  \
+    b = _mm256_fmadd_ps(w, y, b);
 static void scores_tile(const float *rows, int BSP, int D, int M, const float *qv, float *kt, float *S) {
     const int ng8 = BSP >> 3;
     for (int g = 0; g < ng8; g++)
         for (int c = 0; c < D / 8; c++)
             transpose8(rows + (int64_t)g * 8 * D + 8 * c, D, kt + ((int64_t)g * D + 8 * c) * 8, 8);
-    for (int m0 = 0; m0 < M; m0 += 4) {
-        const int mm = imin4(4, M - m0);
-        const float *q0 = qv + (int64_t)m0 * D, *q1 = q0 + (mm > 1 ? D : 0);
-        const float *q2 = q0 + (mm > 2 ? 2 * D : 0), *q3 = q0 + (mm > 3 ? 3 * D : 0);
+    for (int m0 = 0; m0 < M; m0 += 6) {
+        const int mm = imin4(6, M - m0);
+        const float *qz[6];
+        for (int z = 0; z < 6; z++) qz[z] = qv + (int64_t)(m0 + (z < mm ? z : 0)) * D;
         for (int g = 0; g < ng8; g += 2) {
             const int two = g + 1 < ng8;
             const float *ka = kt + (int64_t)g * D * 8, *kb = two ? ka + (int64_t)D * 8 : ka;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
             for (int d = 0; d < D; d++) {
                 const __m256 x = _mm256_load_ps(ka + 8 * d), y = _mm256_load_ps(kb + 8 * d);
-                __m256 w = _mm256_broadcast_ss(q0 + d);
-                a0 = _mm256_fmadd_ps(w, x, a0); b0 = _mm256_fmadd_ps(w, y, b0);
-                w = _mm256_broadcast_ss(q1 + d);
-                a1 = _mm256_fmadd_ps(w, x, a1); b1 = _mm256_fmadd_ps(w, y, b1);
-                w = _mm256_broadcast_ss(q2 + d);
-                a2 = _mm256_fmadd_ps(w, x, a2); b2 = _mm256_fmadd_ps(w, y, b2);
-                w = _mm256_broadcast_ss(q3 + d);
-                a3 = _mm256_fmadd_ps(w, x, a3); b3 = _mm256_fmadd_ps(w, y, b3);
+                __m256 w;
+                PKV_ST_FMA(0, a0, b0) PKV_ST_FMA(1, a1, b1) PKV_ST_FMA(2, a2, b2)
+                PKV_ST_FMA(3, a3, b3) PKV_ST_FMA(4, a4, b4) PKV_ST_FMA(5, a5, b5)
             }
-            __m256 av[4] = {a0, a1, a2, a3}, bv[4] = {b0, b1, b2, b3};
+            const __m256 av[6] = {a0, a1, a2, a3, a4, a5}, bv[6] = {b0, b1, b2, b3, b4, b5};
             for (int z = 0; z < mm; z++) {
                 _mm256_store_ps(S + (int64_t)(m0 + z) * BSP + 8 * g, av[z]);
                 if (two) _mm256_store_ps(S + (int64_t)(m0 + z) * BSP + 8 * g + 8, bv[z]);
@@ -807,6 +808,7 @@ static void scores_tile(const float *rows, int BSP, int D, int M, const float *q
         }
     }
 }
+#undef PKV_ST_FMA
 
 /* One pass of vacc_t over vectors c0 .. c0+CG-1 (CG compile-time, so the MM x CG accumulators
    stay in registers). */
@@ -875,40 +877,44 @@ static void vacc_fused(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
 }
 
 /* acc[m] = alpha[m] acc[m] + sum_i P[m][i] rows[i] for many query vectors (decoded V tile):
-   4 queries x 16 dims of register accumulators per pass. */
+   6 queries x 16 dims of accumulators per pass, in named variables (12 of the 16 ymm registers;
+   an array of accumulators indexed in loops was kept on the stack by gcc, each FMA then waiting
+   on a store-to-load round trip: prefill ran at 1.35x SDPA). A short last pass repeats query 0
+   (computed, not stored). */
+#define PKV_VT_LOAD(z, a0, a1)                                                                     \
+    const __m256 al##z = _mm256_set1_ps(alpha[mq[z]]);                                              \
+    __m256 a0 = _mm256_mul_ps(_mm256_load_ps(st_acc + (int64_t)mq[z] * D + dc), al##z);             \
+    __m256 a1 = _mm256_mul_ps(_mm256_load_ps(st_acc + (int64_t)mq[z] * D + dc + 8), al##z);
+#define PKV_VT_FMA(z, a0, a1)                                                                      \
+    w = _mm256_broadcast_ss(P + (int64_t)mq[z] * BSP + i);                                          \
+    a0 = _mm256_fmadd_ps(w, x, a0);                                                                \
+    a1 = _mm256_fmadd_ps(w, y, a1);
 static void vacc_tile(const float *rows, int nt, int D, int M, const float *P, int BSP, float *st_acc,
                       const float *alpha, const uint8_t *need) {
-    for (int m0 = 0; m0 < M; m0 += 4) {
-        const int mm = imin4(4, M - m0);
-        const float *p0 = P + (int64_t)m0 * BSP, *p1 = p0 + (mm > 1 ? BSP : 0);
-        const float *p2 = p0 + (mm > 2 ? 2 * BSP : 0), *p3 = p0 + (mm > 3 ? 3 * BSP : 0);
+    for (int m0 = 0; m0 < M; m0 += 6) {
+        const int mm = imin4(6, M - m0);
+        int mq[6];
+        for (int z = 0; z < 6; z++) mq[z] = m0 + (z < mm ? z : 0);
         for (int dc = 0; dc < D; dc += 16) {
-            __m256 a[4][2];
-            for (int z = 0; z < 4; z++) {
-                const int m = m0 + (z < mm ? z : 0);
-                const __m256 al = _mm256_set1_ps(alpha[m]);
-                a[z][0] = _mm256_mul_ps(_mm256_load_ps(st_acc + (int64_t)m * D + dc), al);
-                a[z][1] = _mm256_mul_ps(_mm256_load_ps(st_acc + (int64_t)m * D + dc + 8), al);
-            }
+            PKV_VT_LOAD(0, c00, c01) PKV_VT_LOAD(1, c10, c11) PKV_VT_LOAD(2, c20, c21)
+            PKV_VT_LOAD(3, c30, c31) PKV_VT_LOAD(4, c40, c41) PKV_VT_LOAD(5, c50, c51)
             for (int i = 0; i < nt; i++) {
                 if (need && !need[i]) continue;
                 const __m256 x = _mm256_load_ps(rows + (int64_t)i * D + dc), y = _mm256_load_ps(rows + (int64_t)i * D + dc + 8);
-                __m256 w = _mm256_broadcast_ss(p0 + i);
-                a[0][0] = _mm256_fmadd_ps(w, x, a[0][0]); a[0][1] = _mm256_fmadd_ps(w, y, a[0][1]);
-                w = _mm256_broadcast_ss(p1 + i);
-                a[1][0] = _mm256_fmadd_ps(w, x, a[1][0]); a[1][1] = _mm256_fmadd_ps(w, y, a[1][1]);
-                w = _mm256_broadcast_ss(p2 + i);
-                a[2][0] = _mm256_fmadd_ps(w, x, a[2][0]); a[2][1] = _mm256_fmadd_ps(w, y, a[2][1]);
-                w = _mm256_broadcast_ss(p3 + i);
-                a[3][0] = _mm256_fmadd_ps(w, x, a[3][0]); a[3][1] = _mm256_fmadd_ps(w, y, a[3][1]);
+                __m256 w;
+                PKV_VT_FMA(0, c00, c01) PKV_VT_FMA(1, c10, c11) PKV_VT_FMA(2, c20, c21)
+                PKV_VT_FMA(3, c30, c31) PKV_VT_FMA(4, c40, c41) PKV_VT_FMA(5, c50, c51)
             }
+            const __m256 res[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
             for (int z = 0; z < mm; z++) {
-                _mm256_store_ps(st_acc + (int64_t)(m0 + z) * D + dc, a[z][0]);
-                _mm256_store_ps(st_acc + (int64_t)(m0 + z) * D + dc + 8, a[z][1]);
+                _mm256_store_ps(st_acc + (int64_t)(m0 + z) * D + dc, res[2 * z]);
+                _mm256_store_ps(st_acc + (int64_t)(m0 + z) * D + dc + 8, res[2 * z + 1]);
             }
         }
     }
 }
+#undef PKV_VT_LOAD
+#undef PKV_VT_FMA
 
 static inline __m256 exp256(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
