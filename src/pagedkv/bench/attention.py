@@ -135,8 +135,10 @@ def baseline_contenders(shape: BenchShape, context: int, batch: int) -> list[Con
             for name, fn in (("sdpa_gqa", sdpa_gqa), ("sdpa_folded", sdpa_folded), ("matmul_folded", matmul_folded))]
 
 
-def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable) -> Contender:
-    """The fast kernel over paged pools of `fmt` (random block tables, bf16 q)."""
+def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable,
+                   int8_scores: bool = False) -> Contender:
+    """The fast kernel over paged pools of `fmt` (random block tables, bf16 q); int8_scores: the
+    approximate integer q.k (`AttentionParams.int8_scores`)."""
     bs = shape.block_size
     blocks_per_seq = -(-context // bs)
     num_blocks = blocks_per_seq * batch
@@ -148,7 +150,7 @@ def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, a
     lens = torch.full((batch,), context, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, generator=gen).to(torch.bfloat16)
-    params = AttentionParams(scale=shape.head_dim ** -0.5)
+    params = AttentionParams(scale=shape.head_dim ** -0.5, int8_scores=int8_scores)
 
     def step(i):
         return attention(q, layers[i], tables, lens, qsl, params, num_threads=shape.threads)
@@ -157,11 +159,16 @@ def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, a
 
 
 def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, batch: int,
-                      attention: Callable) -> list[dict]:
+                      attention: Callable, int8_scores: bool = False) -> list[dict]:
     """Rows for one (context, batch): every contender timed once per repeat, interleaved, so the
-    baseline and each format see the same machine conditions; medians over repeats."""
+    baseline and each format see the same machine conditions; medians over repeats. int8_scores:
+    each format also with the approximate integer q.k (rows with "scores": "int8")."""
     base = baseline_contenders(shape, context, batch)
     ours = [ours_contender(f, shape, context, batch, attention) for f in fmts]
+    scores = ["fp32"] * len(ours)
+    if int8_scores:
+        ours += [ours_contender(f, shape, context, batch, attention, int8_scores=True) for f in fmts]
+        scores += ["int8"] * len(fmts)
     everyone = base + ours
     for c in everyone:  # warm-up: first touch, allocator, thread pool
         c.fn(0)
@@ -172,9 +179,9 @@ def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, bat
     ways = {c.name: c.step_ms(shape.layers) for c in base}
     best = min(base, key=lambda c: ways[c.name])
     rows = []
-    for c in ours:
+    for c, sc in zip(ours, scores):
         ms = c.step_ms(shape.layers)
-        rows.append({"format": c.name, "context": context, "batch": batch, "ms": ms,
+        rows.append({"format": c.name, "scores": sc, "context": context, "batch": batch, "ms": ms,
                      "baseline_ms": ways[best.name], "ratio": ms / ways[best.name],
                      "gbps": c.bytes_per_step / (ms / 1e3) / 1e9,
                      "baseline_gbps": best.bytes_per_step / (ways[best.name] / 1e3) / 1e9,
@@ -297,8 +304,10 @@ class BenchResult:
 
 def run(formats: list[str], contexts: list[int], batches: list[int], shape: BenchShape, *,
         prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None,
-        prefill_shape: tuple = (4096, 512), bandwidth_bytes: int = 1 << 29) -> BenchResult:
+        prefill_shape: tuple = (4096, 512), bandwidth_bytes: int = 1 << 29,
+        int8_scores: bool = False) -> BenchResult:
     """Run the benchmark grid; formats are KV format names (parsed here, the config edge).
+    int8_scores: decode rows also with the approximate integer q.k.
 
     prefill_shape: (context, query count) of the chunked-prefill rows; bandwidth_bytes: buffer
     of the streaming-read probe (larger than the caches)."""
@@ -317,9 +326,9 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
     say = progress or (lambda s: None)
     for batch in batches:
         for context in contexts:
-            for row in decode_grid_point(fmts, shape, context, batch, cpu.attention):
+            for row in decode_grid_point(fmts, shape, context, batch, cpu.attention, int8_scores):
                 res.rows.append(row)
-                say(f"{row['format']:>14} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
+                say(f"{row['format']:>14} {row['scores']} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
                     f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}, "
                     f"{row['gbps']:.2f} GB/s, {shape.threads} thread(s), load {row['load']:.1f}")
     if prefill:

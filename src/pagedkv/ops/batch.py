@@ -68,6 +68,10 @@ class AttentionParams:
     denominator (it takes weight but contributes no value).
     sparse_v_threshold: 0.0 is exact; when > 0, positions whose softmax weight is below it skip
     the V read.
+    int8_scores: False is exact; True permits a backend an approximate q.k in integers (the CPU
+    kernel's AVX2 decode path for 2/3/4-bit table codes with group scales: the query quantized
+    to int8 per vector, levels to 7 bits; the score error bound is in ops/cpu/attention_i8.h).
+    Backends without such a path compute exactly.
     """
 
     scale: float
@@ -75,6 +79,7 @@ class AttentionParams:
     soft_cap: Optional[float] = None
     sinks: Optional[torch.Tensor] = None
     sparse_v_threshold: float = 0.0
+    int8_scores: bool = False
 
 
 def make_layer(k_codec: Codec, v_codec: Codec, num_blocks: int, block_size: int,

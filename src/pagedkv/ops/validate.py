@@ -143,6 +143,8 @@ def check_params(params, num_q_heads: int, device: torch.device) -> None:
     t = params.sparse_v_threshold
     if not (isinstance(t, (int, float)) and 0.0 <= t < 1.0):
         raise InvalidInput(f"params.sparse_v_threshold must be in [0, 1), got {t!r}")
+    if not isinstance(params.int8_scores, bool):
+        raise InvalidInput(f"params.int8_scores must be True or False, got {params.int8_scores!r}")
     if params.sinks is not None:
         check_tensor("params.sinks", params.sinks, dtypes=(torch.float32,), dim=1, device=device)
         if params.sinks.shape[0] != num_q_heads:

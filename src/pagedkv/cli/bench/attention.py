@@ -56,6 +56,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help=f"timed repeats; medians are reported (default {SHAPE.repeats})")
     cpu.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     cpu.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    cpu.add_argument("--int8-scores", action="store_true",
+                     help="decode rows also with the approximate integer q.k (AttentionParams.int8_scores)")
     gpu = p.add_argument_group("--device cuda")
     gpu.add_argument("--precisions", default=",".join(CUDA.precisions),
                      help=f"matmul operand precisions of our kernels, of fp32,tf32,bf16 (default "
@@ -80,7 +82,7 @@ def run(args) -> int:
 
     progress = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     res = ba.run(formats, contexts, batches, shape, prefill=CPU.prefill and not args.no_prefill,
-                 memory=CPU.memory and not args.no_memory, progress=progress)
+                 memory=CPU.memory and not args.no_memory, progress=progress, int8_scores=args.int8_scores)
 
     mem = {(m["format"], m["context"]): m for m in res.memory}
     rows = []
@@ -105,9 +107,9 @@ def run(args) -> int:
           f"{shape.num_q_heads} q / {shape.num_kv_heads} kv heads x head_dim {shape.head_dim}; "
           f"ms per decode step over all layers (timed on a few distinct layers, scaled)")
     print_table("decode attention (ratio = ms / fastest torch bf16 way)",
-                ["format", "context", "batch", "ms", "baseline_ms", "ratio", "gbps", "baseline"],
-                [[r["format"], r["context"], r["batch"], r["ms"], r["baseline_ms"], r["ratio"], r["gbps"],
-                  r["baseline"]] for r in res.rows])
+                ["format", "scores", "context", "batch", "ms", "baseline_ms", "ratio", "gbps", "baseline"],
+                [[r["format"], r["scores"], r["context"], r["batch"], r["ms"], r["baseline_ms"], r["ratio"],
+                  r["gbps"], r["baseline"]] for r in res.rows])
     if res.prefill:
         print_table("chunked prefill (512 queries at the end of a 4096 context, batch 1) vs torch SDPA bf16",
                     ["format", "ms", "baseline_ms", "ratio", "baseline"],

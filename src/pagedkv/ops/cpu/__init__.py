@@ -32,7 +32,8 @@ F/BW/VL/VBMI/BF16, a shared 2-core VM; `pagedkv bench attention`, 1 thread, the 
   all heads 1.64 -> V in registers 1.56.
 - int8 (VNNI) dot products against a quantized q were estimated at ~20% of the step here (they
   would only shorten the K decode; V, softmax and the reduction stay), at the price of not
-  matching the fp32 reference, so the kernel stays exact fp32 (|out - reference| ~1e-6).
+  matching the fp32 reference, so the kernel stays exact fp32 (|out - reference| ~1e-6) by
+  default; the AVX2 build has an opt-in integer path (below).
 
 Measured ratios (ms / fastest torch way over a contiguous bf16 cache, which is always the plain
 bf16 matmul -> softmax -> matmul with the group folded; `pagedkv bench attention`):
@@ -71,8 +72,17 @@ the fastest torch way): turbo3 517 -> 199 (2.41 -> 0.70), turbo4 591 -> 191 (2.7
 fp8k_turbo3v 649 -> 169 (3.02 -> 0.60), measured at load averages 2-6 on the 2 cores (thread CPU
 time; the baseline itself moved 210-284 ms with the load); batch 8: 0.57-0.74. Chunked prefill
 (512 queries after 3.5k): 3.56 -> 1.40 of SDPA (fp32 FMA tiles; SDPA's GEMMs are more efficient
-here). Still compute- or latency-bound: 0.8-1.6 GB/s of compressed bytes. Not done: the int8 (vpmaddubsw, there is no VNNI here) query path, and
-a 2-thread speedup cannot be measured while the load average exceeds the core count.
+here). Still compute- or latency-bound: 0.8-1.6 GB/s of compressed bytes.
+Later steps (issue 14, A/B of two builds in one process, thread CPU time, load 7-13): the prefill
+V tile's accumulator array was kept on the stack by gcc (each FMA waited on a store-to-load round
+trip): named register accumulators, 6 queries x 16 per pass for the score and V tiles and ~96
+query vectors per task took prefill 512-after-3.5k from 1.35 to 0.87-1.00 of SDPA; group scales
+of a block's tokens decoded in one vector pass: decode 0.90x the time. Integer scores
+(`AttentionParams.int8_scores`, off by default; attention_i8.h): codes -> u8 levels by byte
+shuffles, a power-of-two multiply and a table shuffle, vpmaddubsw/vpmaddwd against the int8
+query, group scales by one FMA per 8 lanes: 0.87-0.90x the exact decode time for turbo3/turbo4
+at 32k. Without VNNI the per-query cost per 32 dims (maddubs, maddwd, sub, convert, FMA) is not
+below the 4 FMAs it replaces, so only the K decode gets cheaper; the prefill tiles stay fp32.
 
 Sparse V (threshold t > 0): a V row is skipped when exp(s - m_run) < t * Z_run for every query of
 the tile, where m_run / Z_run are the running max / denominator (sinks included). Since the final

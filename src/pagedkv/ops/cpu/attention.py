@@ -58,7 +58,7 @@ class _Args(ctypes.Structure):
                 ("block_tables", _p), ("seq_lens", _p), ("query_start", _p), ("window", _i32),
                 ("soft_cap", _f32), ("sinks", _p), ("sparse_thr", _f32), ("out_scale", _f32),
                 ("out", _p), ("num_threads", _i32), ("rows_per_tile", _i32), ("heads_per_task", _i32),
-                ("num_splits", _i32), ("stats", _p)]
+                ("num_splits", _i32), ("stats", _p), ("int8_scores", _i32)]
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,7 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
         a.rows_per_tile, a.heads_per_task = _prefill_rows(g), 1
     a.num_splits = 0
     a.stats = counters.data_ptr()
+    a.int8_scores = int(bool(params.int8_scores))
     rc = kernel.lib.pkv_attention(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
     if rc == -1:
         raise MemoryError("pagedkv CPU attention kernel: out of memory for its working set")

@@ -23,6 +23,7 @@
  * each code into a 32-bit lane, a variable shift, and vpermps as a 16-entry table lookup;
  * with AVX2 + FMA + F16C the same technique on 8 lanes (a broadcast word + variable shift per
  * 8 codes, vpermps as an 8-entry table, two for 4-bit codes); otherwise portable C.
+ * Opt-in approximate integer scores for the AVX2 decode (args int8_scores): attention_i8.h.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,7 +44,7 @@
 #define PKV_SIMD 1
 #endif
 
-#define PKV_ABI_VERSION 3
+#define PKV_ABI_VERSION 4
 #define SMALL_M 8
 
 
@@ -83,6 +84,7 @@ typedef struct {
     int32_t heads_per_task;       /* kv heads per task (divides num_kv_heads) */
     int32_t num_splits;           /* block ranges per (seq, head group, tile) */
     int64_t *stats;               /* [2] or NULL: V rows decoded, V rows skipped (sparse) */
+    int32_t int8_scores;          /* 1: approximate integer q.k where implemented (attention_i8.h) */
 } pkv_args;
 
 /* Rows of one chunk: row i of kv head h has its codes at data[i] + h * row_data_bytes; with
@@ -784,6 +786,8 @@ static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
 #undef PKV_CALL_DOT
 }
 
+#include "attention_i8.h"
+
 /* Scores of many query vectors against a decoded K tile rows[BSP][D]: transposed to
    kt[BSP/8][D][8], then 6 queries x 16 tokens of accumulators per pass (broadcast-FMA, named
    variables: 12 accumulators give the FMA latency slack; a short last pass repeats query 0). */
@@ -973,6 +977,9 @@ typedef struct {
     float *s;       /* [M, BSP] scores then probabilities */
     uint8_t *need;  /* [BSP] V row needed */
     float *alpha;   /* [M] */
+    int8_t *q8;     /* [hpt, M, D] int8 queries, or NULL: exact scores (AVX2 integer path only) */
+    int32_t *qc;    /* [hpt, M, D/4] */
+    float *qmul;    /* [hpt, M] */
 } pkv_scratch;
 
 /* Process the chunk's tokens (positions [jlo, jhi), rows in kr / vr) for one kv head h and the
@@ -981,12 +988,15 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
 #ifdef PKV_SIMD
                        const lut_ctx *klc, const lut_ctx *vlc,
 #endif
-                       const pkv_rows *kr, const pkv_rows *vr, int h, int jlo, int jhi, int M,
+#ifdef PKV_AVX2
+                       const i8_ctx *ik,
+#endif
+                       const pkv_rows *kr, const pkv_rows *vr, int h, int hh, int jlo, int jhi, int M,
                        const float *qv, const float *bias, const float *sinks, const int32_t *pos,
                        pkv_scratch *sc, float *st_m, float *st_l, float *st_acc, int64_t *nv, int64_t *nskip) {
     const int D = a->head_dim, H = a->num_kv_heads;
     const int nt = jhi - jlo;
-    (void)H;
+    (void)H; (void)hh;
     const int ng = (nt + 15) >> 4, BSP = ng * 16;
     const int W = a->window;
     float *rows = sc->rows, *S = sc->s;
@@ -1032,7 +1042,10 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         }
     }
 #elif defined(PKV_AVX2)
-    if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
+    if (sc->q8) {  /* approximate integer scores (M <= SMALL_M, checked by the caller) */
+        scores_i8(ks, ik, kr, h, nt, H, D, M, sc->q8 + (int64_t)hh * M * D, sc->qc + (int64_t)hh * M * (D / 4),
+                  sc->qmul + (int64_t)hh * M, sc->kt, S, BSP);
+    } else if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
         scores_dot(ks, klc, kr, h, nt, H, D, M, qv, sc->kt, S, BSP);
     } else {  /* many: decode into a tile, transpose, broadcast-FMA 4 queries at a time */
         decode_rows(ks, klc, kr, h, nt, H, D, rows, NULL);
@@ -1290,6 +1303,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     const int NB = BS >= 64 ? 1 : 64 / BS;     /* blocks per chunk: ~64 tokens share one pass */
     const int CH = NB * BS, BSP = (CH + 15) & ~15, nc = D / 16 > 0 ? D / 16 : 1;
     pkv_scratch sc;
+    memset(&sc, 0, sizeof sc);
     pkv_rows krs[2], vrs[2];  /* rows of the current and of the next chunk (ping-pong) */
     int rows_ok = 1;
     for (int z = 0; z < 2; z++) {
@@ -1348,6 +1362,17 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     lut_ctx_init(&klc, ks);
     lut_ctx_init(&vlc, vs);
 #endif
+#ifdef PKV_AVX2
+    i8_ctx ik;
+    i8_ctx_init(&ik, ks, D);
+    if (a->int8_scores && ik.ok && M <= SMALL_M) {
+        sc.q8 = xalloc((size_t)hpt * M * D);
+        sc.qc = xalloc(sizeof(int32_t) * (size_t)hpt * M * (D / 4));
+        sc.qmul = xalloc(sizeof(float) * (size_t)hpt * M);
+        if (!sc.q8 || !sc.qc || !sc.qmul) { rc = -1; goto done; }
+        i8_prepare_queries(&ik, sc.q, hpt * M, D, sc.q8, sc.qc, sc.qmul);
+    }
+#endif
     const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
 #ifdef PKV_SIMD
     const unsigned csr = _mm_getcsr();
@@ -1374,7 +1399,10 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
 #ifdef PKV_SIMD
                            &klc, &vlc,
 #endif
-                           kr, vr, h, jlo, jhi, M, sc.q + (size_t)hh * M * D,
+#ifdef PKV_AVX2
+                           &ik,
+#endif
+                           kr, vr, h, hh, jlo, jhi, M, sc.q + (size_t)hh * M * D,
                            a->bias ? sc.bias + hh * M : NULL, sinkv ? sinkv + hh * M : NULL, sc.pos, &sc,
                            st_m + hh * M, st_l + hh * M, st_acc + (size_t)hh * M * D, nv, nskip);
             }
@@ -1392,6 +1420,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     }
 done:
     free(sc.q); free(sc.bias); free(sc.pos); free(sc.rows); free(sc.kt); free(sc.s); free(sc.need); free(sc.alpha);
+    free(sc.q8); free(sc.qc); free(sc.qmul);
     free(sinkv); free(st_m); free(st_l); free(st_acc);
     for (int z = 0; z < 2; z++) {
         free(krs[z].data); free(krs[z].sraw); free(krs[z].scl);

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("attention_kernel.c")
 STORE_SOURCE = Path(__file__).with_name("store_kernel.c")
 SOURCES = (SOURCE, STORE_SOURCE)
-ABI_VERSION = 3  # must match PKV_ABI_VERSION in the C source
+HEADERS = (Path(__file__).with_name("attention_i8.h"),)  # included by SOURCE: part of the hash
+ABI_VERSION = 4  # must match PKV_ABI_VERSION in the C source
 STORE_ABI_VERSION = 1  # must match pkv_store_abi() in store_kernel.c
 
 VARIANT_FLAGS = {
@@ -195,7 +196,7 @@ def _flags(variant: str, openmp: bool) -> list:
 
 def library_name(variant: str, cc: str, openmp: bool) -> str:
     """File name of the library for these settings (a hash of sources, compiler, flags, CPU)."""
-    source = b"\0".join(src.read_bytes() for src in SOURCES)
+    source = b"\0".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
     key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_flags(variant, openmp)).encode(),
                                      " ".join(sorted(cpu_flags())).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
