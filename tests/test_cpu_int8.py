@@ -91,6 +91,11 @@ def v_norm_max(case) -> torch.Tensor:
 
 @pytest.mark.parametrize("k,v", all_pairs())
 def test_int8_scores_within_derived_bound(k, v):
+    from pagedkv.ops.cpu.attention import ATTENTION_SUPPORT
+
+    why = ATTENTION_SUPPORT.refusal(CODECS[k], store=False) or ATTENTION_SUPPORT.refusal(CODECS[v], store=False)
+    if why is not None:  # the dispatcher hands such pairs to the reference ops
+        pytest.skip(f"the CPU kernel does not read {k}/{v}: {why}")
     cc = CheckCase(k, v, seq_lens=(45, 1, 70), num_kv_heads=2, group=3)
     case = cc.build()
     exact_params = cc.params()
