@@ -56,3 +56,11 @@ def test_a_cache_that_cannot_be_written_is_skipped(tmp_path):
     os.chmod(open_root, 0o777)
     assert mc.save(open_root, gguf, model=None, tokenizer=None) is None  # not private: nothing written
     assert list(open_root.iterdir()) == []
+
+
+def test_a_model_that_cannot_be_written_leaves_nothing_behind(tmp_path):
+    src = embedded_model_source()
+    gguf = os.path.join(src.directory, src.gguf_file)
+    root = tmp_path / "models"
+    assert mc.save(root, gguf, model=object(), tokenizer=None) is None  # no .config: the writer fails
+    assert list(root.iterdir()) == [] and mc.lookup(root, gguf) is None

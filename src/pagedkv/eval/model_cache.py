@@ -53,8 +53,8 @@ def lookup(root: Path, gguf_path: str) -> Optional[Path]:
 
 
 def save(root: Path, gguf_path: str, model: Any, tokenizer: Any) -> Optional[Path]:
-    """Write the loaded GGUF model and tokenizer under `root`; None (nothing written) on any
-    OS error or when `root` is not private. The saved config drops the GGUF quantization entry:
+    """Write the loaded GGUF model and tokenizer under `root`; None (nothing written) when the
+    write fails for any reason or `root` is not private. The saved config drops the GGUF quantization entry:
     the saved tensors are plain float32."""
     root = Path(root)
     try:
@@ -71,7 +71,7 @@ def save(root: Path, gguf_path: str, model: Any, tokenizer: Any) -> Optional[Pat
             return None
         os.rename(tmp, folder)  # fails if another process renamed its copy first: keep that one
         return folder
-    except OSError:
+    except Exception:  # an optimisation only: a model it cannot write still loads, from the GGUF
         return folder if lookup(root, gguf_path) else None
     finally:
         if tmp.exists():
