@@ -76,17 +76,19 @@ def _generate(model, cache, ids, chunk: int, new_tokens: int) -> tuple[float, li
     """Chunked prefill of ids [1, N] then greedy decode; (prefill seconds, decode step seconds)."""
     import torch
 
+    from ..integrations.hf_compat import with_cache
+
     t0 = time.perf_counter()
     with torch.inference_mode():
         for start in range(0, ids.shape[1], chunk):
-            last = model(ids[:, start:start + chunk], cache=cache, use_cache=True,
+            last = model(ids[:, start:start + chunk], **with_cache(model, cache), use_cache=True,
                          logits_to_keep=1).logits[:, -1]
         t_prefill = time.perf_counter() - t0
         tok = last.argmax(-1, keepdim=True)  # greedy decode continuing the cache
         step_times = []
         for _ in range(new_tokens):
             t = time.perf_counter()
-            tok = model(tok, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            tok = model(tok, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             step_times.append(time.perf_counter() - t)
     return t_prefill, step_times
 

@@ -40,6 +40,7 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ..eval.model import load_model, load_tokenizer, resolve_device, resolve_model_source
     from ..eval.runner import cache_for, parse_choice
+    from ..integrations.hf_compat import with_cache
 
     choice = parse_choice(args.kv_format)
     source = resolve_model_source(args.model)
@@ -61,7 +62,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with torch.inference_mode():
         ids = ids.to(lm.model.device)
-        out = lm.model.generate(ids, cache=cache, max_new_tokens=args.max_new_tokens, do_sample=False,
+        out = lm.model.generate(ids, **with_cache(lm.model, cache), max_new_tokens=args.max_new_tokens, do_sample=False,
                                 streamer=streamer, pad_token_id=tok.pad_token_id or tok.eos_token_id)
     dt = time.perf_counter() - t0
     new = int(out.shape[1] - ids.shape[1])

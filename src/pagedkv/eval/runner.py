@@ -31,6 +31,7 @@ import torch
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from ..formats import KVFormat, is_plan_path, parse_format, read_plan
+from ..integrations.hf_compat import with_cache
 from ..ops.recent import RecentWindow, stored_tail_tokens
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, log_probs, window_sums
@@ -219,7 +220,7 @@ def window_parts(model, wi: int, window: torch.Tensor, choices: Sequence[FormatC
 @torch.inference_mode()
 def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig):
     cache = cache_for(model, choice, cfg.block_size, checks=False)  # model K/V: skip NaN scans
-    out = model(ids.to(model.device), cache=cache, use_cache=True)
+    out = model(ids.to(model.device), **with_cache(model, cache), use_cache=True)
     return out.logits.float().cpu(), cache
 
 
@@ -238,7 +239,7 @@ def _decode_times(model, cache, logits, steps: int) -> list[float]:
         times = []
         for _ in range(steps):
             t = clock()
-            out = model(nxt, cache=cache, use_cache=True)
+            out = model(nxt, **with_cache(model, cache), use_cache=True)
             if cuda:
                 torch.cuda.synchronize()
             times.append(clock() - t)

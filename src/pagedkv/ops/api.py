@@ -5,6 +5,8 @@ Every op takes two keyword-only settings:
   case, else the reference), a registered name ("reference", "cpu", "triton"), or a Backend;
 - checks: True runs the value checks (NaN/Inf, slot / block-id / length ranges), which sync a GPU;
   shape, dtype and device checks always run.
+They are inference ops: they run without autograd (no gradient flows through a compressed
+cache), so they work the same inside and outside `torch.no_grad()`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .batch import AttentionParams, PagedLayer
 from .dispatch import BackendChoice, Op, select_backend
 
 
+@torch.no_grad()
 def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
           slot_mapping: torch.Tensor, *, backend: BackendChoice = None, checks: bool = True) -> None:
     """Encode new keys/values into the layer's pools at their slots.
@@ -36,6 +39,7 @@ def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor
     impl.store(layer, k, v, slot_mapping)
 
 
+@torch.no_grad()
 def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, params: AttentionParams, *,
                      backend: BackendChoice = None, checks: bool = True) -> torch.Tensor:
@@ -50,6 +54,7 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     return impl.decode_attention(q, layer, block_tables, seq_lens, params)
 
 
+@torch.no_grad()
 def prefill_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       params: AttentionParams, *, backend: BackendChoice = None,

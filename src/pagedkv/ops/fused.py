@@ -151,6 +151,7 @@ def _check_fused(layer: PagedLayer, k, positions, norm, rope, slot_mapping) -> N
             )
 
 
+@torch.no_grad()
 def store_k_fused(layer: PagedLayer, k: torch.Tensor, slot_mapping: torch.Tensor,
                   positions: Optional[torch.Tensor], *, norm: Optional[NormSpec] = None,
                   rope: Optional[RopeSpec] = None, backend: BackendChoice = None,

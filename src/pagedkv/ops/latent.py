@@ -102,6 +102,7 @@ def _query_view(secs, q_lat, q_rope, uniform: bool):
 
 
 # ---- store ----------------------------------------------------------------------------------------
+@torch.no_grad()
 def latent_store(layer: LatentLayer, latent: torch.Tensor, rope: torch.Tensor,
                  slot_mapping: torch.Tensor, *, backend: LatentBackend = None,
                  checks: bool = True) -> None:
@@ -123,6 +124,7 @@ def latent_store(layer: LatentLayer, latent: torch.Tensor, rope: torch.Tensor,
 
 
 # ---- attention -------------------------------------------------------------------------------------
+@torch.no_grad()
 def latent_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: LatentLayer,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             params: AttentionParams, *, backend: LatentBackend = None,
@@ -147,6 +149,7 @@ def latent_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: La
     return _chunked(q_lat, q_rope, layer, block_tables, seq_lens, qsl, params)
 
 
+@torch.no_grad()
 def latent_prefill_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: LatentLayer,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, params: AttentionParams, *,

@@ -122,6 +122,7 @@ def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int) -> None:
         raise ConfigError(f"recent must be an integer >= 1, got {recent!r}")
 
 
+@torch.no_grad()
 def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, params: AttentionParams,
                              *, recent: int, checks: bool = True) -> torch.Tensor:
@@ -140,6 +141,7 @@ def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLaye
     return out.to(q.dtype)
 
 
+@torch.no_grad()
 def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, params: AttentionParams, *, recent: int,
                             checks: bool = True) -> torch.Tensor:
