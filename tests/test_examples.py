@@ -30,10 +30,13 @@ def test_quickstart_runs_as_written():
 
     embedded_model_source()  # skip-free: the embedded model is part of the test set-up
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "HF_HUB_OFFLINE": "1"}
+           "HF_HUB_OFFLINE": "1",
+           # one thread: transformers' GGUF loader takes ~60 s of CPU here, and two spinning
+           # threads on a loaded 2-core machine doubled that (149 s of CPU, 900 s wall at load 15)
+           "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-W", "error::DeprecationWarning",
                            os.path.join(ROOT, "examples", "quickstart.py")],
-                          capture_output=True, text=True, env=env, timeout=900)
+                          capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) >= 2 and lines[0].strip(), proc.stdout
