@@ -120,3 +120,42 @@ def test_views_of_a_vllm_page_equal_contiguous_pools(name):
     a = ops.decode_attention(q, view, tables, lens, params)
     b = ops.decode_attention(q, own, tables, lens, params)
     assert torch.equal(a, b)
+
+
+def _plan(path, layers, dims=(3, 64), recent=None):
+    import json
+
+    doc = {"pagedkv_plan": 1, "layers": [{"k": k, "v": v} for k, v in layers],
+           "layer_dims": [list(dims)] * len(layers), "recent_window": recent}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_a_plan_file_is_a_vllm_format_checked_against_the_layout(tmp_path, monkeypatch):
+    """kv_format "plan.json" (`pagedkv tune`'s file): the plan's codecs per layer, the path made
+    absolute (vLLM's processes may not share a working directory), checked against the dims."""
+    layers = [("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo4", "turbo4"), ("q8_0", "turbo3")]
+    _plan(tmp_path / "plan.json", layers)
+    monkeypatch.chdir(tmp_path)
+    s = parse_settings({"kv_format": "plan.json"}, environ={})
+    assert s.kv_format == str(tmp_path / "plan.json") and s.label == "plan plan.json"
+    assert [f.name for f in s.named_formats()] == ["q8_0k_turbo3v", "turbo4k_turbo3v", "turbo4"]
+    got = layer_formats(s.kv_format, s.high_precision_layers, s.hp_format, 4, [(3, 64)] * 4)
+    assert [(f.k.name, f.v.name) for f in got] == layers
+    with pytest.raises(ConfigError, match="made for 4 layers"):
+        layer_formats(s.kv_format, None, "q8_0", 30, [(3, 64)] * 30)
+    with pytest.raises(ConfigError, match="not a pagedkv plan"):
+        (tmp_path / "bad.json").write_text("{}")
+        parse_settings({"kv_format": "bad.json"}, environ={})
+
+
+@pytest.mark.parametrize("value", [
+    {"kv_format": "turbo3", "recent_window": 64},
+    {"kv_format": "turbo3+r64q8_0"},
+    {"kv_format": "PLAN"},
+])
+def test_a_recent_window_is_refused_saying_what_is_supported(tmp_path, value):
+    if value["kv_format"] == "PLAN":
+        value = {"kv_format": _plan(tmp_path / "r.json", [("turbo3", "turbo3")], recent={"tokens": 64, "codec": "bf16"})}
+    with pytest.raises(ConfigError, match="recent window.*supported: a format name"):
+        parse_settings(value, environ={})

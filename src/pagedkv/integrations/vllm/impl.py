@@ -28,7 +28,6 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from ... import ops
 from ...ops import validate
 from ...errors import ConfigError
-from ...formats import parse_format
 from ...ops.batch import AttentionParams
 from ...cache.calibration import Calibration
 from ...ops.dispatch import Op, select_backend
@@ -88,11 +87,8 @@ class PagedKVImpl(AttentionImpl):
         self._params: Optional[AttentionParams] = None
         # every format named must store this head_dim (ConfigError now, not at first use)
         # (in a fixed order: the formats named first, then the high-precision one if any is used)
-        names = (settings.kv_format,) if isinstance(settings.kv_format, str) else settings.kv_format
-        if settings.high_precision_layers not in (None, 0):
-            names = tuple(names) + (settings.hp_format,)
-        for name in dict.fromkeys(names):
-            parse_format(name).check_head_dim(head_size)
+        for fmt in settings.named_formats():
+            fmt.check_head_dim(head_size)
 
     # -- engine start -----------------------------------------------------------------------
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:

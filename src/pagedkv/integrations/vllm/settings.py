@@ -11,7 +11,12 @@ by the plugin when vLLM loads it). Either holds a JSON object, or just a format 
 
 Keys (anything else is refused, naming the key):
 - kv_format: a pagedkv format name (`pagedkv formats`; `NAME+hp` / `NAME+hpN` add the
-  high-precision first/last layers, as everywhere in pagedkv) or one per attention layer. Required.
+  high-precision first/last layers, as everywhere in pagedkv), one per attention layer, or a plan
+  file written by `pagedkv tune` (a path ending in .json: one K and one V codec per layer,
+  checked against the model's layers at engine start). Required.
+- recent_window: refused unless null / 0 (and a plan file asking for one, or a `+rR` name, is
+  refused): the vLLM backend has no high-precision recent window yet (its tail would need a
+  second, sliding page set per layer); the drop-in and `pagedkv eval` serve it.
 - high_precision_layers: None (default: what the name says, none for a plain name), N >= 0 or
   "auto" (see `pagedkv.cache.config`); hp_format (q8_0). A name means the same bytes as in Python
   and on the command line.
@@ -34,19 +39,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from ...errors import ConfigError
 from ...cache.config import split_hp
-from ...formats import parse_format
+from ...formats import KVFormat, is_plan_path, parse_format, read_plan
 
 ENV_VAR = "PAGEDKV_VLLM"
 CONFIG_KEY = "pagedkv"
 DEFAULT_CALIBRATION_TOKENS = 512
 
 _KEYS = ("kv_format", "high_precision_layers", "hp_format", "key_centring", "value_centring",
-         "key_scaling", "calibration", "calibration_tokens", "cache_dir", "backend", "checks")
+         "key_scaling", "calibration", "calibration_tokens", "cache_dir", "backend", "checks",
+         "recent_window")
+_RECENT_SUFFIX = re.compile(r"^.+?\+r\d+[a-z0-9_]*$")
+NO_RECENT = ("the pagedkv vLLM backend does not serve a high-precision recent window yet; supported: "
+             "a format name, NAME+hp, one format per layer, or a plan file without a recent window "
+             "(`pagedkv tune` without --recent); the transformers drop-in and `pagedkv eval` serve windows")
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> str:
@@ -69,10 +80,23 @@ class VllmSettings:
     cache_dir: Optional[str] = field(default=None)
     backend: Optional[str] = None
     checks: bool = False
+    recent_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         fmt = self.kv_format
-        if isinstance(fmt, (list, tuple)):
+        if self.recent_window not in (None, 0):
+            raise ConfigError(f"pagedkv recent_window={self.recent_window!r}: {NO_RECENT}")
+        if is_plan_path(fmt):
+            path = os.path.abspath(fmt.strip())
+            recent = read_plan(path)["recent_window"]  # ConfigError naming the file if it is not a plan
+            if recent is not None:
+                raise ConfigError(f"pagedkv kv_format {fmt!r}: the plan asks for a recent window of "
+                                  f"{recent['tokens']} tokens in {recent['codec']}; {NO_RECENT}")
+            object.__setattr__(self, "kv_format", path)  # the engine's processes may not share a cwd
+            names = ()  # the plan's codecs were parsed by read_plan
+        elif isinstance(fmt, str) and _RECENT_SUFFIX.match(fmt.strip().lower()):
+            raise ConfigError(f"pagedkv kv_format {fmt!r} names a recent window; {NO_RECENT}")
+        elif isinstance(fmt, (list, tuple)):
             if not fmt:
                 raise ConfigError("pagedkv kv_format: an empty list; give a format name or one per layer")
             object.__setattr__(self, "kv_format", tuple(fmt))
@@ -112,10 +136,24 @@ class VllmSettings:
         if self.backend is not None and self.backend not in ("cpu", "triton", "reference"):
             raise ConfigError(f"pagedkv backend must be cpu, triton, reference or null, got {self.backend!r}")
 
+    def named_formats(self) -> tuple[KVFormat, ...]:
+        """Every format the settings name (a plan's layers, the list, the name; the
+        high-precision format when some layer uses it), each once, in order."""
+        fmt = self.kv_format
+        if is_plan_path(fmt):
+            names = read_plan(fmt)["formats"]
+        else:
+            names = (fmt,) if isinstance(fmt, str) else fmt
+        if self.high_precision_layers not in (None, 0):
+            names = tuple(names) + (self.hp_format,)
+        return tuple(dict.fromkeys(parse_format(n) for n in names))
+
     @property
     def label(self) -> str:
         """A short name for logs: the format (or 'per-layer') and the hp setting."""
         fmt = self.kv_format if isinstance(self.kv_format, str) else "per-layer"
+        if is_plan_path(fmt):
+            fmt = f"plan {os.path.basename(fmt)}"
         hp = self.high_precision_layers
         return fmt if hp is None else f"{fmt} (high_precision_layers={hp})"
 
