@@ -139,7 +139,7 @@ def table(rows: list[dict], args) -> str:
             f"model dtype {args.dtype}, eager, torch threads in the engines {threads}, load "
             f"{min(loads):.1f}-{max(loads):.1f}; ratios to vLLM's own cache ({args.dtype} KV) at the same KV budget")
     cols = ("KV budget", "config", "KV tokens", "x", "concurrency", "x", "out tok/s", "x",
-            "mean TTFT s", "x", "total s", "x")
+            "mean TTFT s", "x", "total s", "x", "load")
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         mib = f"{r['budget_bytes'] / (1 << 20):g} MiB"
@@ -157,7 +157,7 @@ def table(rows: list[dict], args) -> str:
         lines.append(f"| {mib} | {r['config']} | {r['capacity_tokens']:,} | {x('capacity_tokens')} | "
                      f"{r['concurrency']} | {x('concurrency')} | {f('output_tok_s', '{:.1f}')} | "
                      f"{x('output_tok_s')} | {f('mean_ttft_s', '{:.1f}')} | {x('mean_ttft_s')} | "
-                     f"{f('total_s', '{:.1f}')} | {x('total_s')} |")
+                     f"{f('total_s', '{:.1f}')} | {x('total_s')} | {f('load_1min', '{:.1f}')} |")
     return "\n".join(lines)
 
 
@@ -173,7 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="threads per engine (VLLM_CPU_OMP_THREADS_BIND=0..N-1; default %(default)s: on a "
                         "shared machine loaded past its cores, spinning OpenMP threads cost more than they give)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    p.add_argument("--save", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -198,6 +199,9 @@ def main(argv=None) -> int:
                 failed[c] = rows[-1]
             print(f"done {c} @ {budget >> 20} MiB: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     rows = with_ratios(rows)
+    if args.save:
+        with open(args.save, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=2)
     print(json.dumps(rows, indent=2) if args.json else table(rows, args))
     return 0
 
