@@ -14,7 +14,10 @@ small one where bf16 is KV-bound and a large one where nothing is.
 Per configuration and budget: KV capacity in tokens (what vLLM reports), the most requests
 vLLM ran at once (overlap of scheduled..last-token intervals), output tokens/s over the whole
 run, mean time to first token, total time, each also as a ratio to vLLM's own cache (the first
-vllm-bf16 / vllm-auto row) under the same budget. `--threads` threads per engine (default 1: on
+vllm-bf16 / vllm-auto row) under the same budget; and the engine process's CPU time over the run
+(the engine runs in the child's process, one torch thread by default) with output tokens per CPU
+second: on a shared machine wall-clock rows taken minutes apart see different loads (the load
+column), CPU time much less so. `--threads` threads per engine (default 1: on
 a shared 2-core machine loaded past its cores, OpenMP's spinning threads cost more than a
 second thread gives; `benchmarks/vllm_attention_step.py` measures it). Each engine runs in a fresh child process (one vLLM engine per process), one after the
 other, so every row sees the same machine state; the table prints at the end (`--json` prints
@@ -80,9 +83,9 @@ def run_one(config: str, budget: int, args) -> dict:
     ids = prompts(llm.get_tokenizer(), args.prompts, args.prompt_tokens)
     sp = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, temperature=0.0,
                         ignore_eos=True)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp, use_tqdm=False)
-    total = time.perf_counter() - t1
+    total, cpu = time.perf_counter() - t1, time.process_time() - c1
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     spans = [(o.metrics.scheduled_ts, o.metrics.last_token_ts) for o in outs if o.metrics is not None]
     events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
@@ -94,6 +97,7 @@ def run_one(config: str, budget: int, args) -> dict:
     return {"config": config, "budget_bytes": budget, "capacity_tokens": int(cc.num_gpu_blocks) * int(cc.block_size),
             "concurrency": peak, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None, "total_s": total,
+            "cpu_s": cpu, "output_tok_per_cpu_s": out_tokens / cpu,
             "engine_start_s": start_s, "torch_threads": torch.get_num_threads(),
             "load_1min": os.getloadavg()[0], "sample": outs[0].outputs[0].text[:60]}
 
@@ -127,7 +131,8 @@ def with_ratios(rows: list[dict]) -> list[dict]:
         if b is None or "error" in r:
             continue
         r["ratio"] = {k: (r[k] / b[k] if b[k] else None)
-                      for k in ("capacity_tokens", "concurrency", "output_tok_s", "mean_ttft_s", "total_s")
+                      for k in ("capacity_tokens", "concurrency", "output_tok_s", "mean_ttft_s", "total_s", "cpu_s",
+                          "output_tok_per_cpu_s")
                       if r.get(k) is not None and b.get(k) is not None}
     return rows
 
@@ -139,7 +144,7 @@ def table(rows: list[dict], args) -> str:
             f"model dtype {args.dtype}, eager, torch threads in the engines {threads}, load "
             f"{min(loads):.1f}-{max(loads):.1f}; ratios to vLLM's own cache ({args.dtype} KV) at the same KV budget")
     cols = ("KV budget", "config", "KV tokens", "x", "concurrency", "x", "out tok/s", "x",
-            "mean TTFT s", "x", "total s", "x", "load")
+            "mean TTFT s", "x", "total s", "x", "CPU s", "x", "out tok / CPU s", "x", "load")
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         mib = f"{r['budget_bytes'] / (1 << 20):g} MiB"
@@ -157,7 +162,8 @@ def table(rows: list[dict], args) -> str:
         lines.append(f"| {mib} | {r['config']} | {r['capacity_tokens']:,} | {x('capacity_tokens')} | "
                      f"{r['concurrency']} | {x('concurrency')} | {f('output_tok_s', '{:.1f}')} | "
                      f"{x('output_tok_s')} | {f('mean_ttft_s', '{:.1f}')} | {x('mean_ttft_s')} | "
-                     f"{f('total_s', '{:.1f}')} | {x('total_s')} | {f('load_1min', '{:.1f}')} |")
+                     f"{f('total_s', '{:.1f}')} | {x('total_s')} | {f('cpu_s', '{:.1f}')} | {x('cpu_s')} | "
+                     f"{f('output_tok_per_cpu_s', '{:.2f}')} | {x('output_tok_per_cpu_s')} | {f('load_1min', '{:.1f}')} |")
     return "\n".join(lines)
 
 
