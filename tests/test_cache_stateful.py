@@ -18,7 +18,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.codecs.reference import roundtrip
-from pagedkv.errors import CacheFull
+from pagedkv.ops.recent import RecentWindow
+from pagedkv.errors import CacheFull, InvalidInput
 
 BS = 4
 DIMS = ((1, 16), (2, 16))
@@ -73,15 +74,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.rows: dict = {}  # seq id -> bank row per position
 
     # ---- helpers ------------------------------------------------------------------------
-    def _store(self, slots: torch.Tensor, rows: list[int]) -> None:
+    def _store(self, slots, rows: list[int]) -> None:
         idx = torch.tensor(rows, dtype=torch.long)
         for layer, (k, v) in enumerate(_RAW):
             self.cache.store(layer, k[idx], v[idx], slots)
 
+    def _allocate(self, sid, tokens):
+        return self.cache.allocate(sid, tokens)
+
     def _snapshot(self):
         c = self.cache
-        return ({s: (c.tokens(s), list(c.seqs.table(s))) for s in c.sequence_ids()},
-                c.pool.num_free, c.pool.num_cached, c.pool.num_used)
+        return ({s: (c.tokens(s), [list(g.table(s)) for g in c.core.groups]) for s in c.sequence_ids()},
+                [(g.pool.num_free, g.pool.num_cached, g.pool.num_used, g.pool.num_blocks)
+                 for g in c.core.groups])
 
     def _last_row(self, sid) -> int:
         return self.rows[sid][-1] if self.rows[sid] else 0
@@ -99,7 +104,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert hit % BS == 0 and (hit < len(tokens) or hit == 0)
         rows = rows_after(0, tokens)
         assert new.slot_mapping.shape == (len(tokens) - hit,)
-        self._store(new.slot_mapping, rows[hit:])
+        self._store(new, rows[hit:])
         self.cache.commit(new.seq_id)
         self.tokens[new.seq_id] = list(tokens)
         self.rows[new.seq_id] = rows
@@ -115,7 +120,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         before = self._snapshot()
         try:
-            slots = self.cache.allocate(sid, tokens if known else len(tokens))
+            slots = self._allocate(sid, tokens if known else len(tokens))
         except CacheFull:
             assert self._snapshot() == before
             return
@@ -141,7 +146,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self._snapshot() == before
             return
         rows = [rows_after(self._last_row(s), t)[0] for s, t in zip(batch, toks)]
-        self._store(step.slot_mapping, rows)
+        self._store(step, rows)
         self.cache.commit(batch)
         for s, t, r in zip(batch, toks, rows):
             self.tokens[s] += t
@@ -169,7 +174,12 @@ class CacheMachine(RuleBasedStateMachine):
         self.pop(sid, data.draw(st.integers(0, len(self.tokens[sid]))))
 
     def pop(self, sid, n):
-        self.cache.pop(sid, n)
+        before = self._snapshot()
+        try:
+            self.cache.pop(sid, n)
+        except InvalidInput:  # past a sliding group's released blocks: nothing changed
+            assert self._snapshot() == before
+            return
         if n:
             del self.tokens[sid][-n:]
             del self.rows[sid][-n:]
@@ -223,7 +233,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(set(free) | set(cached) | set(used)) == pool.num_blocks  # no block twice
         st_ = c.stats()
         assert (st_.blocks_free, st_.blocks_cached, st_.blocks_used) == (len(free), len(cached), len(used))
-        c.seqs.check_invariants()
+        c.core.check_invariants()
         last = {}
         for e in c.trace:  # the trace's last word on each block is its current ref count
             last[e.block] = e.ref
@@ -237,9 +247,24 @@ class CacheMachine(RuleBasedStateMachine):
             assert c.tokens(s) == toks
             idx = torch.tensor(self.rows[s], dtype=torch.long)
             for layer, (ek, ev) in enumerate(EXPECTED):
-                k, v = c.gather(layer, s)
-                assert torch.equal(k, ek[idx]), (s, layer, "K")
-                assert torch.equal(v, ev[idx]), (s, layer, "V")
+                self._same(c.gather(layer, s), (ek[idx], ev[idx]), c.config.layers[layer].sliding_window,
+                           (s, layer))
+            for layer, (ek, ev) in enumerate(TAIL_EXPECTED if c.tails is not None else ()):
+                self._same(c.gather(layer, s, tail=True), (ek[idx], ev[idx]),
+                           c.config.recent_window.tokens, (s, layer, "tail"))
+
+    @staticmethod
+    def _same(got, want, window, what):
+        """Stored rows equal the codec round trip; a sliding group's released rows (NaN) are
+        only ever positions no query at the sequence's end can see."""
+        n = want[0].shape[0]
+        for g, w in zip(got, want):
+            kept = ~torch.isnan(g).flatten(1).any(1)
+            assert torch.equal(g[kept], w[kept]), what
+            if window is None:
+                assert kept.all(), what
+            else:
+                assert kept[max(0, n - window):].all(), what
 
 
 CacheMachine.TestCase.settings = settings(
@@ -247,3 +272,28 @@ CacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCacheStateful = CacheMachine.TestCase
+
+# several block groups: layer 1 slides (W = 6) and both layers keep a recent window of 5 tokens
+# in turbo8 (a third group): window reclaim, compaction and crop limits through the engine cache
+RECENT = RecentWindow(5, "turbo8")
+TAIL_EXPECTED = [(roundtrip(RECENT.codec, k), roundtrip(RECENT.codec, v)) for k, v in _RAW]
+
+
+class GroupedCacheMachine(CacheMachine):
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedCache(CacheConfig(
+            num_layers=2, num_kv_heads=1, head_dim=16, layer_dims=DIMS, kv_format=FORMATS,
+            high_precision_layers=0, block_size=BS, num_blocks=20, trace=True,
+            sliding_window=[None, 6], recent_window=RECENT))
+        assert len(self.cache.core.groups) == 3
+
+    def _allocate(self, sid, tokens):
+        return self.cache.step([sid], [tokens])  # every group's slots
+
+
+GroupedCacheMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestGroupedCacheStateful = GroupedCacheMachine.TestCase

@@ -219,9 +219,10 @@ class CoreMachine(RuleBasedStateMachine):
 
 
 class SlidingCore(CoreMachine):
-    """A global group and a sliding one (W = 6): growth, window reclaim, compaction, crop limit."""
+    """A global group and two sliding ones (W = 6, and W = 3 as a recent window's tail group
+    is): growth, window reclaim, compaction, crop limits, all or nothing across three groups."""
 
-    SPECS = (GroupSpec(None, 4, 12), GroupSpec(6, 2, 12))
+    SPECS = (GroupSpec(None, 4, 12), GroupSpec(6, 2, 12), GroupSpec(3, 2, 12))
 
 
 class TieredCore(CoreMachine):

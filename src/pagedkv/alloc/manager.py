@@ -80,10 +80,10 @@ class BlockManager:
     # ---- sequences ----------------------------------------------------------------------------
     def add(self, seq_id: Optional[Hashable], tokens: Sequence[int], salt: Salt = None, *,
             rest: bool = True, max_hit_blocks: Optional[int] = None
-            ) -> tuple[Hashable, int, tuple[int, ...]]:
+            ) -> tuple[Hashable, int, tuple[tuple[int, ...], ...]]:
         """Admit a sequence in every group (prefix hits in whole blocks, see
-        `SequenceManager.add`). seq_id None = a new int id. Returns (seq_id, hit tokens, the
-        main group's slots of the tokens after the hits). rest=False holds the hits only."""
+        `SequenceManager.add`). seq_id None = a new int id. Returns (seq_id, hit tokens, per
+        group the slots of the tokens after the hits). rest=False holds the hits only."""
         if isinstance(tokens, int) and not isinstance(tokens, bool):
             raise ConfigError("add_sequence needs the prompt's token ids, not a count")
         n, toks, _ = check_tokens(tokens, "add_sequence")
@@ -96,11 +96,9 @@ class BlockManager:
             if need > g.pool.headroom:
                 raise CacheFull(f"add_sequence of {n} tokens needs {need} new blocks "
                                 f"({hit} prefix hits); {g.pool.headroom} available")
-        slots: list[int] = []
-        for g in self.groups:
-            _, _, got = g.add(toks, salt, seq_id, max_hit_blocks=hit, rest=rest)
-            slots = slots or got
-        return seq_id, hit * self.block_size, tuple(slots)
+        slots = tuple(tuple(g.add(toks, salt, seq_id, max_hit_blocks=hit, rest=rest)[2])
+                      for g in self.groups)
+        return seq_id, hit * self.block_size, slots
 
     def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[Tokens]) -> StepPlan:
         """New tokens (ids or counts) for several distinct sequences in every group."""

@@ -51,24 +51,27 @@ class ToyLM:
             self.w.append(tuple(torch.randn(a, b, generator=g) * sc for a, b, sc in (
                 (d_model, 2 * h * d, s), (d_model, h * d, s), (d_model, h * d, s),
                 (2 * h * d, d_model, 4.0 / math.sqrt(2 * h * d)))))
-        self.params = [AttentionParams(scale=1.0 / math.sqrt(pl.head_dim)) for pl in cache.layers]
+        self.params = [AttentionParams(scale=1.0 / math.sqrt(pl.head_dim), sliding_window=s.sliding_window)
+                       for pl, s in zip(cache.layers, cache.config.layers)]
 
     def _attend(self, li: int, q: torch.Tensor, seq_ids: Sequence[Hashable],
                 qsl: torch.Tensor | None) -> torch.Tensor:
         c = self.cache
-        if getattr(c, "tiers", None) is not None:
+        if c.tiers is not None or c.tails is not None:
             if qsl is None:
                 return c.decode_attention(li, q, seq_ids, self.params[li])
             return c.prefill_attention(li, q, seq_ids, qsl, self.params[li])
-        tables, lens = c.block_tables(seq_ids), c.seq_lens(seq_ids)
+        tables, lens = c.block_tables(seq_ids, li), c.seq_lens(seq_ids)
         if qsl is None:
             return ops.decode_attention(q, c.layers[li], tables, lens, self.params[li])
         return ops.prefill_attention(q, c.layers[li], tables, lens, qsl, self.params[li])
 
-    def forward(self, tokens: Sequence[int], seq_ids: Sequence[Hashable], slots: torch.Tensor,
+    def forward(self, tokens: Sequence[int], seq_ids: Sequence[Hashable], slots,
                 qsl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run new tokens (packed, sequences in `seq_ids` order) through every layer.
 
+        slots: the `NewSequence` / `StepBatch` that handed out their slots (every block group's),
+        or an int64 [T] slot tensor (a cache with one group).
         qsl: int32 [B+1] query offsets for prefill, None for decode (one token per sequence).
         Returns (logits float32 [T, vocab], last layer's attention output [T, Hq, D])."""
         x = self.emb[torch.tensor(list(tokens), dtype=torch.long)]
@@ -90,13 +93,13 @@ class ToyLM:
         sid, hit = new.seq_id, new.hit_tokens
         rest = list(prompt)[hit:]
         qsl = torch.tensor([0, len(rest)], dtype=torch.int32)
-        logits, o = self.forward(rest, [sid], new.slot_mapping, qsl)
+        logits, o = self.forward(rest, [sid], new, qsl)
         c.commit(sid)
         tok = int(logits[-1].argmax())
         out_tokens, outs = [tok], [o[-1].clone()]
         for _ in range(steps - 1):
             batch = c.step([sid], [[tok]])
-            logits, o = self.forward([tok], [sid], batch.slot_mapping, None)
+            logits, o = self.forward([tok], [sid], batch, None)
             c.commit(sid)
             tok = int(logits[-1].argmax())
             out_tokens.append(tok)

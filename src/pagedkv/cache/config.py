@@ -34,6 +34,7 @@ from ..formats import KVFormat, is_plan_path, parse_format, read_plan
 
 if TYPE_CHECKING:
     from ..ops.latent_layer import LatentSpec
+    from ..ops.recent import RecentWindow
     from .latent import LatentLayout
 
 FormatSpec = Union[str, KVFormat]
@@ -49,6 +50,20 @@ def split_hp(spec: FormatSpec) -> tuple[FormatSpec, Optional[Union[int, str]]]:
         if m:
             return m["fmt"], int(m["n"]) if m["n"] else "auto"
     return spec, None
+
+
+def recent_window_of(recent) -> Optional["RecentWindow"]:
+    """A recent-window setting as an `ops.recent.RecentWindow` (None = off; an int R = a bf16
+    tail of R tokens); ConfigError naming the value otherwise."""
+    if recent is None:
+        return None
+    from ..ops.recent import RecentWindow
+
+    if isinstance(recent, int) and not isinstance(recent, bool):
+        return RecentWindow(recent)
+    if not isinstance(recent, RecentWindow):
+        raise ConfigError(f"recent_window must be None, an int or a RecentWindow, got {recent!r}")
+    return recent
 
 
 @dataclass(frozen=True)
@@ -89,9 +104,13 @@ class CacheConfig:
     high_precision_layers: None (default: what the name says, 0 for a plain name), N >= 0 or
     "auto" (see module doc); hp_format: their format.
     block_size: tokens per block. num_blocks or memory_bytes: capacity (give exactly one).
-    sliding_window: None, one W for every layer, or one (W or None) per layer. Stored for the
-    integration's AttentionParams; memory of positions that left the window is not reclaimed
-    yet (docs/internals.md, "Cache").
+    sliding_window: None, one W for every layer, or one (W or None) per layer. The engine cache
+    keeps one block group per distinct window and releases the blocks no query can see any more
+    (`reclaim_sliding`, default True; False keeps every token in one group, as a prefix store
+    needs). Attention parameters are the caller's (`AttentionParams.sliding_window`).
+    recent_window: None or an `ops.recent.RecentWindow(R, codec)` (an int R = a bf16 tail): every
+    layer also keeps its last R tokens in the tail codec, in a block group of window R, and
+    attention reads them from there (`ops.recent`). Part of the fingerprint.
     device: where the pools live. trace: record per-block events (off by default).
     model_id: identity mixed into prefix keys (with formats and dims, see `fingerprint`).
     key_centring: give every layer a `k_centre` (zeros until `PagedCache.configure_layer`).
@@ -118,6 +137,8 @@ class CacheConfig:
     key_centring: bool = False
     check_slots: bool = True
     latent: Optional["LatentLayout"] = None
+    recent_window: Optional["RecentWindow"] = None
+    reclaim_sliding: bool = True
     layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
     num_high_precision_layers: int = field(init=False, repr=False, compare=False)
 
@@ -207,6 +228,11 @@ class CacheConfig:
         if not isinstance(self.model_id, str):
             raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
 
+        if not isinstance(self.reclaim_sliding, bool):
+            raise ConfigError(f"reclaim_sliding must be a bool, got {self.reclaim_sliding!r}")
+        _set(self, "recent_window", recent_window_of(self.recent_window))
+        if self.recent_window is not None and self.latent is not None:
+            raise ConfigError("a recent window is not implemented for latent (MLA) layers")
         if self.latent is not None:
             from .latent import LatentLayout
             if not isinstance(self.latent, LatentLayout):
@@ -269,9 +295,12 @@ class CacheConfig:
 
     @property
     def fingerprint(self) -> bytes:
-        """16 bytes naming what a stored block means: model id, block size, and every layer's
-        dims and format (and key centring). Mixed into every prefix key."""
+        """16 bytes naming what a stored block means: model id, block size, every layer's dims
+        and format, key centring and the recent window. Mixed into every prefix key (the fitted
+        transform is added by the cache that fits it, see `transform_namespace`)."""
         parts = [f"pagedkv-cache-v1|{self.model_id}|bs={self.block_size}|kc={self.key_centring}"]
+        if self.recent_window is not None:  # the tail changes what a stored sequence holds
+            parts.append(f"recent={self.recent_window.tokens}:{self.recent_window.codec.name}")
         for s in self.layers:
             parts.append(f"{s.num_kv_heads}x{s.head_dim}:{s.format.name}"
                          + (f":latent{s.latent.latent_dim}+{s.latent.rope_dim}:{s.latent.name}"

@@ -1,6 +1,7 @@
-"""The data plane of the engine cache, per layer: store (after the slot check), attention on the
-pools (through a view with swapped blocks read back when the tiers swapped some), gather (tests
-and oracles) and the layer transform. Mixed into `PagedCache`.
+"""The data plane of the engine cache, per layer: store (after the slot check, into the layer's
+block group and, with a recent window, into its tail), attention on the pools (through a view
+with swapped blocks read back when the tiers swapped some; with a recent window through
+`ops.recent`), gather (tests and oracles) and the layer transform. Mixed into `PagedCache`.
 """
 
 from __future__ import annotations
@@ -10,21 +11,23 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
+from ..alloc.swapstate import RELEASED
 from ..errors import ConfigError, InvalidInput
 from ..ops import api as ops
+from ..ops import recent
 from ..ops.batch import AttentionParams, PagedLayer
+from ..ops.validate import check_store
 from . import storage
+from .tables import GroupSlots
 
 
 class DataPlane:
     """Store / attend / gather of `PagedCache` (see the module doc)."""
 
     def _layer(self, layer: int) -> PagedLayer:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(self.layers):
-            raise ConfigError(f"layer must be an int in [0, {len(self.layers)}), got {layer!r}")
-        return self.layers[layer]
+        return self.layers[self._index(layer)]
 
-    def _check_slots(self, slot_mapping: torch.Tensor) -> None:
+    def _check_slots(self, slot_mapping: torch.Tensor, group: int = 0) -> None:
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 \
                 or slot_mapping.dim() != 1:
             raise InvalidInput(
@@ -32,8 +35,9 @@ class DataPlane:
                 f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)} "
                 f"{list(getattr(slot_mapping, 'shape', []))}"
             )
-        last, tv, pv = self._checked
-        if last is slot_mapping and tv == slot_mapping._version and pv == self.pool.version:
+        pool = self._group(group).pool
+        last, tv, pv = self._checked.get(group, (None, -1, -1))
+        if last is slot_mapping and tv == slot_mapping._version and pv == pool.version:
             return  # the same, unmodified tensor was checked for an earlier layer of this step
         s = slot_mapping.detach().cpu()
         s = s[s >= 0]
@@ -41,11 +45,11 @@ class DataPlane:
             return
         bs = self.block_size
         hi = int(s.max())
-        if hi >= self.num_blocks * bs:
-            raise InvalidInput(f"slot {hi} is outside the pool ({self.num_blocks} blocks x {bs})")
+        if hi >= pool.num_blocks * bs:
+            raise InvalidInput(f"slot {hi} is outside the pool ({pool.num_blocks} blocks x {bs})")
         blocks, offs = s // bs, s % bs
-        in_use = torch.frombuffer(self.pool.in_use, dtype=torch.uint8)
-        fill = torch.frombuffer(self.pool.fill, dtype=torch.int32)  # zero-copy view
+        in_use = torch.frombuffer(pool.in_use, dtype=torch.uint8)
+        fill = torch.frombuffer(pool.fill, dtype=torch.int32)  # zero-copy view
         bad = (in_use[blocks] == 0) | (offs >= fill[blocks].long())
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -54,7 +58,7 @@ class DataPlane:
                 "allocated to any sequence; store only at slots returned by add_sequence, "
                 "allocate or step"
             )
-        keyed = torch.frombuffer(self.pool.keyed, dtype=torch.uint8)[blocks]
+        keyed = torch.frombuffer(pool.keyed, dtype=torch.uint8)[blocks]
         if bool(keyed.any()):
             i = int(keyed.nonzero()[0, 0])
             raise InvalidInput(
@@ -64,17 +68,36 @@ class DataPlane:
             )
         if torch.unique(s).numel() != s.numel():
             raise InvalidInput("slot_mapping holds the same slot twice")
-        self._checked = (slot_mapping, slot_mapping._version, self.pool.version)
+        self._checked[group] = (slot_mapping, slot_mapping._version, pool.version)
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """Encode k, v (float [T, H, D]) into layer `layer`'s pools at `slot_mapping` (int64 [T],
-        negative = skip). Slots must have been allocated (checked unless config.check_slots is
-        False). Raises before writing anything."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping) -> None:
+        """Encode k, v (float [T, H, D]) into layer `layer`'s pools at the new tokens' slots:
+        `slot_mapping` is the `StepBatch` / `NewSequence` that handed them out (the cache picks
+        the layer's block group and, with a recent window, the tail's), or an int64 [T] tensor
+        of slots in the layer's group (negative = skip; not with a recent window). Slots must
+        have been allocated (checked unless config.check_slots is False). Raises before writing
+        anything."""
         pl = self._layer(layer)
+        g = self.group_of(layer)
+        tail_slots = None
+        if isinstance(slot_mapping, GroupSlots):
+            slots, tail_slots = slot_mapping.layer_slots(layer), slot_mapping.tail_slots
+        elif self.tails is not None:
+            raise ConfigError("with a recent window, store needs the StepBatch or NewSequence "
+                              "(the tail has its own slots), not a slot tensor")
+        else:
+            slots = slot_mapping
         if self.config.check_slots:
-            self._check_slots(slot_mapping)
-        ops.store(pl, k, v, slot_mapping)
+            self._check_slots(slots, g)
+            if tail_slots is not None:
+                self._check_slots(tail_slots, self.groups.tail_group)
+        if tail_slots is None:
+            ops.store(pl, k, v, slots)
+            return
+        tail = self.tails[layer]
+        check_store(tail, k, v, tail_slots, True)  # the tail's inputs are valid before any write
+        ops.store(pl, k, v, slots)
+        ops.store(tail, k, v, tail_slots)
 
     # ---- attention ----------------------------------------------------------------------------
     def attention_view(self, layer: int, seq_ids: Sequence[Hashable]
@@ -89,41 +112,86 @@ class DataPlane:
         got = None if self.tiers is None else self.tiers.view(
             self.seqs, self.layers, layer, seq_ids, self._epoch, self.device)
         if got is None:
-            return pl, self.block_tables(seq_ids), lens
+            return pl, self.block_tables(seq_ids, layer), lens
         return got[0], got[1], lens
+
+    def tail_view(self, layer: int, seq_ids: Sequence[Hashable]) -> tuple[PagedLayer, torch.Tensor]:
+        """(the layer's recent-window tail, its block tables int32 [B, max_blocks]): what
+        `ops.recent` reads the last R positions from (ConfigError without a recent window)."""
+        self._layer(layer)
+        if self.tails is None:
+            raise ConfigError("this cache has no recent window (CacheConfig.recent_window)")
+        return self.tails[layer], self._group_tables(self.groups.tail_group, seq_ids)
+
+    def _check_window(self, layer: int, params: AttentionParams) -> None:
+        w = self._group(self.group_of(layer)).window
+        if w is not None and (params.sliding_window is None or params.sliding_window > w):
+            raise InvalidInput(
+                f"layer {layer} attends with sliding_window={params.sliding_window} but its block "
+                f"group keeps only the last {w} tokens (CacheConfig.sliding_window; "
+                "reclaim_sliding=False keeps every token)")
 
     def decode_attention(self, layer: int, q: torch.Tensor, seq_ids: Sequence[Hashable],
                          params: AttentionParams, **op_kwargs) -> torch.Tensor:
         """`pagedkv.ops.decode_attention` of q float [B, Hq, D] over `seq_ids` in `layer`
-        (swapped blocks read back). Returns [B, Hq, D]."""
+        (swapped blocks read back; with a recent window `ops.recent.recent_decode_attention`,
+        which takes `checks` only). Returns [B, Hq, D]."""
+        self._check_window(layer, params)
         pl, tables, lens = self.attention_view(layer, seq_ids)
+        if self.tails is not None:
+            tail, tail_tables = self.tail_view(layer, seq_ids)
+            return recent.recent_decode_attention(
+                q, pl, tail, tables, lens, params, recent=self.config.recent_window.tokens,
+                tail_block_tables=tail_tables, **op_kwargs)
         return ops.decode_attention(q, pl, tables, lens, params, **op_kwargs)
 
     def prefill_attention(self, layer: int, q: torch.Tensor, seq_ids: Sequence[Hashable],
                           query_start_loc: torch.Tensor, params: AttentionParams,
                           **op_kwargs) -> torch.Tensor:
         """`pagedkv.ops.prefill_attention` of packed q float [Tq, Hq, D] (new tokens already
-        stored) over `seq_ids` in `layer` (swapped blocks read back). Returns [Tq, Hq, D]."""
+        stored) over `seq_ids` in `layer` (swapped blocks read back; with a recent window
+        `ops.recent.recent_prefill_attention`). Returns [Tq, Hq, D]."""
+        self._check_window(layer, params)
         pl, tables, lens = self.attention_view(layer, seq_ids)
+        if self.tails is not None:
+            tail, tail_tables = self.tail_view(layer, seq_ids)
+            return recent.recent_prefill_attention(
+                q, pl, tail, tables, lens, query_start_loc, params,
+                recent=self.config.recent_window.tokens, tail_block_tables=tail_tables, **op_kwargs)
         return ops.prefill_attention(q, pl, tables, lens, query_start_loc, params, **op_kwargs)
 
-    def gather(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode a sequence's stored K and V in `layer` (swapped blocks included): float32
-        [len, H, D] each, in the original basis (transform undone). For tests and oracles."""
-        pl, tables, lens = self.attention_view(layer, [seq_id])
-        n, bs = int(lens[0]), self.block_size
+    def gather(self, layer: int, seq_id: Hashable, *, tail: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode a sequence's stored K and V in `layer` (swapped blocks included; `tail=True`:
+        from the recent window's tail): float32 [len, H, D] each, in the original basis
+        (transform undone); NaN rows where a sliding window released the block. For tests and
+        oracles."""
+        if tail:
+            pl, tables = self.tail_view(layer, [seq_id])
+            g = self.groups.tail_group
+        else:
+            pl, tables, _ = self.attention_view(layer, [seq_id])
+            g = self.group_of(layer)
+        n, bs = self.seq_len(seq_id), self.block_size
         pos = torch.arange(n, device=self.device)
         slots = tables[0].long()[pos // bs] * bs + pos % bs
-        return storage.gather_side(pl, "k", slots), storage.gather_side(pl, "v", slots)
+        released = torch.tensor([e == RELEASED for e in self._group(g).table(seq_id)], dtype=torch.bool)
+        gone = released[pos.cpu() // bs].to(self.device)[:, None, None] if n else None
+        out = []
+        for side in ("k", "v"):
+            x = storage.gather_side(pl, side, slots)
+            out.append(x if gone is None else x.masked_fill(gone, float("nan")))
+        return out[0], out[1]
 
     def configure_layer(self, layer: int, *, k_scale: Optional[float] = None,
                         v_scale: Optional[float] = None,
                         k_centre: Optional[torch.Tensor] = None) -> None:
         """Set a layer's fp8 tensor scales and/or key centre (float32 [H, D]; needs
         CacheConfig(key_centring=True)). Only while the cache holds no data (they change what
-        stored bytes mean)."""
+        stored bytes mean). The prefix keys' namespace then covers the transform
+        (`storage.transform_namespace`): caches with different transforms share no prefix."""
         pl = self._layer(layer)
-        if self.pool.num_used or self.pool.num_cached:
+        if any(g.pool.num_used or g.pool.num_cached for g in self.core.groups):
             raise ConfigError(
                 "configure_layer needs an empty cache (stored blocks were encoded with the old "
                 "settings); call clear() first"
@@ -148,4 +216,11 @@ class DataPlane:
             layers = list(self.layers)
             layers[layer] = dataclasses.replace(pl, **changes)
             self.layers = tuple(layers)
+            if self.tails is not None:
+                tails = list(self.tails)
+                tails[layer] = storage.with_transform(tails[layer], layers[layer])
+                self.tails = tuple(tails)
+            ns = storage.transform_namespace(self.config.fingerprint, self.layers)
+            for g in self.core.groups:  # empty (checked above): no key was computed with the old one
+                g.namespace = ns
             self._changed()

@@ -25,24 +25,26 @@ from typing import Hashable, Iterable, Optional, Sequence, Union
 import torch
 
 from ..alloc.hashing import Salt
-from ..alloc.manager import BlockManager, GroupSpec, StepPlan
 from ..alloc.trace import BlockTrace
 from ..errors import ConfigError
-from ..ops.batch import PagedLayer
-from . import storage
 from .config import CacheConfig
 from .dataplane import DataPlane
-from .tables import StepBatch, block_table_tensor, int_tensor
+from .groups import GroupedStorage
+from .tables import GroupSlots, StepBatch, int_tensor
 
 
 @dataclass(frozen=True)
-class NewSequence:
+class NewSequence(GroupSlots):
     """Result of `add_sequence`: the id, how many leading tokens were prefix hits (already stored
-    and committed), and int64 [len(tokens) - hit_tokens] slots for the rest."""
+    and committed), and int64 [len(tokens) - hit_tokens] slots for the rest (`slot_mapping`: the
+    first block group's; `layer_slots(i)` / `tail_slots` per layer with several groups)."""
 
     seq_id: Hashable
     hit_tokens: int
     slot_mapping: torch.Tensor
+    group_slots: tuple = ()
+    layer_group: tuple = ()
+    tail_group: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -69,13 +71,25 @@ class CacheStats:
     prefix_hit_tokens: int
     prefix_hit_rate: float
     evictions: int
+    groups: tuple = ()  # GroupStats per block group (window, blocks, bytes)
+    tail_bytes: int = 0  # the recent window's tail pools (included in total_bytes)
 
 
-class PagedCache(DataPlane):
+class PagedCache(DataPlane, GroupedStorage):
     """Paged KV storage for every attention layer of one model, on the block manager.
 
     layers: tuple of PagedLayer (index = cache layer). Sequence ids are any hashable value given
     by the caller, or ints handed out by `add_sequence`/`fork`.
+
+    Block groups (`cache/groups.py`): layers with a sliding window (CacheConfig.sliding_window,
+    with reclaim_sliding) live in one group per distinct window, whose blocks wholly before
+    `n - W + 1` are released before a sequence of n tokens grows (its pool shrinks when most
+    blocks left), so `pop` cannot go back past them; with `recent_window` every layer's tail
+    lives in the group of window R. Each group has its own block ids, tables and slots:
+    `StepBatch.layer_slots(i)` / `layer_tables(i)`, `block_tables(ids, layer=i)`; `store`
+    takes the StepBatch / NewSequence itself and picks the layer's slots (and the tail's).
+    A pool of a sliding group is replaced when it grows or shrinks: read `cache.layers[i]`
+    after each step, do not keep it.
 
     offload: None, or an `pagedkv.offload.OffloadConfig`: the resident cap (after each commit a
     sequence holding more than N blocks in memory swaps its oldest full committed blocks out;
@@ -99,15 +113,18 @@ class PagedCache(DataPlane):
         self.block_size = config.block_size
         self.num_blocks = config.total_blocks
         self.device = config.device
-        self.core = BlockManager([GroupSpec(None, self.num_blocks)], config.block_size,
-                                 config.fingerprint, trace=config.trace)
-        self.seqs = self.core.main  # the one block group: tables, prefix chain, swap entries
-        self.pool = self.seqs.pool
-        self.layers: tuple[PagedLayer, ...] = storage.build_layers(config)
-        self._checked: tuple = (None, -1, -1)  # (slot tensor, its _version, pool.version)
-        self._epoch = 0  # bumps whenever tables or layers change (attention plans are per epoch)
         self.tiers = None
+        self._build_storage(config)
+        self._checked: dict = {}  # group -> (slot tensor, its _version, pool.version)
+        self._epoch = 0  # bumps whenever tables or layers change (attention plans are per epoch)
         if offload is not None or swap_tier is not None or prefix_tier is not None:
+            if len(self.core.groups) > 1:
+                raise ConfigError(
+                    "the engine cache's offload tiers need one block group: this config has "
+                    + ("a recent window (its tail is not in swap or prefix records)"
+                       if config.recent_window is not None else
+                       "sliding-window layers that release blocks; use "
+                       "CacheConfig(reclaim_sliding=False) to keep every token for the tiers"))
             from ..offload.config import OffloadConfig
             from .tiering import CacheTiers
 
@@ -123,13 +140,13 @@ class PagedCache(DataPlane):
         if self.tiers is not None:
             self.tiers.drop_dead(self.seqs)
 
-    def _apply(self, plan: StepPlan) -> tuple[int, ...]:
-        """Apply the plan's data-plane part (copy-on-write copies in every layer); its slots."""
-        gs = plan.groups[0]
-        assert not gs.moves and gs.num_blocks == self.num_blocks, "the engine pool is fixed"
-        storage.copy_blocks(self.layers, list(gs.copies))
-        self._changed()
-        return gs.slots
+    def _slots_of(self, group_slots) -> dict:
+        """The GroupSlots fields of per-group slot lists (tensors on the cache's device)."""
+        ts = tuple(int_tensor(s, torch.int64, self.device) for s in group_slots)
+        multi = len(ts) > 1
+        return dict(slot_mapping=ts[0], group_slots=ts if multi else (),
+                    layer_group=self.groups.layer_group if multi else (),
+                    tail_group=self.groups.tail_group)
 
     def _ids(self, seq_ids: Union[Hashable, Iterable[Hashable]]) -> list:
         if isinstance(seq_ids, (list, tuple, set, frozenset)) and seq_ids not in self.seqs:
@@ -147,17 +164,21 @@ class PagedCache(DataPlane):
         if self.tiers is not None:
             tokens, loaded = self.tiers.before_add(self.seqs, self.layers, tokens, salt, seq_id)
         sid, hit, slots = self.core.add(seq_id, tokens, salt)
+        self._sync_sizes()  # an admission may grow a sliding group's pool
         self._changed()
         if self.tiers is not None:
             self.tiers.tier_hit_tokens += min(loaded * self.block_size, hit)
-        return NewSequence(sid, hit, int_tensor(slots, torch.int64, self.device))
+        return NewSequence(sid, hit, **self._slots_of(slots))
 
     def allocate(self, seq_id: Hashable, tokens: Union[int, Sequence[int]]) -> torch.Tensor:
-        """Slots (int64 [n]) for new tokens at the end of a sequence: their ids, or a count when
-        the ids are unknown (such blocks are never prefix-keyed). A shared partly filled last
-        block is copied first, in every layer."""
+        """Slots (int64 [n], the first block group's) for new tokens at the end of a sequence:
+        their ids, or a count when the ids are unknown (such blocks are never prefix-keyed). A
+        shared partly filled last block is copied first, in every layer. With several block
+        groups use `step`, whose StepBatch has every layer's slots."""
         self.seqs._get(seq_id)
-        return int_tensor(self._apply(self.core.step([seq_id], [tokens])), torch.int64, self.device)
+        plan = self.core.step([seq_id], [tokens])
+        self._apply(plan)
+        return int_tensor(plan.groups[0].slots, torch.int64, self.device)
 
     def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[Union[int, Sequence[int]]]
              ) -> StepBatch:
@@ -167,16 +188,17 @@ class PagedCache(DataPlane):
         for i in seq_ids:
             self.seqs._get(i)
         plan = self.core.step(seq_ids, tokens)
-        slots = self._apply(plan)
+        self._apply(plan)
         starts = [0]
         for n in plan.counts:
             starts.append(starts[-1] + n)
+        tables = tuple(self._group_tables(g, seq_ids) for g in range(len(plan.groups)))
+        slots = self._slots_of([gs.slots for gs in plan.groups])
         return StepBatch(
-            slot_mapping=int_tensor(slots, torch.int64, self.device),
-            block_tables=self.block_tables(seq_ids),
+            block_tables=tables[0],
             seq_lens=self.seq_lens(seq_ids),
             query_start_loc=int_tensor(starts, torch.int32, self.device),
-        )
+            group_tables=tables if len(tables) > 1 else (), **slots)
 
     def commit(self, seq_ids: Union[Hashable, Iterable[Hashable]]) -> None:
         """Declare every allocated token's K/V stored in every layer (one id or a list); full
@@ -300,21 +322,20 @@ class PagedCache(DataPlane):
         """The sequence's token ids (-1 where only a count was allocated)."""
         return self.seqs.tokens(seq_id)
 
-    def block_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
-        """int32 [B, max_blocks], 0-padded; -1 where a block is swapped out."""
-        t = block_table_tensor([self.seqs.table(i) for i in seq_ids], torch.device("cpu"))
-        if self.tiers is not None:
-            t = t.clamp(min=-1)  # a swapped entry (-2 - record) reads -1
-        return t if self.device.type == "cpu" else t.to(self.device)
+    def block_tables(self, seq_ids: Sequence[Hashable], layer: Optional[int] = None) -> torch.Tensor:
+        """int32 [B, max_blocks] of layer `layer`'s block group (None: the first group), 0-padded;
+        -1 where a block is swapped out; 0 where a sliding window released it."""
+        return self._group_tables(0 if layer is None else self.group_of(layer), seq_ids)
 
     def seq_lens(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 [B]."""
         return int_tensor([self.seqs.length(i) for i in seq_ids], torch.int32, self.device)
 
-    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: Optional[int] = None
-                     ) -> torch.Tensor:
-        """int64 [end - start]: slots of positions start..end-1 of a sequence (ConfigError if
-        they include swapped-out blocks: read those through attention_view / gather)."""
+    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: Optional[int] = None,
+                     layer: Optional[int] = None) -> torch.Tensor:
+        """int64 [end - start]: slots of positions start..end-1 of a sequence in layer `layer`'s
+        block group (None: the first group); ConfigError if they include swapped-out blocks
+        (read those through attention_view / gather), InvalidInput if a window released them."""
         n = self.seqs.length(seq_id)
         end = n if end is None else end
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
@@ -324,7 +345,8 @@ class PagedCache(DataPlane):
         if hit:
             raise ConfigError(f"positions [{start}, {end}) of sequence {seq_id!r} include "
                               f"swapped-out blocks {hit}; use attention_view / gather to read them")
-        return int_tensor(self.seqs.slots(seq_id, start, end - start), torch.int64, self.device)
+        seqs = self.seqs if layer is None else self._group(self.group_of(layer))
+        return int_tensor(seqs.slots(seq_id, start, end - start), torch.int64, self.device)
 
     @property
     def trace(self) -> Optional[BlockTrace]:
@@ -334,6 +356,7 @@ class PagedCache(DataPlane):
     def stats(self) -> CacheStats:
         layer_bytes = tuple((pl.k_pool.numel() * pl.k_pool.element_size(),
                              pl.v_pool.numel() * pl.v_pool.element_size()) for pl in self.layers)
+        tail_bytes = sum(t.k_pool.numel() + t.v_pool.numel() for t in self.tails or ())
         s = self.seqs
         q = s.prefix_query_tokens
         return CacheStats(
@@ -346,10 +369,12 @@ class PagedCache(DataPlane):
             tokens_stored=sum(s.length(i) for i in s.ids()),
             bytes_per_block=self.config.bytes_per_block,
             layer_bytes=layer_bytes,
-            total_bytes=sum(k + v for k, v in layer_bytes),
+            total_bytes=sum(k + v for k, v in layer_bytes) + tail_bytes,
             prefix_queries=s.prefix_queries,
             prefix_query_tokens=q,
             prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_hit_rate=(s.prefix_hit_tokens / q) if q else 0.0,
             evictions=self.pool.evictions,
+            groups=self.group_stats(),
+            tail_bytes=tail_bytes,
         )

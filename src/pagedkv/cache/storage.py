@@ -9,16 +9,18 @@ configured) and the optional key centre. Block id b addresses the same token slo
 
 from __future__ import annotations
 
+import dataclasses
+from hashlib import blake2b
 from typing import Optional, Union
 
 import torch
 
 from ..codecs import reference as codec_ref
-from ..codecs.catalogue import ScaleType
+from ..codecs.catalogue import Codec, ScaleType
 from ..codecs.layout import block_views
 from ..ops.batch import PagedLayer, make_layer
 from ..ops.latent_layer import LatentLayer, make_latent_layer
-from .config import CacheConfig, LayerSpec
+from .config import LayerSpec
 
 
 def build_layer(spec: LayerSpec, num_blocks: int, block_size: int, device: torch.device,
@@ -37,22 +39,67 @@ def build_layer(spec: LayerSpec, num_blocks: int, block_size: int, device: torch
     return pl
 
 
-def build_layers(config: CacheConfig) -> tuple[PagedLayer, ...]:
-    n = config.total_blocks
-    return tuple(build_layer(s, n, config.block_size, config.device, config.key_centring)
-                 for s in config.layers)
+def apply_group_step(layer, step, names: tuple[str, ...] = ("k_pool", "v_pool")):
+    """One block group's plan step (`alloc.manager.GroupStep`) applied to a layer's pools: block
+    moves then a cut to `step.num_blocks` (new tensors, so the memory is returned), or growth;
+    then the copy-on-write copies. Returns the layer with its new pools (a `PagedLayer`, a
+    `LatentLayer` with names=("pool",), or a tail); the one place pools are resized."""
+    changes = {}
+    for name in names:
+        pool = getattr(layer, name)
+        if step.moves:
+            src = torch.tensor([m[0] for m in step.moves], device=pool.device)
+            pool[torch.tensor([m[1] for m in step.moves], device=pool.device)] = pool[src]
+        if pool.shape[0] > step.num_blocks:
+            pool = pool[:step.num_blocks].clone()
+        elif pool.shape[0] < step.num_blocks:
+            grown = torch.zeros(step.num_blocks, pool.shape[1], dtype=pool.dtype, device=pool.device)
+            grown[:pool.shape[0]] = pool
+            pool = grown
+        if step.copies:
+            src = torch.tensor([c[0] for c in step.copies], device=pool.device)
+            pool[torch.tensor([c[1] for c in step.copies], device=pool.device)] = pool[src]
+        changes[name] = pool
+    return dataclasses.replace(layer, **changes)
 
 
-def copy_blocks(layers: tuple[PagedLayer, ...], copies: list[tuple[int, int]]) -> None:
-    """Copy block src -> dst in both pools of every layer (copy-on-write). copies: [(src, dst)]."""
-    if not copies:
-        return
-    dev = layers[0].device
-    src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=dev)
-    dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=dev)
-    for pl in layers:
-        pl.k_pool[dst] = pl.k_pool[src]
-        pl.v_pool[dst] = pl.v_pool[src]
+def build_tail(main: PagedLayer, codec: Codec, num_blocks: int) -> PagedLayer:
+    """The high-precision recent window's tail of layer `main` (`ops.recent`): `codec` on both
+    sides, zeroed pools of `num_blocks` blocks (its own block group), the layer's transform (key
+    centre and multipliers, value centre: the tail stores the same transformed rows) and unit
+    tensor scales (a tail codec is never tensor-scaled)."""
+    shape = (num_blocks, codec.block_bytes(main.block_size, main.num_kv_heads, main.head_dim))
+    dev = main.device
+    return dataclasses.replace(
+        main, k_codec=codec, v_codec=codec,
+        k_pool=torch.zeros(shape, dtype=torch.uint8, device=dev),
+        v_pool=torch.zeros(shape, dtype=torch.uint8, device=dev),
+        k_scale=torch.ones(1, dtype=torch.float32, device=dev),
+        v_scale=torch.ones(1, dtype=torch.float32, device=dev))
+
+
+def with_transform(tail: PagedLayer, main: PagedLayer) -> PagedLayer:
+    """`tail` carrying `main`'s transform (after the main layer's transform changed)."""
+    return dataclasses.replace(tail, k_centre=main.k_centre, k_mult=main.k_mult,
+                               v_centre=main.v_centre)
+
+
+def transform_namespace(fingerprint: bytes, layers) -> bytes:
+    """The prefix-key namespace of a cache whose layers carry `layers`' transforms: the config
+    fingerprint itself while every layer has the default transform (unit fp8 scales, no or zero
+    key centre, no multipliers, no value centre), else a digest of the fingerprint and every
+    non-default transform tensor, so caches with different transforms never share a key."""
+    h = blake2b(fingerprint, digest_size=16, person=b"pagedkv-xform")
+    default = True
+    for i, pl in enumerate(layers):
+        for name in ("k_scale", "v_scale", "k_centre", "k_mult", "v_centre"):
+            t = getattr(pl, name, None)
+            if t is None or (name in ("k_scale", "v_scale") and bool((t == 1).all())) \
+                    or (name == "k_centre" and not bool(t.any())):
+                continue
+            default = False
+            h.update(f"|{i}:{name}:".encode() + t.detach().to("cpu", torch.float32).numpy().tobytes())
+    return fingerprint if default else h.digest()
 
 
 def _tensor_scale(pl_codec, scale: torch.Tensor) -> Optional[float]:

@@ -9,30 +9,71 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from ..errors import InvalidInput
 
 
+class GroupSlots:
+    """Per-layer access to slots of a cache with several block groups (one per sliding window,
+    plus the recent window's tails): `group_slots[g]` int64 [T] are the new tokens' slots in
+    group g, `layer_group[i]` the group of layer i, `tail_group` the tails' group (or None).
+    With one group everything is `slot_mapping`."""
+
+    def layer_slots(self, layer: int) -> torch.Tensor:
+        """int64 [T]: the new tokens' slots in layer `layer`'s pages."""
+        return _pick(self.group_slots, self.slot_mapping, self.layer_group, layer)
+
+    @property
+    def tail_slots(self) -> Optional[torch.Tensor]:
+        """int64 [T]: the new tokens' slots in the recent window's tails (None without one)."""
+        return _pick(self.group_slots, self.slot_mapping, None, self.tail_group)
+
+
+def _pick(per_group: tuple, whole, layer_group: Optional[tuple], index: Optional[int]):
+    """The entry of one group: `per_group[g]` (g = layer_group[index], or index itself when
+    layer_group is None), `whole` when the cache has one group, None when index is None."""
+    if index is None:
+        return None
+    if not per_group:
+        return whole
+    return per_group[index if layer_group is None else layer_group[index]]
+
+
 @dataclass(frozen=True)
-class StepBatch:
+class StepBatch(GroupSlots):
     """What one forward step's ops need (see `PagedCache.step`).
 
-    slot_mapping: int64 [T], the new tokens' slots, sequences in batch order.
-    block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], tokens held including the new
-    ones; query_start_loc: int32 [B+1], offsets of each sequence's new tokens in the T axis.
+    slot_mapping: int64 [T], the new tokens' slots, sequences in batch order (in the first block
+    group: every layer's with one group). block_tables: int32 [B, max_blocks] (first group);
+    seq_lens: int32 [B], tokens held including the new ones; query_start_loc: int32 [B+1],
+    offsets of each sequence's new tokens in the T axis. With several groups: `group_slots` /
+    `group_tables` per group, `layer_slots(i)` / `layer_tables(i)` per layer (see GroupSlots).
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    group_slots: tuple = ()
+    group_tables: tuple = ()
+    layer_group: tuple = ()
+    tail_group: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    def layer_tables(self, layer: int) -> torch.Tensor:
+        """int32 [B, max_blocks]: block tables of layer `layer`'s pages."""
+        return _pick(self.group_tables, self.block_tables, self.layer_group, layer)
+
+    @property
+    def tail_tables(self) -> Optional[torch.Tensor]:
+        """int32 [B, max_blocks]: block tables of the recent window's tails (None without)."""
+        return _pick(self.group_tables, self.block_tables, None, self.tail_group)
 
 
 def block_table_tensor(tables: Sequence[array], device: torch.device) -> torch.Tensor:

@@ -118,7 +118,8 @@ def _recent_attention(layer, q_rows, b, tq, counts, seq_lens, params):
     paged, tables = cache.attention_inputs(layer, dev)
     return recent_prefill_attention(q_rows.contiguous(), paged, layer.tail, tables, seq_lens,
                                     _query_start_loc(b, tq, counts, dev), params,
-                                    recent=cache.recent_window.tokens, checks=cache.checks)
+                                    recent=cache.recent_window.tokens, checks=cache.checks,
+                                    tail_block_tables=cache.block_table_tensor(dev, cache.tail_group))
 
 
 def _dense_attention(query, key, value, scaling, window, softcap, sinks, key_valid=None):

@@ -76,10 +76,13 @@ _UNBOUNDED = 1 << 40  # "grow on demand": a block-id limit no pool reaches
 
 class GroupView:
     """Read-only view of one block group of a PagedKVCache (tests, accounting): its window,
-    layers, and per row its table (-1 = released by the window) and released count."""
+    layers (whose pages it holds), tails (layers whose recent-window tail it holds), and per row
+    its table (-1 = released by the window) and released count."""
 
-    def __init__(self, cache: "PagedKVCache", index: int, window: Optional[int], layers: list[int]):
+    def __init__(self, cache: "PagedKVCache", index: int, window: Optional[int], layers: list[int],
+                 tails: Optional[list[int]] = None):
         self.cache, self.index, self.window, self.layers = cache, index, window, layers
+        self.tails = tails or []
         self.block_size = cache.config.block_size
 
     @property

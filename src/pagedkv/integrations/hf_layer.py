@@ -12,8 +12,9 @@ import torch
 
 from ..errors import InvalidInput
 from ..heap import release_free_heap
-from ..cache.storage import build_layer
+from ..cache.storage import apply_group_step, build_layer, build_tail
 from ..ops import PagedLayer, store
+from ..ops.validate import check_store
 from ..cache.calibration import CalibrationOptions, calibrate
 from .hf_common import _TAG, GroupView, _concrete_class, _transformers
 from .padding import valid_tokens as _valid_tokens
@@ -67,20 +68,13 @@ class PagedCacheLayer:
         return build_layer(self.spec, num_blocks, self.cache.config.block_size, self.device)
 
     def _make_tail(self) -> None:
-        """The recent window's tail: the tail codec on both sides, this layer's blocks, slots and
-        key centre (stored keys and values are the same transformed rows as in `paged`)."""
+        """The recent window's tail (`cache.storage.build_tail`): the tail codec on both sides,
+        this layer's transform, pools in the cache's tail block group (window R: only the blocks
+        covering each row's last R positions are held)."""
         recent = self.cache.recent_window
         if recent is None:
             return
-        p, c, s = self.paged, recent.codec, self.spec
-        self.tail = replace(
-            p, k_codec=c, v_codec=c,
-            k_pool=torch.zeros(p.num_blocks, c.block_bytes(p.block_size, s.num_kv_heads, s.head_dim),
-                               dtype=torch.uint8, device=p.device),
-            v_pool=torch.zeros(p.num_blocks, c.block_bytes(p.block_size, s.num_kv_heads, s.head_dim),
-                               dtype=torch.uint8, device=p.device),
-            k_scale=torch.ones(1, dtype=torch.float32, device=p.device),
-            v_scale=torch.ones(1, dtype=torch.float32, device=p.device))
+        self.tail = build_tail(self.paged, recent.codec, self.cache.tail_group.num_blocks)
 
     def _pool_names(self) -> tuple[str, ...]:
         return ("k_pool", "v_pool")
@@ -110,30 +104,16 @@ class PagedCacheLayer:
     def _apply(self, step) -> None:
         """Apply one group step of the block manager's plan to this layer's pools: moves then
         a cut (new tensors, so the memory is returned), or growth; then copy-on-write."""
-        if self.paged is None:
-            return
+        if self.paged is not None:
+            self.paged = self._applied(self.paged, step)
+
+    def _apply_tail(self, step) -> None:
+        """`_apply` for the recent window's tail (its own block group)."""
         if self.tail is not None:
             self.tail = self._applied(self.tail, step)
-        self.paged = self._applied(self.paged, step)
 
     def _applied(self, p: PagedLayer, step) -> PagedLayer:
-        changes = {}
-        for name in self._pool_names():
-            pool = getattr(p, name)
-            if step.moves:
-                src = torch.tensor([m[0] for m in step.moves], device=pool.device)
-                pool[torch.tensor([m[1] for m in step.moves], device=pool.device)] = pool[src]
-            if pool.shape[0] > step.num_blocks:
-                pool = pool[:step.num_blocks].clone()
-            elif pool.shape[0] < step.num_blocks:
-                grown = torch.zeros(step.num_blocks, pool.shape[1], dtype=pool.dtype, device=pool.device)
-                grown[:pool.shape[0]] = pool
-                pool = grown
-            if step.copies:
-                src = torch.tensor([c[0] for c in step.copies], device=pool.device)
-                pool[torch.tensor([c[1] for c in step.copies], device=pool.device)] = pool[src]
-            changes[name] = pool
-        return replace(p, **changes)
+        return apply_group_step(p, step, self._pool_names())
 
     def pool_bytes(self) -> int:
         if self.paged is None:
@@ -194,9 +174,12 @@ class PagedCacheLayer:
             k = k.reshape(b * t, h, d) if valid is None else k[valid]
             v = v.reshape(b * t, h, d) if valid is None else v[valid]
             slots = cache._slots_rows(starts, counts, self.paged.device, self.group, valid)
+            if self.tail is not None:  # the tail's own slots; its inputs checked before any write
+                tail_slots = cache._slots_rows(starts, counts, self.paged.device, cache.tail_group, valid)
+                check_store(self.tail, k, v, tail_slots, True)
             store(self.paged, k, v, slots, backend=cache.backend, checks=cache.checks)
             if self.tail is not None:
-                store(self.tail, k, v, slots, backend=cache.backend, checks=cache.checks)
+                store(self.tail, k, v, tail_slots, backend=cache.backend, checks=cache.checks)
         cache._record(start, valid, b, t)
 
     def flush(self, query_states: Optional[torch.Tensor] = None,

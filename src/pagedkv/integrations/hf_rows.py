@@ -31,18 +31,26 @@ class RowStorage:
         ceil(max_tokens / block_size) blocks: the global group is allocated at that size, a
         sliding group starts small and grows on demand (it holds at most what the global group
         holds, usually far less: each row's last W tokens plus the chunk being stored).
-        reclaim_sliding=False: one group for every layer, nothing released (any crop works)."""
+        reclaim_sliding=False: one group for every layer, nothing released (any crop works).
+        With a recent window R (`self.recent_window`) every layer's tail lives in the group of
+        window R (`tail_group`), as in the engine cache (`pagedkv.cache.groups`)."""
         cap = -(-max_tokens // block_size) if max_tokens else None
         windows = [s.sliding_window if reclaim_sliding else None for s in self.config.layers]
         keys = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        recent = getattr(self, "recent_window", None)
+        if recent is not None and recent.tokens not in keys:
+            keys.append(recent.tokens)
         specs = []
         for w in keys:
             initial = cap if (cap is not None and w is None) else min(cap or 16, 16)
             specs.append(GroupSpec(w, initial, cap if cap is not None else _UNBOUNDED))
         self.core = BlockManager(specs, block_size, self.config.fingerprint)
-        self.groups = [GroupView(self, i, w, [j for j, x in enumerate(windows) if x == w])
+        every = list(range(len(windows)))
+        self.groups = [GroupView(self, i, w, [j for j, x in enumerate(windows) if x == w],
+                                 every if recent is not None and w == recent.tokens else [])
                        for i, w in enumerate(keys)]
         self.blocks = self.groups[0]
+        self.tail_group = None if recent is None else self.groups[keys.index(recent.tokens)]
         self._group_of = {i: g for g in self.groups for i in g.layers}
         self._rows: list[int] = []
         self._sids = itertools.count()
@@ -92,9 +100,14 @@ class RowStorage:
     def _apply_sizes(self) -> None:
         """Resize pools to their groups' block counts (after growth outside a step)."""
         for view in self.groups:
-            step = GroupStep((), view.num_blocks, (), ())
-            for i in view.layers:
-                self.layers[i]._apply(step)
+            self._apply_step(view, GroupStep((), view.num_blocks, (), ()))
+
+    def _apply_step(self, view: "GroupView", step: GroupStep) -> None:
+        """One group's plan step applied to its members: pages of its layers, tails it holds."""
+        for i in view.layers:
+            self.layers[i]._apply(step)
+        for i in view.tails:
+            self.layers[i]._apply_tail(step)
 
     def attention_inputs(self, layer, device):
         """(PagedLayer, int32 block tables [rows, width]) the layer attends through (swapped
@@ -137,8 +150,7 @@ class RowStorage:
             self._commit()
             plan = self.core.step(self._rows, self._step_tokens(counts, valid))
             for view, gs in zip(self.groups, plan.groups):
-                for i in view.layers:
-                    self.layers[i]._apply(gs)
+                self._apply_step(view, gs)
             self._plan = (key, plan, {})
             self._tables = {}
             self._uncommitted = True

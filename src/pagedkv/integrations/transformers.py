@@ -69,7 +69,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..cache.config import CacheConfig
+from ..cache.config import CacheConfig, recent_window_of
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from .hf_attention import _dense_attention, _pagedkv_mask, enable, paged_attention_forward, register
@@ -158,6 +158,7 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
             block_size=block_size, num_blocks=initial_blocks, sliding_window=windows,
             device=device or _model_device(model_or_config),
             model_id=_model_identity(model_or_config) if offload is not None else "",
+            recent_window=self.recent_window,
         )
         if key_centring is None:
             key_centring = any(not s.format.k.traits.raw for s in self.config.layers)
@@ -303,9 +304,15 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
         return sum(layer.pool_bytes() for layer in self.layers)
 
     def group_bytes_per_block(self, group: "GroupView") -> int:
-        """Bytes one block id of `group` takes, summed over its layers' K and V blocks."""
+        """Bytes one block id of `group` takes, summed over its layers' K and V blocks (and the
+        recent-window tails it holds: the tail codec on both sides)."""
         specs = self.config.layers
-        return sum(specs[i].k_block_bytes + specs[i].v_block_bytes for i in group.layers)
+        out = sum(specs[i].k_block_bytes + specs[i].v_block_bytes for i in group.layers)
+        if group.tails:
+            c, bs = self.recent_window.codec, self.config.block_size
+            out += sum(2 * c.block_bytes(bs, specs[i].num_kv_heads, specs[i].head_dim)
+                       for i in group.tails)
+        return out
 
     def used_bytes(self) -> int:
         """Bytes of the blocks rows hold now, every group (released sliding blocks not counted)."""
@@ -358,15 +365,9 @@ def _plan_recent(kv_format):
 
 def _recent_window(recent, offload):
     """The cache's `ops.recent.RecentWindow` (None = off; an int R = a bf16 tail of R tokens):
-    every layer then keeps a high-precision tail and attends with `ops.recent`."""
-    if recent is None:
-        return None
-    from ..ops.recent import RecentWindow
-
-    if isinstance(recent, int) and not isinstance(recent, bool):
-        recent = RecentWindow(recent)
-    if not isinstance(recent, RecentWindow):
-        raise ConfigError(f"recent_window must be None, an int or a RecentWindow, got {recent!r}")
-    if offload is not None:
+    every layer then keeps a high-precision tail (in a block group of window R) and attends
+    with `ops.recent`."""
+    recent = recent_window_of(recent)
+    if recent is not None and offload is not None:
         raise ConfigError("recent_window does not work with offload yet (the tail is not swapped)")
     return recent

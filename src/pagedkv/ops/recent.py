@@ -24,12 +24,13 @@ every backend runs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..codecs import wht
 from ..codecs.catalogue import Codec, get_codec
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidInput
 from . import transform
 from .batch import AttentionParams, PagedLayer
 from .reference.attention import attention_logits, gather_rows, masked_softmax, varlen_query_chunks
@@ -112,30 +113,64 @@ def _rows(layer: PagedLayer, table: torch.Tensor, n: int, start: int):
     return tuple(out)
 
 
-def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int) -> None:
+def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int, own_tables: bool) -> None:
     if not isinstance(tail, PagedLayer):
         raise ConfigError(f"tail must be a PagedLayer, got {type(tail).__name__}")
     same = (tail.block_size, tail.num_kv_heads, tail.head_dim) == (layer.block_size, layer.num_kv_heads, layer.head_dim)
-    if not same or tail.num_blocks < layer.num_blocks:
-        raise ConfigError("the tail layer must have the layer's block size, heads, head_dim and blocks")
+    if not same or (not own_tables and tail.num_blocks < layer.num_blocks):
+        raise ConfigError("the tail layer must have the layer's block size, heads and head_dim (and, "
+                          "without tail_block_tables, at least its blocks)")
     if isinstance(recent, bool) or not isinstance(recent, int) or recent < 1:
         raise ConfigError(f"recent must be an integer >= 1, got {recent!r}")
+
+
+def _check_tail_tables(tail: PagedLayer, tables: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, recent: int,
+                       checks: bool) -> None:
+    """The tail's own block tables (its block group): int32 [B, >= blocks of each sequence] on
+    the layer's device, ids in range for the blocks a query's window reads."""
+    if not isinstance(tables, torch.Tensor) or tables.dtype != torch.int32 or tables.dim() != 2 \
+            or tables.shape[0] != block_tables.shape[0] or tables.device != block_tables.device:
+        raise InvalidInput(f"tail_block_tables must be int32 [B={block_tables.shape[0]}, max_blocks] on "
+                           f"{block_tables.device}, got {getattr(tables, 'dtype', type(tables).__name__)} "
+                           f"{list(getattr(tables, 'shape', []))}")
+    if not checks:
+        return
+    bs = tail.block_size
+    for b, (n, ql) in enumerate(zip(seq_lens.tolist(), (query_start_loc[1:] - query_start_loc[:-1]).tolist())):
+        if not n:
+            continue
+        first, last = max(0, n - ql - recent + 1) // bs, (n - 1) // bs
+        if last >= tables.shape[1]:
+            raise InvalidInput(f"tail_block_tables row {b} has {tables.shape[1]} entries; sequence length "
+                               f"{n} needs {last + 1}")
+        ids = tables[b, first:last + 1]
+        if int(ids.min()) < 0 or int(ids.max()) >= tail.num_blocks:
+            raise InvalidInput(f"tail_block_tables row {b} holds block ids outside [0, {tail.num_blocks}) "
+                               f"for the window's blocks {first}..{last}")
 
 
 @torch.no_grad()
 def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, params: AttentionParams,
-                             *, recent: int, checks: bool = True) -> torch.Tensor:
+                             *, recent: int, checks: bool = True,
+                             tail_block_tables: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`prefill_attention` (same tensors and positions) with the last `recent` keys of each
-    query read from `tail` (same block tables and slots). Returns [Tq, Hq, D] in q's dtype."""
-    _check_tail(layer, tail, recent)
+    query read from `tail`: through `block_tables` (the same blocks and slots as the pages), or
+    through `tail_block_tables` int32 [B, max_blocks] when the tail has its own block group
+    (only the blocks covering each query's last `recent` positions are read, so the others may
+    have been released). Returns [Tq, Hq, D] in q's dtype."""
+    _check_tail(layer, tail, recent, tail_block_tables is not None)
     check_prefill(q, layer, block_tables, seq_lens, query_start_loc, params, checks)
+    tail_tables = block_tables if tail_block_tables is None else tail_block_tables
+    if tail_block_tables is not None:
+        _check_tail_tables(tail, tail_tables, block_tables, seq_lens, query_start_loc, recent, checks)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, n, chunks in varlen_query_chunks(seq_lens, query_start_loc, q.shape[1], q.device):
         table = block_tables[b]
         lo_q = int(chunks[0][2][0]) if n else 0
         kv = _rows(layer, table, n, 0)
-        tail_kv = _rows(tail, table, n, max(0, lo_q - recent + 1))
+        tail_kv = _rows(tail, tail_tables[b], n, max(0, lo_q - recent + 1))
         for a, e, q_pos in chunks:
             out[a:e] = attend_recent(q[a:e], kv, tail_kv, q_pos, layer, tail, params, recent)
     return out.to(q.dtype)
@@ -144,9 +179,11 @@ def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLaye
 @torch.no_grad()
 def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, params: AttentionParams, *, recent: int,
-                            checks: bool = True) -> torch.Tensor:
+                            checks: bool = True,
+                            tail_block_tables: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`decode_attention` (q [B, Hq, D], one query per sequence at seq_lens[b] - 1; length-0
-    rows give zeros) with the last `recent` keys read from `tail`."""
+    rows give zeros) with the last `recent` keys read from `tail` (through `tail_block_tables`
+    when given, see `recent_prefill_attention`)."""
     counts = (seq_lens > 0).to(torch.int32)
     qsl = torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     qsl[1:] = torch.cumsum(counts, 0)
@@ -154,5 +191,6 @@ def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer
     out = torch.zeros_like(q)
     if bool(keep.any()):
         out[keep] = recent_prefill_attention(q[keep].contiguous(), layer, tail, block_tables, seq_lens, qsl,
-                                             params, recent=recent, checks=checks)
+                                             params, recent=recent, checks=checks,
+                                             tail_block_tables=tail_block_tables)
     return out

@@ -1,0 +1,163 @@
+"""The block groups of the engine cache: one per distinct sliding window, plus the recent window.
+
+`group_layout(config)` splits the storage into block groups (`pagedkv.alloc.BlockManager`): the
+global layers (window None, a fixed pool of `config.total_blocks` blocks), one group per distinct
+sliding window W (with `config.reclaim_sliding`; a pool that starts small, grows by doubling up
+to `total_blocks` and is compacted when most of its blocks left the window, so the memory of
+positions no query can see is returned), and, with `config.recent_window` R, the tails of every
+layer in the group of window R (shared with sliding layers of that window). A block id of a group
+addresses the same slots in every member of that group; each group has its own tables and slots.
+
+`GroupedStorage` (mixed into `PagedCache`) owns the members' tensors and applies the block
+manager's per-group plan steps to them (`storage.apply_group_step`: moves, cut or growth, copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..alloc.manager import BlockManager, GroupSpec, GroupStep
+from ..errors import ConfigError
+from ..ops.batch import PagedLayer
+from . import storage
+from .config import CacheConfig
+
+SLIDING_INITIAL_BLOCKS = 16  # a sliding group's first pool size (it grows on demand)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Which block group holds what. windows[g]: group g's window (None = global; groups of main
+    layers first, global first, then windows ascending; a tail-only window last);
+    layer_group[i]: the group of layer i's pages; tail_group: the group of every layer's tail
+    (None without a recent window); members[g]: ("main" | "tail", layer) pairs."""
+
+    windows: tuple[Optional[int], ...]
+    layer_group: tuple[int, ...]
+    tail_group: Optional[int]
+    members: tuple[tuple[tuple[str, int], ...], ...]
+
+
+def group_layout(config: CacheConfig) -> GroupLayout:
+    wins = [s.sliding_window if config.reclaim_sliding else None for s in config.layers]
+    keys = sorted(set(wins), key=lambda w: (w is not None, w or 0))
+    tail = None
+    if config.recent_window is not None:
+        r = config.recent_window.tokens
+        if r not in keys:
+            keys.append(r)
+        tail = keys.index(r)
+    members = [[("main", i) for i, w in enumerate(wins) if w == key] for key in keys]
+    if tail is not None:
+        members[tail] += [("tail", i) for i in range(len(wins))]
+    return GroupLayout(tuple(keys), tuple(keys.index(w) for w in wins), tail,
+                       tuple(tuple(m) for m in members))
+
+
+def group_specs(layout: GroupLayout, total: int) -> list[GroupSpec]:
+    return [GroupSpec(None, total) if w is None else
+            GroupSpec(w, min(total, SLIDING_INITIAL_BLOCKS), total) for w in layout.windows]
+
+
+class GroupedStorage:
+    """The members' tensors of every block group of `PagedCache` (see the module doc)."""
+
+    def _build_storage(self, config: CacheConfig) -> None:
+        self.groups = group_layout(config)
+        specs = group_specs(self.groups, config.total_blocks)
+        self.core = BlockManager(specs, config.block_size, config.fingerprint, trace=config.trace)
+        self.seqs = self.core.main  # the first group: ids, lengths, prefix chain, swap entries
+        self.pool = self.seqs.pool
+        sizes = [s.initial_blocks for s in specs]
+        self.layers: tuple[PagedLayer, ...] = tuple(
+            storage.build_layer(s, sizes[g], config.block_size, config.device, config.key_centring)
+            for s, g in zip(config.layers, self.groups.layer_group))
+        self.tails: Optional[tuple[PagedLayer, ...]] = None
+        if config.recent_window is not None:
+            n = sizes[self.groups.tail_group]
+            self.tails = tuple(storage.build_tail(pl, config.recent_window.codec, n)
+                               for pl in self.layers)
+
+    def _group(self, index: int):
+        """The `SequenceManager` of block group `index`."""
+        return self.core.groups[index]
+
+    def _apply_group(self, g: int, step: GroupStep) -> None:
+        layers, tails = list(self.layers), None if self.tails is None else list(self.tails)
+        for kind, i in self.groups.members[g]:
+            if kind == "main":
+                layers[i] = storage.apply_group_step(layers[i], step)
+            else:
+                tails[i] = storage.apply_group_step(tails[i], step)
+        self.layers = tuple(layers)
+        self.tails = None if tails is None else tuple(tails)
+
+    def _apply(self, plan) -> None:
+        """Apply a plan's data-plane part (per group: moves, cut / growth, copy-on-write copies)
+        to every member of the group."""
+        for g, gs in enumerate(plan.groups):
+            if gs.moves or gs.copies or gs.num_blocks != self._pool_rows(g):
+                self._apply_group(g, gs)
+        self._changed()
+
+    def _pool_rows(self, g: int) -> int:
+        kind, i = self.groups.members[g][0]
+        return (self.layers[i] if kind == "main" else self.tails[i]).num_blocks
+
+    def _sync_sizes(self) -> None:
+        """Resize the pools of groups whose block pool grew outside a step (admission)."""
+        for g, seqs in enumerate(self.core.groups):
+            if seqs.pool.num_blocks != self._pool_rows(g):
+                self._apply_group(g, GroupStep((), seqs.pool.num_blocks, (), ()))
+
+    def group_of(self, layer: int) -> int:
+        """The block group of layer `layer`'s pages (index into `core.groups`)."""
+        return self.groups.layer_group[self._index(layer)]
+
+    def _index(self, layer) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(self.layers):
+            raise ConfigError(f"layer must be an int in [0, {len(self.layers)}), got {layer!r}")
+        return layer
+
+    def _group_tables(self, g: int, seq_ids) -> torch.Tensor:
+        """int32 [B, max_blocks] of group g, 0-padded. Entries a sliding group released read 0
+        (no query of the window reads them: the ops skip or mask them); a swapped entry of the
+        first group reads -1 so a direct op call fails loudly."""
+        from .tables import block_table_tensor
+
+        seqs = self.core.groups[g]
+        t = block_table_tensor([seqs.table(i) for i in seq_ids], torch.device("cpu"))
+        if seqs.window is not None:
+            t = t.clamp(min=0)
+        elif self.tiers is not None:
+            t = t.clamp(min=-1)  # a swapped entry (-2 - record) reads -1
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+    def group_stats(self) -> tuple:
+        """Per block group: (window, pool blocks, used, free, cached, bytes of its pools)."""
+        out = []
+        for g, seqs in enumerate(self.core.groups):
+            nbytes = 0
+            for kind, i in self.groups.members[g]:
+                pl = self.layers[i] if kind == "main" else self.tails[i]
+                nbytes += pl.k_pool.numel() + pl.v_pool.numel()
+            p = seqs.pool
+            out.append(GroupStats(seqs.window, p.num_blocks, p.num_used, p.num_free, p.num_cached,
+                                  nbytes))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One block group in `CacheStats.groups`: its window (None = global), pool size, blocks
+    held / free / cached, and the bytes of its members' pools now."""
+
+    window: Optional[int]
+    num_blocks: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    pool_bytes: int
