@@ -256,7 +256,7 @@ class CacheMachine(RuleBasedStateMachine):
     @staticmethod
     def _same(got, want, window, what):
         """Stored rows equal the codec round trip; a sliding group's released rows (NaN) are
-        only ever positions no query at the sequence's end can see."""
+        only ever positions no query of the next tokens (positions >= n) can see."""
         n = want[0].shape[0]
         for g, w in zip(got, want):
             kept = ~torch.isnan(g).flatten(1).any(1)
@@ -264,7 +264,7 @@ class CacheMachine(RuleBasedStateMachine):
             if window is None:
                 assert kept.all(), what
             else:
-                assert kept[max(0, n - window):].all(), what
+                assert kept[max(0, n - window + 1):].all(), what
 
 
 CacheMachine.TestCase.settings = settings(
@@ -293,7 +293,7 @@ class GroupedCacheMachine(CacheMachine):
 
 
 GroupedCacheMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=50, deadline=None,
+    max_examples=30, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestGroupedCacheStateful = GroupedCacheMachine.TestCase
