@@ -11,7 +11,10 @@ AVX2 CPU cost 4-7x fp32, see the README), greedy decoding:
   drop-in `PagedKVCache(model, F)`.
 Per context C (8k, 16k) and batch B (1, 8): decode tokens/s = B / the median step time of
 --steps decode steps (after one step not timed) with C tokens of context per sequence, and the
-ratio to the front door's own cache at the same C and B.
+ratio to the front door's own cache at the same C and B; the same per CPU second (the child's
+process CPU time per step: transformers per step, vLLM as the CPU time of B rows generating
+steps + 1 tokens less that of B rows generating 1), which a shared machine's load moves much
+less than wall-clock time.
 
 SmolLM2-135M was trained to 8k positions (max_position_embeddings 8192): the 16k rows run past
 it (vLLM: `hf_overrides` raises the limit; transformers computes RoPE for any position), which
@@ -90,14 +93,20 @@ def run_vllm(config: str, args) -> list[dict]:
         t = time.perf_counter()  # the prefix (what earlier contexts did not cache) and its KV
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], SamplingParams(max_tokens=1), use_tqdm=False)
         prefill_s = time.perf_counter() - t
-        sp = SamplingParams(max_tokens=args.steps + 1, min_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
-        for b in batches:
+        def run(b: int, n: int):
+            sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+            c = time.process_time()
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:b]], sp, use_tqdm=False)
+            return outs, time.process_time() - c
+
+        for b in batches:
+            _, cpu_first = run(b, 1)  # the tails' prefill and one token: subtracted below
+            outs, cpu_all = run(b, args.steps + 1)
             # the engine decodes the B rows in lockstep: each row's first..last token span is
             # `steps` steps (its prefix came from the cache, its tail was prefilled before)
             spans = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / args.steps for o in outs]
-            step = statistics.median(spans)
-            rows.append(_row("vllm", config, len(prompts[0]), b, step, prefill_s,
+            rows.append(_row("vllm", config, len(prompts[0]), b, statistics.median(spans),
+                             (cpu_all - cpu_first) / args.steps, prefill_s,
                              cached=min(o.num_cached_tokens for o in outs)))
     return rows
 
@@ -137,24 +146,28 @@ def run_transformers(config: str, args) -> list[dict]:
                 if b > 1:
                     cache.batch_repeat_interleave(b)
                     nxt = nxt.repeat_interleave(b, dim=0)
-                times = []
+                times, cpus = [], []
                 for _ in range(args.steps + 1):
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     out = model(nxt, past_key_values=cache, use_cache=True)
                     nxt = out.logits[:, -1:].argmax(-1)
                     times.append(time.perf_counter() - t)
-                rows.append(_row("transformers", config, target, b, statistics.median(times[1:]), prefill_s))
+                    cpus.append(time.process_time() - c)
+                rows.append(_row("transformers", config, target, b, statistics.median(times[1:]),
+                                 statistics.median(cpus[1:]), prefill_s))
                 if b > 1:  # back to the one row; the next context continues it
                     cache.batch_select_indices(torch.tensor([0]))
                     nxt = nxt[:1]
     return rows
 
 
-def _row(front: str, config: str, context: int, batch: int, step_s: float, prefill_s: float, **extra) -> dict:
+def _row(front: str, config: str, context: int, batch: int, step_s: float, step_cpu_s: float,
+         prefill_s: float, **extra) -> dict:
     import torch
 
     return {"front_door": front, "config": config, "context": context, "batch": batch,
-            "step_ms": 1e3 * step_s, "decode_tok_s": batch / step_s, "prefill_s": prefill_s,
+            "step_ms": 1e3 * step_s, "decode_tok_s": batch / step_s, "step_cpu_ms": 1e3 * step_cpu_s,
+            "decode_tok_per_cpu_s": batch / step_cpu_s, "prefill_s": prefill_s,
             "torch_threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0], **extra}
 
 
@@ -188,19 +201,27 @@ def with_ratios(rows: list[dict]) -> list[dict]:
         b = base.get((r.get("front_door"), r.get("context"), r.get("batch")))
         if b is not None and "error" not in r:
             r["ratio"] = r["decode_tok_s"] / b["decode_tok_s"]
+            if r.get("decode_tok_per_cpu_s") and b.get("decode_tok_per_cpu_s"):
+                r["cpu_ratio"] = r["decode_tok_per_cpu_s"] / b["decode_tok_per_cpu_s"]
     return rows
 
 
+def _num(r: dict, key: str, fmt: str) -> str:
+    return "" if r.get(key) is None else fmt.format(r[key])
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| front door | cache | context | batch | decode tok/s | x own cache | step ms | prefill s | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| front door | cache | context | batch | decode tok/s | x own cache | step ms | "
+             "tok / CPU s | x own cache | step CPU ms | prefill s | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['front_door']} | {r['config']} | failed: {r['error']} |")
             continue
         lines.append(f"| {r['front_door']} | {r['config']} | {r['context']:,} | {r['batch']} | "
                      f"{r['decode_tok_s']:.2f} | {r.get('ratio', float('nan')):.2f}x | {r['step_ms']:.0f} | "
-                     f"{r['prefill_s']:.0f} | {r['load_1min']:.1f} |")
+                     f"{_num(r, 'decode_tok_per_cpu_s', '{:.2f}')} | {_num(r, 'cpu_ratio', '{:.2f}x')} | "
+                     f"{_num(r, 'step_cpu_ms', '{:.0f}')} | {r['prefill_s']:.0f} | {r['load_1min']:.1f} |")
     return "\n".join(lines)
 
 
