@@ -152,7 +152,9 @@ def test_ctrl_c_during_start_up_of_a_real_process():
     # on a loaded machine took more than 1.5 s (seen once under load 12).
     time.sleep(4.0)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    # the interrupt is raised when the running C call (an import, the GGUF load) returns: under
+    # load 15 that passed 120 s once; a hang still fails
+    out, err = proc.communicate(timeout=600)
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("Converting", "Loading"))
              and "it/s" not in ln and "s/it" not in ln]
     assert proc.returncode == 130, err[-2000:]
