@@ -43,12 +43,14 @@ def _params(cfg, layer):
 
 def _oracle(cfg, layer, q, k, v, q_pos):
     fmt, tail, r = cfg.layers[layer].format, cfg.recent_window.codec, cfg.recent_window.tokens
+    sinks = cfg.recent_window.sinks
     params = _params(cfg, layer)
     km, vm, kt, vt = roundtrip(fmt.k, k), roundtrip(fmt.v, v), roundtrip(tail, k), roundtrip(tail, v)
     out = []
     for i, p in enumerate(q_pos.tolist()):
         j = torch.arange(k.shape[0])[:, None, None]
-        ke, ve = torch.where(j > p - r, kt, km), torch.where(j > p - r, vt, vm)
+        in_tail = (j > p - r) | (j < sinks)
+        ke, ve = torch.where(in_tail, kt, km), torch.where(in_tail, vt, vm)
         out.append(oracle_attention(q[i:i + 1], ke, ve, torch.tensor([p]), params))
     return torch.cat(out)
 
@@ -96,10 +98,11 @@ class Loop:
         return batch
 
 
-@pytest.mark.parametrize("recent", [RecentWindow(6), RecentWindow(11, "q8_0")])
+@pytest.mark.parametrize("recent", [RecentWindow(6), RecentWindow(11, "q8_0"),
+                                    RecentWindow(9, "q8_0", sinks=5)])
 def test_engine_loop_with_a_recent_window_matches_the_oracle(recent):
     c = PagedCache(_cfg(recent))
-    r = recent.tokens
+    r, keep = recent.tokens, -(-recent.sinks // BS)
     loop = Loop(c)
     sids = [loop.prefill([100 * n + i for i in range(n)]) for n in (23, 5)]
     tail = c.groups.tail_group
@@ -108,7 +111,10 @@ def test_engine_loop_with_a_recent_window_matches_the_oracle(recent):
         lens = [c.seq_len(s) for s in sids]
         batch = loop.decode(sids)
         # only the tail blocks covering the last R positions are resident
-        assert c.core.groups[tail].pool.num_used == sum(_retained(n, r) for n in lens)
+        assert c.core.groups[tail].pool.num_used == sum(
+            stored_tail_tokens(n + 1, r, BS, recent.sinks) // BS for n in lens)
+        if not keep:
+            assert c.core.groups[tail].pool.num_used == sum(_retained(n, r) for n in lens)
         assert batch.tail_slots is not None and batch.tail_tables is not None
     assert loop.err < 1e-4
     # a chunked prefill of a third sequence after the others (queries span the window edge)
@@ -123,7 +129,8 @@ def test_engine_loop_with_a_recent_window_matches_the_oracle(recent):
     n = c.seq_len(sids[0])
     hist = torch.cat(loop.hist[(sids[0], 1)][0])
     assert torch.equal(k[n - r:], roundtrip(recent.codec, hist)[n - r:])
-    assert torch.isnan(k[:n - r - BS]).all()
+    assert torch.isnan(k[keep * BS:n - r - BS]).all()
+    assert torch.equal(k[:keep * BS], roundtrip(recent.codec, hist)[:keep * BS])  # the sinks' blocks
 
 
 def test_one_group_holding_the_pages_and_the_tails():
@@ -164,8 +171,12 @@ def test_config_fingerprint_and_refusals():
     assert _cfg(None).recent_window is None
     with pytest.raises(ConfigError, match="recent_window must be"):
         _cfg("64")
-    fps = {_cfg(r).fingerprint for r in (None, RecentWindow(6), RecentWindow(7), RecentWindow(6, "q8_0"))}
-    assert len(fps) == 4
+    fps = {_cfg(r).fingerprint for r in (None, RecentWindow(6), RecentWindow(7), RecentWindow(6, "q8_0"),
+                                         RecentWindow(6, sinks=4))}
+    assert len(fps) == 5
+    assert len(PagedCache(_cfg(RecentWindow(9, sinks=4))).core.groups) == 3  # not shared with W = 9
+    with pytest.raises(ConfigError, match="multiple of 32"):  # the tail codec is checked up front
+        _cfg(RecentWindow(6, "q8_0"), head_dim=16)
     with pytest.raises(ConfigError, match="recent window"):
         PagedCache(_cfg(), OffloadConfig(resident_blocks_per_seq=2, swap="memory"))
     c = PagedCache(_cfg(key_centring=True))
@@ -191,17 +202,29 @@ def test_drop_in_tail_lives_in_its_own_group():
         max_position_embeddings=128)).eval()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     ids = torch.randint(3, 64, (2, 50), generator=torch.Generator().manual_seed(1))
-    cache = PagedKVCache(model, "turbo3", block_size=4, recent_window=6)
-    with torch.no_grad():
-        model(ids[:, :30], cache=cache, use_cache=True)
-        for t in range(30, 50):
-            model(ids[:, t:t + 1], cache=cache, use_cache=True)
-    g = cache.tail_group
-    assert g.window == 6 and g.tails == [0, 1] and g.layers == []
-    assert g.used == 2 * _retained(49, 6)  # two rows, the last R positions each
+    for recent in (RecentWindow(6), RecentWindow(6, sinks=3)):
+        cache = PagedKVCache(model, "turbo3", block_size=4, recent_window=recent)
+        with torch.no_grad():
+            model(ids[:, :30], cache=cache, use_cache=True)
+            for t in range(30, 50):
+                model(ids[:, t:t + 1], cache=cache, use_cache=True)
+        g = cache.tail_group
+        assert g.window == 6 and g.tails == [0, 1] and g.layers == []
+        assert g.used == 2 * stored_tail_tokens(50, 6, 4, recent.sinks) // 4  # two rows
+    assert g.used == 2 * (_retained(49, 6) + 1)  # the sinks' block is kept besides the window
     for layer in cache.layers:
         assert layer.tail.num_blocks == g.num_blocks <= 16 < layer.paged.num_blocks
     from pagedkv.codecs import get_codec
 
     pages = sum(v.used * cache.group_bytes_per_block(v) for v in cache.groups if v is not g)
     assert cache.used_bytes() == pages + g.used * 2 * 2 * get_codec("bf16").block_bytes(4, 2, 16)
+    # with sinks, token-by-token decoding (tail blocks released as it goes) sees what one pass sees
+    fixed = dict(key_centring=False, value_centring=False, block_size=4,
+                 recent_window=RecentWindow(6, "turbo8", sinks=3))
+    with torch.no_grad():
+        one = model(ids, cache=PagedKVCache(model, "turbo2", **fixed), use_cache=True).logits
+        cache = PagedKVCache(model, "turbo2", **fixed)
+        steps = [model(ids[:, :5], cache=cache, use_cache=True).logits]
+        steps += [model(ids[:, t:t + 1], cache=cache, use_cache=True).logits for t in range(5, 50)]
+    assert cache.tail_group.dead[0] > 1  # blocks between the sinks and the window were released
+    assert (one - torch.cat(steps, 1)).abs().max() < 1e-3 * one.abs().max()

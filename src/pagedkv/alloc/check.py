@@ -21,7 +21,9 @@ def check_sequences(m: SequenceManager) -> None:
     for sid, s in m._seqs.items():
         assert len(s.table) == -(-len(s.tokens) // bs), f"{sid!r}: table length"
         assert s.committed <= len(s.tokens), f"{sid!r}: committed > length"
-        assert all(e == RELEASED for e in s.table[:s.dead]), f"{sid!r}: released entries"
+        k = min(m.keep_first, s.dead) if s.dead else 0
+        assert RELEASED not in s.table[:k], f"{sid!r}: a kept leading block was released"
+        assert all(e == RELEASED for e in s.table[k:s.dead]), f"{sid!r}: released entries"
         assert RELEASED not in s.table[s.dead:], f"{sid!r}: a released entry after live ones"
         assert not s.dead or m.window is not None, f"{sid!r}: released entries without a window"
         if s.table:

@@ -18,7 +18,8 @@ class WindowedAppend:
         """Table indices `reclaim` would release before appending at `length`."""
         if self.window is None:
             return range(0)
-        return range(s.dead, min(self.first_needed(length) // self.block_size, len(s.table)))
+        return range(max(s.dead, self.keep_first),
+                     min(self.first_needed(length) // self.block_size, len(s.table)))
 
     def _need(self, s, n: int, shared: dict) -> int:
         """Blocks an append of n tokens takes (new blocks + a copy of a shared last block).

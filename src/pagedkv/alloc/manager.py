@@ -25,11 +25,13 @@ from .sequences import SequenceManager, Tokens, check_tokens
 @dataclass(frozen=True)
 class GroupSpec:
     """One block group: its sliding window (None = global), initial and maximum pool size
-    (blocks; max None = fixed at initial)."""
+    (blocks; max None = fixed at initial), and how many leading blocks of every sequence a
+    sliding group never releases (a recent window's attention sinks)."""
 
     window: Optional[int]
     initial_blocks: int
     max_blocks: Optional[int] = None
+    keep_first: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class BlockManager:
         self.specs = tuple(specs)
         self.groups = [
             SequenceManager(BlockPool(g.initial_blocks, trace=trace, max_blocks=g.max_blocks),
-                            block_size, namespace, window=g.window)
+                            block_size, namespace, window=g.window, keep_first=g.keep_first)
             for g in specs]
         self.prefix = all(g.window is None for g in specs)
         self.main = self.groups[0]

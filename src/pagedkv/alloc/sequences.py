@@ -50,7 +50,8 @@ class _Seq:
         self.first_unknown = _NO_UNKNOWN  # position of the first unknown token id
         self.root = root
         self.hashes: list[bytes] = []  # chain keys of the leading committed full blocks
-        self.dead = 0  # leading RELEASED entries (sliding-window reclaim)
+        self.dead = 0  # entries before it are RELEASED (sliding-window reclaim), except the first
+        # `keep_first` of the group
         self.published = 0  # leading blocks handed to the prefix tier (see `newly_full`)
 
 
@@ -80,16 +81,19 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
     caches of different models or formats can never hit each other's blocks.
     window: None, or the group's sliding window W (`reclaim` then drops blocks no query at or
     after a position can see; such a group keys nothing). prefix: key committed full blocks.
+    keep_first: with a window, the first blocks of every sequence are never released (a recent
+    window's tail that also holds the attention sinks).
     """
 
     def __init__(self, pool: BlockPool, block_size: int, namespace: bytes = b"", *,
-                 window: Optional[int] = None, prefix: bool = True):
+                 window: Optional[int] = None, prefix: bool = True, keep_first: int = 0):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         self.pool = pool
         self.block_size = block_size
         self.namespace = namespace
         self.window = window
+        self.keep_first = keep_first
         self.prefix = prefix and window is None
         self._seqs: dict[Hashable, _Seq] = {}
         self._ids = count()
@@ -145,7 +149,7 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
     def min_length(self, seq_id: Hashable) -> int:
         """The fewest tokens `pop` may leave (besides 0): released blocks must stay unseen."""
         d = self._get(seq_id).dead
-        return d * self.block_size + self.window - 1 if d else 0
+        return d * self.block_size + self.window - 1 if d > self.keep_first else 0
 
     def _new_id(self, seq_id: Optional[Hashable]) -> Hashable:
         if seq_id is None:

@@ -251,6 +251,8 @@ class CacheConfig:
                     k_block_bytes=ls.block_bytes(self.block_size), v_block_bytes=0, latent=ls))
                 continue
             f.check_head_dim(d)
+            if self.recent_window is not None:  # the tail stores the same rows in its codec
+                self.recent_window.codec.check_head_dim(d)
             specs.append(LayerSpec(
                 index=i, num_kv_heads=h, head_dim=d, format=f, sliding_window=windows[i],
                 high_precision=i in hp_set,
@@ -300,7 +302,8 @@ class CacheConfig:
         transform is added by the cache that fits it, see `transform_namespace`)."""
         parts = [f"pagedkv-cache-v1|{self.model_id}|bs={self.block_size}|kc={self.key_centring}"]
         if self.recent_window is not None:  # the tail changes what a stored sequence holds
-            parts.append(f"recent={self.recent_window.tokens}:{self.recent_window.codec.name}")
+            rw = self.recent_window
+            parts.append(f"recent={rw.tokens}:{rw.codec.name}" + (f":s{rw.sinks}" if rw.sinks else ""))
         for s in self.layers:
             parts.append(f"{s.num_kv_heads}x{s.head_dim}:{s.format.name}"
                          + (f":latent{s.latent.latent_dim}+{s.latent.rope_dim}:{s.latent.name}"

@@ -142,7 +142,7 @@ class DataPlane:
             tail, tail_tables = self.tail_view(layer, seq_ids)
             return recent.recent_decode_attention(
                 q, pl, tail, tables, lens, params, recent=self.config.recent_window.tokens,
-                tail_block_tables=tail_tables, **op_kwargs)
+                tail_block_tables=tail_tables, sinks=self.config.recent_window.sinks, **op_kwargs)
         return ops.decode_attention(q, pl, tables, lens, params, **op_kwargs)
 
     def prefill_attention(self, layer: int, q: torch.Tensor, seq_ids: Sequence[Hashable],
@@ -157,7 +157,8 @@ class DataPlane:
             tail, tail_tables = self.tail_view(layer, seq_ids)
             return recent.recent_prefill_attention(
                 q, pl, tail, tables, lens, query_start_loc, params,
-                recent=self.config.recent_window.tokens, tail_block_tables=tail_tables, **op_kwargs)
+                recent=self.config.recent_window.tokens, tail_block_tables=tail_tables,
+                sinks=self.config.recent_window.sinks, **op_kwargs)
         return ops.prefill_attention(q, pl, tables, lens, query_start_loc, params, **op_kwargs)
 
     def gather(self, layer: int, seq_id: Hashable, *, tail: bool = False

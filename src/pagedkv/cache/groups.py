@@ -39,27 +39,42 @@ class GroupLayout:
     layer_group: tuple[int, ...]
     tail_group: Optional[int]
     members: tuple[tuple[tuple[str, int], ...], ...]
+    keep_first: tuple[int, ...]  # per group: leading blocks never released (the sinks)
 
 
 def group_layout(config: CacheConfig) -> GroupLayout:
     wins = [s.sliding_window if config.reclaim_sliding else None for s in config.layers]
     keys = sorted(set(wins), key=lambda w: (w is not None, w or 0))
-    tail = None
-    if config.recent_window is not None:
-        r = config.recent_window.tokens
-        if r not in keys:
-            keys.append(r)
-        tail = keys.index(r)
     members = [[("main", i) for i, w in enumerate(wins) if w == key] for key in keys]
-    if tail is not None:
+    keep = [0] * len(keys)
+    tail = None
+    rw = config.recent_window
+    if rw is not None:
+        first = tail_keep_blocks(rw, config.block_size)
+        if first or rw.tokens not in keys:  # a tail keeping its sinks never shares a group
+            keys.append(rw.tokens)
+            members.append([])
+            keep.append(first)
+            tail = len(keys) - 1
+        else:
+            tail = keys.index(rw.tokens)
         members[tail] += [("tail", i) for i in range(len(wins))]
     return GroupLayout(tuple(keys), tuple(keys.index(w) for w in wins), tail,
-                       tuple(tuple(m) for m in members))
+                       tuple(tuple(m) for m in members), tuple(keep))
+
+
+def tail_keep_blocks(recent, block_size: int) -> int:
+    """Leading blocks a recent window's tail group keeps for every sequence: those covering its
+    attention sinks (`RecentWindow.sinks` first positions)."""
+    from ..ops.recent import sink_blocks
+
+    return sink_blocks(recent.sinks, block_size)
 
 
 def group_specs(layout: GroupLayout, total: int) -> list[GroupSpec]:
     return [GroupSpec(None, total) if w is None else
-            GroupSpec(w, min(total, SLIDING_INITIAL_BLOCKS), total) for w in layout.windows]
+            GroupSpec(w, min(total, SLIDING_INITIAL_BLOCKS), total, k)
+            for w, k in zip(layout.windows, layout.keep_first)]
 
 
 class GroupedStorage:

@@ -119,7 +119,8 @@ def _recent_attention(layer, q_rows, b, tq, counts, seq_lens, params):
     return recent_prefill_attention(q_rows.contiguous(), paged, layer.tail, tables, seq_lens,
                                     _query_start_loc(b, tq, counts, dev), params,
                                     recent=cache.recent_window.tokens, checks=cache.checks,
-                                    tail_block_tables=cache.block_table_tensor(dev, cache.tail_group))
+                                    tail_block_tables=cache.block_table_tensor(dev, cache.tail_group),
+                                    sinks=cache.recent_window.sinks)
 
 
 def _dense_attention(query, key, value, scaling, window, softcap, sinks, key_valid=None):

@@ -16,6 +16,7 @@ import torch
 from ..alloc.manager import BlockManager, GroupSpec, GroupStep
 from ..cache.tables import block_table_tensor, int_tensor
 from ..errors import InvalidInput
+from ..cache.groups import group_layout
 from .hf_common import _UNBOUNDED, GroupView
 
 
@@ -23,34 +24,29 @@ class RowStorage:
     """Storage methods of `PagedKVCache` (see the module doc)."""
 
     # ---- storage shared by the layers ---------------------------------------------------------
-    def _make_groups(self, block_size: int, max_tokens: Optional[int], reclaim_sliding: bool = True) -> None:
+    def _make_groups(self, block_size: int, max_tokens: Optional[int]) -> None:
         """One block group per distinct sliding window (None = the global layers), each with its
         own block ids, tables and pools, all managed by one `pagedkv.alloc.BlockManager` (rows
-        are its sequences). `self.blocks` is the global group (the first sliding group when
-        every layer slides). With max_tokens every group may hold at most
-        ceil(max_tokens / block_size) blocks: the global group is allocated at that size, a
-        sliding group starts small and grows on demand (it holds at most what the global group
-        holds, usually far less: each row's last W tokens plus the chunk being stored).
-        reclaim_sliding=False: one group for every layer, nothing released (any crop works).
-        With a recent window R (`self.recent_window`) every layer's tail lives in the group of
-        window R (`tail_group`), as in the engine cache (`pagedkv.cache.groups`)."""
+        are its sequences); the layout is the engine cache's (`cache.groups.group_layout` of
+        `self.config`: `reclaim_sliding=False` puts every layer in one group, nothing released,
+        any crop works; a recent window's tails live in the group of window R, `tail_group`).
+        `self.blocks` is the global group (the first sliding group when every layer slides).
+        With max_tokens every group may hold at most ceil(max_tokens / block_size) blocks: the
+        global group is allocated at that size, a sliding group starts small and grows on demand
+        (it holds at most what the global group holds, usually far less: each row's last W
+        tokens plus the chunk being stored)."""
         cap = -(-max_tokens // block_size) if max_tokens else None
-        windows = [s.sliding_window if reclaim_sliding else None for s in self.config.layers]
-        keys = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-        recent = getattr(self, "recent_window", None)
-        if recent is not None and recent.tokens not in keys:
-            keys.append(recent.tokens)
+        layout = group_layout(self.config)
         specs = []
-        for w in keys:
+        for w, k in zip(layout.windows, layout.keep_first):
             initial = cap if (cap is not None and w is None) else min(cap or 16, 16)
-            specs.append(GroupSpec(w, initial, cap if cap is not None else _UNBOUNDED))
+            specs.append(GroupSpec(w, initial, cap if cap is not None else _UNBOUNDED, k))
         self.core = BlockManager(specs, block_size, self.config.fingerprint)
-        every = list(range(len(windows)))
-        self.groups = [GroupView(self, i, w, [j for j, x in enumerate(windows) if x == w],
-                                 every if recent is not None and w == recent.tokens else [])
-                       for i, w in enumerate(keys)]
+        self.groups = [GroupView(self, i, w, [j for kind, j in m if kind == "main"],
+                                 [j for kind, j in m if kind == "tail"])
+                       for i, (w, m) in enumerate(zip(layout.windows, layout.members))]
         self.blocks = self.groups[0]
-        self.tail_group = None if recent is None else self.groups[keys.index(recent.tokens)]
+        self.tail_group = None if layout.tail_group is None else self.groups[layout.tail_group]
         self._group_of = {i: g for g in self.groups for i in g.layers}
         self._rows: list[int] = []
         self._sids = itertools.count()

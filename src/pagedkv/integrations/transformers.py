@@ -158,7 +158,7 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
             block_size=block_size, num_blocks=initial_blocks, sliding_window=windows,
             device=device or _model_device(model_or_config),
             model_id=_model_identity(model_or_config) if offload is not None else "",
-            recent_window=self.recent_window,
+            recent_window=self.recent_window, reclaim_sliding=bool(reclaim_sliding),
         )
         if key_centring is None:
             key_centring = any(not s.format.k.traits.raw for s in self.config.layers)
@@ -168,7 +168,7 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
         self.value_centring = True if value_centring is None else bool(value_centring)
         self.backend = backend
         self.checks = bool(checks)
-        self._make_groups(block_size, max_tokens, reclaim_sliding)
+        self._make_groups(block_size, max_tokens)
         self.tiers = None
         if offload is not None:
             from .hf_tiers import DropInTiers

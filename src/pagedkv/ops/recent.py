@@ -39,15 +39,19 @@ from .validate import check_prefill
 
 @dataclass(frozen=True)
 class RecentWindow:
-    """The high-precision recent window: `tokens` (R >= 1) last positions of each sequence are
-    read from a tail stored with `codec` (a catalogue row or its name; default bf16)."""
+    """The high-precision recent window: `tokens` (R >= 1) last positions of each sequence, and
+    its first `sinks` (S >= 0) positions (attention sinks), are read from a tail stored with
+    `codec` (a catalogue row or its name; default bf16)."""
 
     tokens: int
     codec: Codec = get_codec("bf16")
+    sinks: int = 0
 
     def __post_init__(self):
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
             raise ConfigError(f"recent window tokens must be an integer >= 1, got {self.tokens!r}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ConfigError(f"recent window sinks must be an integer >= 0, got {self.sinks!r}")
         object.__setattr__(self, "codec", get_codec(self.codec))
         if self.codec.traits.tensor_scaled:
             raise ConfigError(f"recent window codec {self.codec.name!r} needs a tensor scale; use a "
@@ -55,17 +59,27 @@ class RecentWindow:
 
     @property
     def name(self) -> str:
-        """`r64` (bf16 tail) or `r64q8_0`: the suffix `+r...` of an eval format label."""
-        return f"r{self.tokens}" + ("" if self.codec.name == "bf16" else self.codec.name)
+        """`r64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (16 sinks): the suffix `+r...` of an eval
+        format label."""
+        return (f"r{self.tokens}" + (f"s{self.sinks}" if self.sinks else "")
+                + ("" if self.codec.name == "bf16" else self.codec.name))
 
 
-def stored_tail_tokens(seq_len: int, recent: int, block_size: int) -> int:
+def sink_blocks(sinks: int, block_size: int) -> int:
+    """Blocks covering the first `sinks` positions (kept by the tail for every sequence)."""
+    return -(-sinks // block_size)
+
+
+def stored_tail_tokens(seq_len: int, recent: int, block_size: int, sinks: int = 0) -> int:
     """Token slots of the tail blocks a paged recent window holds for a sequence of `seq_len`
-    tokens: the blocks covering positions max(0, seq_len - R) .. seq_len - 1."""
+    tokens: the blocks covering positions max(0, seq_len - R) .. seq_len - 1 and, with sinks,
+    those covering 0 .. S - 1 (a block counted once)."""
     if seq_len <= 0:
         return 0
+    last = (seq_len - 1) // block_size
     first = max(0, seq_len - recent) // block_size
-    return ((seq_len - 1) // block_size - first + 1) * block_size
+    keep = min(sink_blocks(sinks, block_size), last + 1)
+    return (last - max(first, keep) + 1 + keep) * block_size
 
 
 def _values(p: torch.Tensor, v: torch.Tensor, layer: PagedLayer, weight_sum) -> torch.Tensor:
@@ -81,15 +95,16 @@ def _values(p: torch.Tensor, v: torch.Tensor, layer: PagedLayer, weight_sum) -> 
 
 
 def attend_recent(q: torch.Tensor, kv: tuple, tail_kv: tuple, q_pos: torch.Tensor, layer: PagedLayer,
-                  tail: PagedLayer, params: AttentionParams, recent: int) -> torch.Tensor:
+                  tail: PagedLayer, params: AttentionParams, recent: int, sinks: int = 0) -> torch.Tensor:
     """fp32 attention of one sequence: q float [Tq, Hq, D]; kv = (k, v) float32 [n, H, D] decoded
-    from `layer`, tail_kv from `tail` (rows outside every query's window may be anything
-    finite); q_pos int64 [Tq]. Returns float32 [Tq, Hq, D]."""
+    from `layer`, tail_kv from `tail` (rows outside every query's window and the sinks may be
+    anything finite); q_pos int64 [Tq]. Keys p - recent < j <= p and j < sinks are read from the
+    tail. Returns float32 [Tq, Hq, D]."""
     tq, hq, _ = q.shape
     h = layer.num_kv_heads
     n = kv[0].shape[0]
     key_pos = torch.arange(n, device=q.device)
-    in_tail = key_pos[None, :] > q_pos[:, None] - recent  # [Tq, n]
+    in_tail = (key_pos[None, :] > q_pos[:, None] - recent) | (key_pos[None, :] < sinks)  # [Tq, n]
     s = torch.where(in_tail, attention_logits(q, tail_kv[0], tail), attention_logits(q, kv[0], layer))
     p = masked_softmax(s, q_pos, params, sink_shape=(h, hq // h, 1, 1))
     parts = (p * ~in_tail, p * in_tail)
@@ -99,16 +114,20 @@ def attend_recent(q: torch.Tensor, kv: tuple, tail_kv: tuple, q_pos: torch.Tenso
     return (_values(parts[0], kv[1], layer, sums[0]) + _values(parts[1], tail_kv[1], tail, sums[1]))
 
 
-def _rows(layer: PagedLayer, table: torch.Tensor, n: int, start: int):
-    """(k, v) float32 [n, H, D] of one sequence with rows before `start` zeroed (not decoded)."""
+def _rows(layer: PagedLayer, table: torch.Tensor, n: int, start: int, sinks: int = 0):
+    """(k, v) float32 [n, H, D] of one sequence with rows before `start` zeroed (not decoded),
+    except the blocks covering the first `sinks` rows."""
     bs = layer.block_size
     first = start // bs
+    keep = min(sink_blocks(sinks, bs), first)
     out = []
     for codec, pool, scale in ((layer.k_codec, layer.k_pool, layer.k_scale),
                                (layer.v_codec, layer.v_pool, layer.v_scale)):
         x = gather_rows(layer, codec, pool, scale, table[first:], n - first * bs)
         full = torch.zeros(n, *x.shape[1:], dtype=x.dtype, device=x.device)
         full[first * bs:] = x
+        if keep:
+            full[:keep * bs] = gather_rows(layer, codec, pool, scale, table[:keep], keep * bs)
         out.append(full)
     return tuple(out)
 
@@ -126,9 +145,9 @@ def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int, own_tables: bo
 
 def _check_tail_tables(tail: PagedLayer, tables: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, recent: int,
-                       checks: bool) -> None:
+                       checks: bool, sinks: int = 0) -> None:
     """The tail's own block tables (its block group): int32 [B, >= blocks of each sequence] on
-    the layer's device, ids in range for the blocks a query's window reads."""
+    the layer's device, ids in range for the blocks a query's window reads (and the sinks')."""
     if not isinstance(tables, torch.Tensor) or tables.dtype != torch.int32 or tables.dim() != 2 \
             or tables.shape[0] != block_tables.shape[0] or tables.device != block_tables.device:
         raise InvalidInput(f"tail_block_tables must be int32 [B={block_tables.shape[0]}, max_blocks] on "
@@ -144,35 +163,39 @@ def _check_tail_tables(tail: PagedLayer, tables: torch.Tensor, block_tables: tor
         if last >= tables.shape[1]:
             raise InvalidInput(f"tail_block_tables row {b} has {tables.shape[1]} entries; sequence length "
                                f"{n} needs {last + 1}")
-        ids = tables[b, first:last + 1]
+        keep = min(sink_blocks(sinks, bs), first)
+        ids = torch.cat([tables[b, :keep], tables[b, first:last + 1]])
         if int(ids.min()) < 0 or int(ids.max()) >= tail.num_blocks:
             raise InvalidInput(f"tail_block_tables row {b} holds block ids outside [0, {tail.num_blocks}) "
-                               f"for the window's blocks {first}..{last}")
+                               f"for the window's blocks {first}..{last} (and the sinks' 0..{keep - 1})")
 
 
 @torch.no_grad()
 def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, params: AttentionParams,
                              *, recent: int, checks: bool = True,
-                             tail_block_tables: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             tail_block_tables: Optional[torch.Tensor] = None, sinks: int = 0) -> torch.Tensor:
     """`prefill_attention` (same tensors and positions) with the last `recent` keys of each
     query read from `tail`: through `block_tables` (the same blocks and slots as the pages), or
     through `tail_block_tables` int32 [B, max_blocks] when the tail has its own block group
     (only the blocks covering each query's last `recent` positions are read, so the others may
-    have been released). Returns [Tq, Hq, D] in q's dtype."""
+    have been released; with `sinks`, the blocks covering the first `sinks` positions too, which
+    are also read from the tail). Returns [Tq, Hq, D] in q's dtype."""
     _check_tail(layer, tail, recent, tail_block_tables is not None)
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ConfigError(f"sinks must be an integer >= 0, got {sinks!r}")
     check_prefill(q, layer, block_tables, seq_lens, query_start_loc, params, checks)
     tail_tables = block_tables if tail_block_tables is None else tail_block_tables
     if tail_block_tables is not None:
-        _check_tail_tables(tail, tail_tables, block_tables, seq_lens, query_start_loc, recent, checks)
+        _check_tail_tables(tail, tail_tables, block_tables, seq_lens, query_start_loc, recent, checks, sinks)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, n, chunks in varlen_query_chunks(seq_lens, query_start_loc, q.shape[1], q.device):
         table = block_tables[b]
         lo_q = int(chunks[0][2][0]) if n else 0
         kv = _rows(layer, table, n, 0)
-        tail_kv = _rows(tail, tail_tables[b], n, max(0, lo_q - recent + 1))
+        tail_kv = _rows(tail, tail_tables[b], n, max(0, lo_q - recent + 1), sinks)
         for a, e, q_pos in chunks:
-            out[a:e] = attend_recent(q[a:e], kv, tail_kv, q_pos, layer, tail, params, recent)
+            out[a:e] = attend_recent(q[a:e], kv, tail_kv, q_pos, layer, tail, params, recent, sinks)
     return out.to(q.dtype)
 
 
@@ -180,7 +203,7 @@ def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLaye
 def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, params: AttentionParams, *, recent: int,
                             checks: bool = True,
-                            tail_block_tables: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            tail_block_tables: Optional[torch.Tensor] = None, sinks: int = 0) -> torch.Tensor:
     """`decode_attention` (q [B, Hq, D], one query per sequence at seq_lens[b] - 1; length-0
     rows give zeros) with the last `recent` keys read from `tail` (through `tail_block_tables`
     when given, see `recent_prefill_attention`)."""
@@ -192,5 +215,5 @@ def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer
     if bool(keep.any()):
         out[keep] = recent_prefill_attention(q[keep].contiguous(), layer, tail, block_tables, seq_lens, qsl,
                                              params, recent=recent, checks=checks,
-                                             tail_block_tables=tail_block_tables)
+                                             tail_block_tables=tail_block_tables, sinks=sinks)
     return out
