@@ -236,7 +236,7 @@ def test_eval_cli_prints_the_table_before_the_plot_and_its_times(monkeypatch, tm
     monkeypatch.setattr(em, "load_tokenizer", lambda src: Tok())
     monkeypatch.setattr(em, "load_model", lambda src, **kw: SimpleNamespace(model=None, tokenizer=kw["tokenizer"]))
 
-    def fake_evaluate(model, windows, cfg, progress=None):
+    def fake_evaluate(model, windows, cfg, progress=None, tokenizer=None):
         seen["windows"], seen["compute"] = len(windows), cfg.compute
         return rows
 

@@ -19,7 +19,9 @@ from pagedkv.ops.latent import (LatentSpec, latent_decode_attention, latent_pref
 
 L, R, BS = 64, 32, 16  # small dims keep the test fast; 512 + 64 is checked by the layout tests
 
-SPECS = [(c, c) for c in CODECS] + [("turbo3", "bf16"), ("fp8", "q8_0"), ("q4_0", "q8_0")]
+# uniform rows where the codec stores L + R dims, else its latent with a q8_0 rope (turbo2g64: groups of 64)
+SPECS = [(c, c) if (L + R) % max(CODECS[c].group_size, 1) == 0 else (c, "q8_0") for c in CODECS] + [
+    ("turbo3", "bf16"), ("fp8", "q8_0"), ("q4_0", "q8_0")]
 SETTINGS = {
     "plain": AttentionParams(scale=0.3),
     "window_cap_sinks": AttentionParams(scale=0.3, sliding_window=21, soft_cap=8.0,

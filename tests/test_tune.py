@@ -8,6 +8,7 @@ text, which is made to fail if read).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -23,7 +24,7 @@ from pagedkv.formats import read_plan  # noqa: E402
 from pagedkv.integrations.transformers import ATTN_IMPLEMENTATION, PagedKVCache, register  # noqa: E402
 from pagedkv.integrations.vllm.fit import calibration_text  # noqa: E402
 from pagedkv.ops.recent import RecentWindow  # noqa: E402
-from pagedkv.tune import tune  # noqa: E402
+from pagedkv.tune import WINDOW_CANDIDATES, tune  # noqa: E402
 from pagedkv.tune.choose import choose, write_plan  # noqa: E402
 
 VOCAB = 96
@@ -150,3 +151,75 @@ def test_cli_bad_input_is_one_line_exit_2(argv, word, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and word in err
+
+
+def test_window_masked_attention_matches_a_per_query_oracle():
+    """The sensitivity's window attention: per query, keys/values under the window come from the
+    high-precision copy, the others from the quantized one, one causal softmax (a loop oracle)."""
+    from pagedkv.tune.sensitivity import _attention, window_mask
+
+    gen = torch.Generator().manual_seed(3)
+    t, d = 23, 16
+    q, k, v, kh, vh = (torch.randn(s, t, d, generator=gen) for s in (4, 2, 2, 2, 2))
+    mask = window_mask(t, 5, 3)
+    assert mask[10].tolist() == [j < 3 or j > 5 for j in range(t)]
+    got = _attention(q, k, v, (mask, kh, vh))
+    want = torch.empty_like(got)
+    for h in range(4):
+        for p in range(t):
+            use = mask[p, :p + 1, None]
+            kk = torch.where(use, kh[h // 2, :p + 1], k[h // 2, :p + 1])
+            vv = torch.where(use, vh[h // 2, :p + 1], v[h // 2, :p + 1])
+            want[h, p] = torch.softmax(kk @ q[h, p] / d ** 0.5, 0) @ vv
+    assert torch.allclose(got, want, atol=1e-5)
+    nothing = torch.zeros(t, t, dtype=torch.bool)
+    assert torch.allclose(_attention(q, k, v, (nothing, kh, vh)), _attention(q, k, v), atol=1e-5)
+
+
+def test_window_search_is_deterministic_in_budget_and_picks_the_least_predicted_error(plans, monkeypatch):
+    import pagedkv.eval.text as eval_text
+    from pagedkv.eval.runner import tail_tokens
+
+    model, tok, *_ = plans
+    monkeypatch.setattr(eval_text, "default_text", lambda: (_ for _ in ()).throw(AssertionError("eval text")))
+    ladder = ("turbo2g64", "turbo2", "turbo3", "turbo4", "q8_0")
+    docs = [tune(model, tok, bits=3.5, tokens=96, ladder=ladder, recent="auto", context=256) for _ in range(2)]
+    assert json.dumps(docs[0], sort_keys=True) == json.dumps(docs[1], sort_keys=True)
+    doc = docs[0]
+    search = doc["window_search"]
+    assert len(search) == len(WINDOW_CANDIDATES)
+    fits = [s for s in search if s["fits"]]
+    assert doc["recent_window"] == min(fits, key=lambda s: s["predicted_error"])["recent_window"]
+    w = doc["recent_window"]
+    if w is not None:
+        recent = parse_choice(f"turbo3+r{w['tokens']}{w['codec']}").recent
+        tail = tail_tokens(recent, 256, 16) / 256 * CODECS[w["codec"]].bits_per_element
+        assert doc["tail_bits"] == pytest.approx(tail) and tail > 0
+    assert doc["bits_per_element"] + doc["tail_bits"] <= 3.5 + 1e-9
+    with_window = [s for s in fits if s["recent_window"] is not None]
+    assert with_window and all(s["tail_bits"] > 0 for s in with_window)
+
+
+def test_eval_tuned_label_is_the_plan_tune_makes(plans, tmp_path):
+    """`tuned3.5` in `pagedkv eval`: the plan `tune(..., bits=3.5, recent="auto")` makes for the
+    model (counted at the eval's window length), evaluated as that plan file."""
+    from pagedkv.eval.config import EvalConfig
+    from pagedkv.eval.runner import evaluate
+    from pagedkv.eval.text import make_windows
+
+    model, tok, *_ = plans
+    windows = make_windows(torch.randint(3, VOCAB, (300,)), 2, 64, bos=1)
+    cfg = EvalConfig(formats=("bf16", "tuned3.5", "turbo3"), windows=2, window_tokens=64, memory_bytes=2**20,
+                     decode_steps=0)
+    assert parse_choice("tuned3.5").tune_bits == 3.5
+    with pytest.raises(ConfigError, match="tokenizer"):
+        evaluate(model, windows, cfg)
+    rows = {r["format"]: r for r in evaluate(model, windows, cfg, tokenizer=tok)}
+    doc = tune(model, tok, bits=3.5, recent="auto", context=64)
+    tuned = rows["tuned3.5"]
+    assert tuned["bits_per_element"] == pytest.approx(doc["bits_per_element"] + doc["tail_bits"])
+    assert tuned["bits_per_element"] <= 3.5 + 1e-9 and tuned["kl"] > 0
+    plan = tmp_path / "p.json"
+    write_plan(str(plan), doc)
+    again = {r["format"]: r for r in evaluate(model, windows, dataclasses.replace(cfg, formats=("bf16", str(plan))))}
+    assert again["p.json"]["kl"] == tuned["kl"] and again["p.json"]["bits_per_element"] == tuned["bits_per_element"]

@@ -86,7 +86,7 @@ def run(args) -> int:
     log(f"{tokens.numel()} tokens of text; {len(windows)} windows{of} x {cfg.window_tokens} tokens; "
         f"{len(formats)} formats; {cfg.compute.describe()}")
     t_eval, cpu_eval = time.perf_counter(), _cpu_seconds()
-    rows = _run_with_progress(lm.model, windows, cfg)
+    rows = _run_with_progress(lm.model, windows, cfg, tokenizer)
     elapsed = time.perf_counter() - t_eval
     if args.json:
         print_json(rows)
@@ -123,16 +123,16 @@ def _minutes(seconds: float) -> str:
     return f"{m} min {s:02d} s" if m else f"{s} s"
 
 
-def _run_with_progress(model, windows, cfg):
+def _run_with_progress(model, windows, cfg, tokenizer=None):
     from ..eval.runner import evaluate
 
     total = len(windows) * len(cfg.formats)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
-        return evaluate(model, windows, cfg)
+        return evaluate(model, windows, cfg, tokenizer=tokenizer)
     with tqdm(total=total, desc="eval", unit="pass", file=sys.stderr) as bar:
         def step(label):
             bar.set_postfix_str(label)
             bar.update(1)
-        return evaluate(model, windows, cfg, progress=step)
+        return evaluate(model, windows, cfg, progress=step, tokenizer=tokenizer)

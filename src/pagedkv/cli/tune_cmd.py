@@ -15,16 +15,16 @@ def add_parser(sub):
     p.add_argument("--text", default=None, help="calibration text file (default: standard-library docstrings; "
                    "never the eval text)")
     p.add_argument("--tokens", type=int, default=512, help="calibration tokens (default 512)")
-    p.add_argument("--recent", default=None, metavar="R[CODEC]",
-                   help="add a recent window of R tokens (e.g. 64 or 64q8_0), counted in the budget")
+    p.add_argument("--recent", default="auto", metavar="auto|none|R[CODEC]",
+                   help="the high-precision window, counted in the budget: auto (default: the best of the "
+                        "candidates in pagedkv.tune.WINDOW_CANDIDATES), none, or R recent tokens "
+                        "(e.g. 64q8_0, 64 = a bf16 tail)")
     p.add_argument("--context", type=int, default=1024, help="tokens at which the recent window is counted")
     p.add_argument("--out", required=True, help="plan file to write (.json)")
     return p
 
 
 def run(args) -> int:
-    import re
-
     from ..errors import ConfigError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,14 +32,10 @@ def run(args) -> int:
         raise ConfigError(f"--out must name a .json file, got {args.out!r}")
     if not args.bits > 0 or args.tokens < 2 or args.context < 1:
         raise ConfigError("--bits must be > 0, --tokens >= 2 and --context >= 1")
-    recent = None
-    if args.recent is not None:
-        m = re.match(r"^(\d+)([a-z0-9_]*)$", args.recent.strip().lower())
-        if not m:
-            raise ConfigError(f"--recent must be R or R<codec> (e.g. 64q8_0), got {args.recent!r}")
-        from ..ops.recent import RecentWindow
+    from ..eval.runner import parse_window
 
-        recent = RecentWindow(int(m[1]), m[2] or "bf16")
+    spec = args.recent.strip().lower()
+    recent = None if spec == "none" else "auto" if spec == "auto" else parse_window(spec, "--recent")
     text = None
     if args.text is not None:
         from ..eval.text import read_text
@@ -56,6 +52,9 @@ def run(args) -> int:
                context=args.context, label=source.label)
     write_plan(args.out, doc)
     names = [f"{e['k']}/{e['v']}" for e in doc["layers"]]
-    print(f"{args.out}: {len(names)} layers, {doc['bits_per_element']:.3f} bits/element (K/V pages): "
+    w = doc["recent_window"]
+    window = "no window" if w is None else (f"window of {w['tokens']} recent tokens in {w['codec']} "
+                                            f"(+{doc['tail_bits']:.3f} bits at {doc['context']} tokens)")
+    print(f"{args.out}: {len(names)} layers, {doc['bits_per_element']:.3f} bits/element (K/V pages), {window}: "
           + " ".join(names), file=sys.stdout)
     return 0

@@ -148,6 +148,7 @@ CODECS: dict[str, Codec] = {
         _row("turbo4", 4, V.LLOYD_MAX, 16, S.FP8_E4M3, True, "WHT + 16-level Lloyd-Max + E4M3 scale per 16"),
         _row("turbo3", 3, V.LLOYD_MAX, 16, S.FP8_E4M3, True, "WHT + 8-level Lloyd-Max + E4M3 scale per 16"),
         _row("turbo2", 2, V.LLOYD_MAX, 16, S.FP8_E4M3, True, "WHT + 4-level Lloyd-Max + E4M3 scale per 16"),
+        _row("turbo2g64", 2, V.LLOYD_MAX, 64, S.FP8_E4M3, True, "WHT + 4-level Lloyd-Max + E4M3 scale per 64"),
         _row("turbo8", 8, V.FP8_E4M3, 16, S.BF16, True, "WHT + E4M3 + bf16 scale per 16"),
         _row("q8_0", 8, V.INT, 32, S.FP16, False, "int8 + fp16 scale per 32 (llama.cpp q8_0)"),
         _row("q4_0", 4, V.INT, 32, S.FP16, False, "int4 + fp16 scale per 32 (llama.cpp q4_0)"),

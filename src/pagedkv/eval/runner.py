@@ -35,9 +35,24 @@ from ..integrations.hf_compat import with_cache
 from ..ops.recent import RecentWindow, stored_tail_tokens
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, log_probs, window_sums
+from .tuned import resolve_tuned, tuned_bits
 
 _HP = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
-_RECENT = re.compile(r"^(?P<rest>.+?)\+r(?P<r>\d+)(?P<codec>[a-z0-9_]*)$")
+_RECENT = re.compile(r"^(?P<rest>.+?)\+(?P<window>r\d+[a-z0-9_]*)$")
+_WINDOW = re.compile(r"^r?(?P<r>\d+)(?P<codec>[a-z0-9_]*)$")
+
+
+def parse_window(spec: str, what: str = "recent window") -> RecentWindow:
+    """`r64` / `64` (bf16 tail), `r64q8_0` -> RecentWindow; ConfigError naming `what` and the bad value."""
+    m = _WINDOW.match(spec.strip().lower())
+    if not m:
+        raise ConfigError(f"{what} must be R[codec] (e.g. 64q8_0, 64), got {spec!r}")
+    return RecentWindow(int(m["r"]), m["codec"] or "bf16")
+
+
+def tail_tokens(recent: Optional[RecentWindow], seq_len: int, block_size: int) -> int:
+    """Token slots a window's tail holds at `seq_len` tokens (0 without a window)."""
+    return 0 if recent is None else stored_tail_tokens(seq_len, recent.tokens, block_size)
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,7 @@ class FormatChoice:
     kv_format: Union[KVFormat, str]  # a str: a plan file (`pagedkv tune`), one format per layer
     high_precision_layers: Union[int, str]
     recent: Optional[RecentWindow] = None
+    tune_bits: Optional[float] = None  # a `tunedB` label before its plan is made (`eval.tuned`)
 
     @property
     def format_name(self) -> str:
@@ -64,15 +80,18 @@ def parse_choice(spec: str) -> FormatChoice:
     """A FormatChoice from `name`, `name+hp` or `name+hpN`, each optionally followed by
     `+r<R>[codec]`; ConfigError naming the bad value."""
     s = spec.strip()
+    bits = tuned_bits(s)
+    if bits is not None:
+        return FormatChoice(s.lower(), s.lower(), 0, None, bits)
     if is_plan_path(s):
         plan = read_plan(s)
         r = plan["recent_window"]
-        recent = None if r is None else RecentWindow(int(r["tokens"]), r["codec"])
+        recent = None if r is None else parse_window(f"{int(r['tokens'])}{r['codec']}", f"plan file {s!r}: recent_window")
         return FormatChoice(os.path.basename(s), s, 0, recent)
     m = _RECENT.match(s.lower())
     if m:
         base = parse_choice(m["rest"])
-        recent = RecentWindow(int(m["r"]), m["codec"] or "bf16")
+        recent = parse_window(m["window"], f"{spec!r}: the window")
         return FormatChoice(f"{base.label}+{recent.name}", base.kv_format, base.high_precision_layers, recent)
     m = _HP.match(s.lower())
     if m:
@@ -141,7 +160,7 @@ def layout_numbers(cache, memory_bytes: int, recent: Optional[RecentWindow] = No
     fits = (memory_bytes // cfg.bytes_per_block) * cfg.block_size
     if recent is not None and window_tokens:
         tail_per_token = sum(2 * recent.codec.row_bytes(s.head_dim) * s.num_kv_heads for s in cfg.layers)
-        tail = stored_tail_tokens(window_tokens, recent.tokens, cfg.block_size) * tail_per_token
+        tail = tail_tokens(recent, window_tokens, cfg.block_size) * tail_per_token
         bytes_per_token += tail / window_tokens
         fits = int((memory_bytes - tail) // cfg.bytes_per_block) * cfg.block_size
     return 8 * bytes_per_token / elems_per_token, bytes_per_token, int(fits)
@@ -149,7 +168,7 @@ def layout_numbers(cache, memory_bytes: int, recent: Optional[RecentWindow] = No
 
 def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
              progress: Optional[Callable[[str], None]] = None,
-             on_window: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
+             on_window: Optional[Callable[[list[dict]], None]] = None, tokenizer=None) -> list[dict]:
     """Run every format over every window; returns one dict per format (see FormatResult).
 
     progress(label) is called after each pass; on_window(rows) after each window with the
@@ -162,6 +181,7 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
     enable(model)
     choices = [parse_choice(f) for f in cfg.formats]
     check_unique(choices)
+    choices = resolve_tuned(model, tokenizer, choices, cfg.window_tokens)  # `tunedB`: plans made here
     results = []
     for c in choices:
         cache = cache_for(model, c, cfg.block_size)

@@ -12,22 +12,43 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-DEFAULT_LADDER = ("turbo2", "turbo3", "turbo4", "turbo5", "q8_0")
+DEFAULT_LADDER = ("turbo2g64", "turbo2", "turbo3", "turbo4", "turbo5", "q8_0")
 STDLIB_TEXT = "stdlib-docstrings"
+# The windows `recent="auto"` searches: recent positions with the tail in q8_0; None = no window.
+WINDOW_CANDIDATES = (None, 16, 32, 64, 128)
+WINDOW_CODEC = "q8_0"
+
+
+def window_candidates() -> list:
+    """The RecentWindow objects (or None) of WINDOW_CANDIDATES, in order."""
+    from ..ops.recent import RecentWindow
+
+    return [None if c is None else RecentWindow(c, WINDOW_CODEC) for c in WINDOW_CANDIDATES]
 
 
 def tune(model, tokenizer, *, bits: float, text: Optional[str] = None, tokens: int = 512,
          recent=None, ladder: Sequence[str] = DEFAULT_LADDER, context: int = 1024, label: str = "") -> dict:
     """The plan document for `model` (see `choose.plan_document`): sensitivities on the first
     `tokens` tokens of `text` (None: the standard-library docstrings), then the greedy choice
-    within `bits` (recent: an `ops.recent.RecentWindow` or None, counted at `context` tokens)."""
+    within `bits`. recent: None (no window), an `ops.recent.RecentWindow` (that window), or
+    "auto" (the best of `window_candidates()`, see `choose.choose_window`); a window's tail is
+    counted at `context` tokens."""
+    return tune_budgets(model, tokenizer, budgets=[bits], text=text, tokens=tokens, recent=recent, ladder=ladder,
+                        context=context, label=label)[0]
+
+
+def tune_budgets(model, tokenizer, *, budgets: Sequence[float], text: Optional[str] = None, tokens: int = 512,
+                 recent=None, ladder: Sequence[str] = DEFAULT_LADDER, context: int = 1024,
+                 label: str = "") -> list[dict]:
+    """`tune` for several budgets from one measurement (the sensitivities do not depend on the
+    budget): one plan document per budget, in order, each equal to `tune`'s for that budget."""
     import torch
 
     from ..codecs.catalogue import get_codec
     from ..errors import ConfigError
     from ..integrations.vllm.fit import calibration_text
-    from .choose import choose, plan_document
-    from .sensitivity import capture, side_errors
+    from .choose import choose_window, plan_document
+    from .sensitivity import capture, window_errors
 
     codecs = [get_codec(c) for c in ladder]
     source = STDLIB_TEXT if text is None else "given"
@@ -38,7 +59,12 @@ def tune(model, tokenizer, *, bits: float, text: Optional[str] = None, tokens: i
         raise ConfigError(f"--tokens {tokens}: the calibration text has only {len(ids)} tokens")
     layers = capture(model, torch.tensor([ids[:tokens]]))
     dims = [(int(k.shape[0]), int(k.shape[-1])) for _, k, _ in layers]
-    errors = side_errors(layers, codecs)
-    formats = choose(errors, codecs, dims, bits, recent, context)
-    return plan_document(formats, dims, model=label, bits=bits, text=source, tokens=tokens, recent=recent,
-                         errors=errors)
+    windows = window_candidates() if isinstance(recent, str) and recent == "auto" else [recent]
+    per_window = window_errors(layers, codecs, windows)
+    docs = []
+    for bits in budgets:
+        window, formats, _, search = choose_window(list(zip(windows, per_window)), codecs, dims, bits, context)
+        errors = per_window[windows.index(window)]
+        docs.append(plan_document(formats, dims, model=label, bits=bits, text=source, tokens=tokens, recent=window,
+                                  errors=errors, context=context, search=search))
+    return docs

@@ -4,8 +4,11 @@ One fp32 forward records every attention layer's queries, keys and values (after
 layer, a side (K or V) and a codec, the statistics the cache would fit are computed
 (`cache.calibration.calibrate`: key centre, value centre, fp8 scales), only that side is
 round-tripped through the codec, and the error is the mean squared difference of the layer's
-causal attention output from the exact one, relative to the output's mean square. Everything is
-seeded or exact, so the numbers are the same on every run (a test).
+causal attention output from the exact one, relative to the output's mean square. With a
+high-precision window (`ops.recent.RecentWindow`: the last R positions of each query read from a
+tail in the window's codec), the keys/values a query reads from the tail
+are round-tripped through the tail codec instead, as the cache stores them. Everything is seeded or
+exact, so the numbers are the same on every run (a test).
 """
 
 from __future__ import annotations
@@ -49,30 +52,81 @@ def capture(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, 
     return [seen[i] for i in sorted(seen)]
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal fp32 attention: q [Hq, T, D], k/v [H, T, D] (GQA) -> [Hq, T, D]."""
+def window_mask(t: int, recent: int, sinks: int = 0, device=None) -> torch.Tensor:
+    """bool [T, T] (query x key): the keys a query at position p reads from a high-precision tail,
+    p - recent < j or j < sinks (causality is applied separately)."""
+    pos = torch.arange(t, device=device)
+    return (pos[None, :] > pos[:, None] - recent) | (pos[None, :] < sinks)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hp=None) -> torch.Tensor:
+    """Causal fp32 attention: q [Hq, T, D], k/v [H, T, D] (GQA) -> [Hq, T, D]. hp: None, or
+    (mask bool [T, T], k_hp, v_hp): where the mask is set the key/value is read from k_hp / v_hp."""
     g = q.shape[0] // k.shape[0]
-    kk, vv = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
-    return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+    if hp is None:
+        kk, vv = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+    mask, k_hp, v_hp = hp
+    rep = [x.repeat_interleave(g, 0) for x in (k, v, k_hp, v_hp)]
+    s = torch.where(mask, q @ rep[2].mT, q @ rep[0].mT) * q.shape[-1] ** -0.5
+    t = q.shape[1]
+    s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return (p * ~mask) @ rep[1] + (p * mask) @ rep[3]
 
 
-def side_errors(layers: Sequence[tuple], ladder: Sequence[Codec]) -> list[dict]:
-    """Per layer {"k": {codec: error}, "v": {codec: error}} (relative output MSE, see module doc)."""
-    out = []
+def _fit_roundtrip(codec: Codec, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor):
+    """(centred round trip of k, of v, key centre [H, D], value centre [H, D]) with the
+    statistics the cache fits for `codec` on both sides."""
+    cal = calibrate(k[None], v[None], q[None], codec.name, codec.name,
+                    CalibrationOptions(key_centring=True, key_scaling=False, value_centring=True), "cpu")
+    kc = cal.k_centre if cal.k_centre is not None else torch.zeros_like(k[:, 0])
+    vc = cal.v_centre if cal.v_centre is not None else torch.zeros_like(v[:, 0])
+    ks = None if cal.k_scale is None else float(cal.k_scale)
+    vs = None if cal.v_scale is None else float(cal.v_scale)
+    kq = codec_ref.roundtrip(codec, (k - kc[:, None]).transpose(0, 1), ks).transpose(0, 1) + kc[:, None]
+    vq = codec_ref.roundtrip(codec, (v - vc[:, None]).transpose(0, 1), vs).transpose(0, 1) + vc[:, None]
+    return kq, vq, kc, vc
+
+
+def _tail_roundtrip(codec: Codec, x: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """x [H, T, D] as a tail in `codec` stores it (relative to the layer's centre)."""
+    return codec_ref.roundtrip(codec, (x - centre[:, None]).transpose(0, 1)).transpose(0, 1) + centre[:, None]
+
+
+def _stores(codec: Codec, head_dim: int) -> bool:
+    try:
+        codec.check_head_dim(head_dim)
+    except ConfigError:
+        return False
+    return True
+
+
+def side_errors(layers: Sequence[tuple], ladder: Sequence[Codec], window=None) -> list[dict]:
+    """Per layer {"k": {codec: error}, "v": {codec: error}} (relative output MSE, see module doc;
+    only the codecs the layer's head_dim can store); window: None or an `ops.recent.RecentWindow` (its tail read for the positions it covers)."""
+    return window_errors(layers, ladder, [window])[0]
+
+
+def window_errors(layers: Sequence[tuple], ladder: Sequence[Codec], windows: Sequence) -> list[list[dict]]:
+    """`side_errors` for each of `windows` (None or a RecentWindow), the round trips computed once."""
+    out: list[list[dict]] = [[] for _ in windows]
     for q, k, v in layers:
         exact = _attention(q, k, v)
         norm = float(exact.square().mean()) or 1.0
-        row: dict = {"k": {}, "v": {}}
+        rows = [{"k": {}, "v": {}} for _ in windows]
         for codec in ladder:
-            cal = calibrate(k[None], v[None], q[None], codec.name, codec.name,
-                            CalibrationOptions(key_centring=True, key_scaling=False, value_centring=True), "cpu")
-            kc = cal.k_centre if cal.k_centre is not None else torch.zeros_like(k[:, 0])
-            vc = cal.v_centre if cal.v_centre is not None else torch.zeros_like(v[:, 0])
-            ks = None if cal.k_scale is None else float(cal.k_scale)
-            vs = None if cal.v_scale is None else float(cal.v_scale)
-            kq = codec_ref.roundtrip(codec, (k - kc[:, None]).transpose(0, 1), ks).transpose(0, 1) + kc[:, None]
-            vq = codec_ref.roundtrip(codec, (v - vc[:, None]).transpose(0, 1), vs).transpose(0, 1) + vc[:, None]
-            row["k"][codec.name] = float((_attention(q, kq, v) - exact).square().mean()) / norm
-            row["v"][codec.name] = float((_attention(q, k, vq) - exact).square().mean()) / norm
-        out.append(row)
+            if not _stores(codec, k.shape[-1]):
+                continue  # this layer's head_dim: not a rung here
+            kq, vq, kc, vc = _fit_roundtrip(codec, k, v, q)
+            for w, row in zip(windows, rows):
+                hk = hv = None
+                if w is not None:  # the tail holds both sides in its codec, relative to the same centres
+                    mask = window_mask(k.shape[1], w.tokens, 0, k.device)
+                    kt, vt = _tail_roundtrip(w.codec, k, kc), _tail_roundtrip(w.codec, v, vc)
+                    hk, hv = (mask, kt, v), (mask, k, vt)
+                row["k"][codec.name] = float((_attention(q, kq, v, hk) - exact).square().mean()) / norm
+                row["v"][codec.name] = float((_attention(q, k, vq, hv) - exact).square().mean()) / norm
+        for o, row in zip(out, rows):
+            o.append(row)
     return out
