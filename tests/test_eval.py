@@ -248,3 +248,19 @@ def test_eval_cli_prints_the_table_before_the_plot_and_its_times(monkeypatch, tm
     assert json.loads(cap.out) == rows and out.is_file() and seen["windows"] == 2
     last = cap.err.strip().splitlines()[-1]
     assert last.startswith("pagedkv eval: 2 passes in") and "CPU" in last and "1 thread" in last
+
+
+def test_window_labels_with_sinks_and_their_stored_tail():
+    from pagedkv.eval.runner import tail_tokens
+    from pagedkv.ops.recent import RecentWindow
+
+    c = parse_choice("turbo3k_turbo2v+r32s16q8_0")
+    assert c.label == "turbo3k_turbo2v+r32s16q8_0" and c.recent == RecentWindow(32, "q8_0", sinks=16)
+    assert parse_choice("turbo3+r64").recent == RecentWindow(64)
+    assert parse_choice("turbo2g64+hp+r16s16q8_0").high_precision_layers == "auto"
+    with pytest.raises(ConfigError, match="unknown codec 'x'"):
+        parse_choice("turbo3+r64s16x")
+    # blocks of 16 at 1024 tokens: the sink block + the 4 covering the last 64 (2 + 1 overlapping at 20)
+    assert tail_tokens(RecentWindow(64, "q8_0", sinks=16), 1024, 16) == 80
+    assert tail_tokens(RecentWindow(64, "q8_0", sinks=16), 20, 16) == 32
+    assert tail_tokens(None, 1024, 16) == 0

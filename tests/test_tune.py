@@ -183,7 +183,7 @@ def test_window_search_is_deterministic_in_budget_and_picks_the_least_predicted_
     model, tok, *_ = plans
     monkeypatch.setattr(eval_text, "default_text", lambda: (_ for _ in ()).throw(AssertionError("eval text")))
     ladder = ("turbo2g64", "turbo2", "turbo3", "turbo4", "q8_0")
-    docs = [tune(model, tok, bits=3.5, tokens=96, ladder=ladder, recent="auto", context=256) for _ in range(2)]
+    docs = [tune(model, tok, bits=3.5, tokens=96, ladder=ladder, recent="auto", context=512) for _ in range(2)]
     assert json.dumps(docs[0], sort_keys=True) == json.dumps(docs[1], sort_keys=True)
     doc = docs[0]
     search = doc["window_search"]
@@ -192,8 +192,8 @@ def test_window_search_is_deterministic_in_budget_and_picks_the_least_predicted_
     assert doc["recent_window"] == min(fits, key=lambda s: s["predicted_error"])["recent_window"]
     w = doc["recent_window"]
     if w is not None:
-        recent = parse_choice(f"turbo3+r{w['tokens']}{w['codec']}").recent
-        tail = tail_tokens(recent, 256, 16) / 256 * CODECS[w["codec"]].bits_per_element
+        recent = parse_choice(f"turbo3+r{w['tokens']}s{w.get('sinks', 0)}{w['codec']}").recent
+        tail = tail_tokens(recent, 512, 16) / 512 * CODECS[w["codec"]].bits_per_element
         assert doc["tail_bits"] == pytest.approx(tail) and tail > 0
     assert doc["bits_per_element"] + doc["tail_bits"] <= 3.5 + 1e-9
     with_window = [s for s in fits if s["recent_window"] is not None]
@@ -223,3 +223,46 @@ def test_eval_tuned_label_is_the_plan_tune_makes(plans, tmp_path):
     write_plan(str(plan), doc)
     again = {r["format"]: r for r in evaluate(model, windows, dataclasses.replace(cfg, formats=("bf16", str(plan))))}
     assert again["p.json"]["kl"] == tuned["kl"] and again["p.json"]["bits_per_element"] == tuned["bits_per_element"]
+
+
+def test_window_errors_equal_the_masked_attention_per_window():
+    """The shared-logits window_errors against `_attention` with each window's mask and round trips."""
+    from pagedkv.ops.recent import RecentWindow
+    from pagedkv.tune.sensitivity import _attention, _fit_roundtrip, _tail_roundtrip, window_errors, window_mask
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(4, 40, 32, generator=gen), torch.randn(2, 40, 32, generator=gen), torch.randn(2, 40, 32, generator=gen)
+    ladder = [CODECS["turbo2"], CODECS["turbo3"]]
+    windows = [None, RecentWindow(8, "q8_0"), RecentWindow(8, "q8_0", sinks=4), RecentWindow(16, "bf16", sinks=16)]
+    got = window_errors([(q, k, v)], ladder, windows)
+    exact = _attention(q, k, v)
+    norm = float(exact.square().mean())
+    for w, rows in zip(windows, got):
+        for c in ladder:
+            kq, vq, kc, vc = _fit_roundtrip(c, k, v, q)
+            hk = hv = None
+            if w is not None:
+                m = window_mask(40, w.tokens, w.sinks)
+                hk, hv = (m, _tail_roundtrip(w.codec, k, kc), v), (m, k, _tail_roundtrip(w.codec, v, vc))
+            want_k = float((_attention(q, kq, v, hk) - exact).square().mean()) / norm
+            want_v = float((_attention(q, k, vq, hv) - exact).square().mean()) / norm
+            assert rows[0]["k"][c.name] == pytest.approx(want_k, rel=1e-4)
+            assert rows[0]["v"][c.name] == pytest.approx(want_v, rel=1e-4)
+    assert got[2][0]["k"]["turbo2"] < got[1][0]["k"]["turbo2"] < got[0][0]["k"]["turbo2"]
+
+
+def test_a_plan_with_sinks_round_trips_through_the_python_front_doors(plans, tmp_path):
+    model, _, docs, _, _ = plans
+    doc = dict(docs[0], recent_window={"tokens": 16, "codec": "q8_0", "sinks": 4})
+    path = tmp_path / "sinks.json"
+    write_plan(str(path), doc)
+    want = RecentWindow(16, "q8_0", sinks=4)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = PagedKVCache(model, str(path))
+    assert cache.recent_window == want and parse_choice(str(path)).recent == want
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(3, VOCAB, (1, 40)), cache=cache, use_cache=True).logits).all()
+    bad = tmp_path / "bad.json"
+    write_plan(str(bad), dict(docs[0], recent_window={"tokens": 16, "codec": "q8_0", "sink": 4}))
+    with pytest.raises(ConfigError, match="recent_window must be"):
+        read_plan(str(bad))

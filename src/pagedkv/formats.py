@@ -153,6 +153,7 @@ def read_plan(path: str, layer_dims=None) -> dict:
         for f, (_, d) in zip(formats, dims):
             f.check_head_dim(d)
     recent = doc.get("recent_window")
-    if recent is not None and not (isinstance(recent, dict) and {"tokens", "codec"} <= set(recent)):
-        raise ConfigError(f"plan file {path!r}: recent_window must be null or {{'tokens', 'codec'}}")
+    if recent is not None and not (isinstance(recent, dict) and {"tokens", "codec"} <= set(recent)
+                                   and set(recent) <= {"tokens", "codec", "sinks"}):
+        raise ConfigError(f"plan file {path!r}: recent_window must be null or {{'tokens', 'codec'[, 'sinks']}}")
     return {"formats": formats, "recent_window": recent, "doc": doc}

@@ -13,7 +13,7 @@ import resource
 import sys
 import time
 
-from ..eval.config import DEFAULT_FORMATS, EvalConfig
+from ..eval.config import DEFAULT_FORMATS, EvalConfig, expand_formats
 from .edge import add_compute_arguments, check_output_file, compute_from_args, read_text_arg
 from .output import print_json, print_table
 from .sizes import parse_bytes, parse_names
@@ -30,7 +30,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help="comma-separated formats; NAME+hp adds the automatic high-precision "
                         "first/last layers, NAME+hpN N of them; a last +rR (+rRq8_0) keeps the "
-                        "last R tokens in a bf16 (q8_0) recent window (default: %(default)s)")
+                        "last R tokens in a bf16 (q8_0) recent window, +rRsS also the first S; tunedB "
+                        "the plan `pagedkv tune --bits B` makes for the model; `default` / `demo` name "
+                        "the default list / make demo's shorter one (default: %(default)s)")
     p.add_argument("--windows", type=int, default=D.windows,
                    help=f"windows spread over the text (default {D.windows})")
     p.add_argument("--subset", type=int, default=None, metavar="K",
@@ -52,7 +54,7 @@ def run(args) -> int:
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # ---- everything checkable before the model loads
-    formats = tuple(parse_names(args.formats))
+    formats = expand_formats(parse_names(args.formats))
     cfg = EvalConfig(model=args.model, text=args.text, formats=formats, windows=args.windows, subset=args.subset,
                      window_tokens=args.window_tokens, memory_bytes=parse_bytes(args.memory, "--memory"),
                      decode_steps=args.decode_steps, compute=compute_from_args(args, parallel_work=args.subset or args.windows))

@@ -15,10 +15,10 @@ def add_parser(sub):
     p.add_argument("--text", default=None, help="calibration text file (default: standard-library docstrings; "
                    "never the eval text)")
     p.add_argument("--tokens", type=int, default=512, help="calibration tokens (default 512)")
-    p.add_argument("--recent", default="auto", metavar="auto|none|R[CODEC]",
+    p.add_argument("--recent", default="auto", metavar="auto|none|R[sS][CODEC]",
                    help="the high-precision window, counted in the budget: auto (default: the best of the "
-                        "candidates in pagedkv.tune.WINDOW_CANDIDATES), none, or R recent tokens "
-                        "(e.g. 64q8_0, 64 = a bf16 tail)")
+                        "candidates in pagedkv.tune.WINDOW_CANDIDATES), none, or R recent tokens and S sinks "
+                        "(e.g. 64s16q8_0, 64q8_0, 64 = a bf16 tail)")
     p.add_argument("--context", type=int, default=1024, help="tokens at which the recent window is counted")
     p.add_argument("--out", required=True, help="plan file to write (.json)")
     return p
@@ -53,7 +53,7 @@ def run(args) -> int:
     write_plan(args.out, doc)
     names = [f"{e['k']}/{e['v']}" for e in doc["layers"]]
     w = doc["recent_window"]
-    window = "no window" if w is None else (f"window of {w['tokens']} recent tokens in {w['codec']} "
+    window = "no window" if w is None else (f"window of {w['tokens']} recent tokens + {w.get('sinks', 0)} sinks in {w['codec']} "
                                             f"(+{doc['tail_bits']:.3f} bits at {doc['context']} tokens)")
     print(f"{args.out}: {len(names)} layers, {doc['bits_per_element']:.3f} bits/element (K/V pages), {window}: "
           + " ".join(names), file=sys.stdout)

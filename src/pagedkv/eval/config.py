@@ -10,9 +10,30 @@ from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from .compute import Compute
 
+# The plain ladder, then the best measured formats with a high-precision window (the last R and
+# the first 16 positions in a q8_0 tail) and the plan `pagedkv tune` makes at each issue budget.
 DEFAULT_FORMATS = ("bf16", "fp8", "q8_0", "q4_0", "turbo8", "turbo4", "turbo3", "turbo2",
-                   "fp8k_turbo3v", "bf16k_turbo2v", "fp8k_turbo2v", "turbo3+hp")
+                   "fp8k_turbo3v", "turbo3+hp",
+                   "turbo3+r64s16q8_0", "turbo3k_turbo2v+r32s16q8_0", "turbo2g64+r16s16q8_0",
+                   "tuned4.5", "tuned3.5", "tuned2.5")
+# `make demo` (`--formats demo`): the window rows run the recent window's reference attention
+# (~3.5x a plain pass) and a tuned plan needs the tune's measurement first, so the demo keeps the
+# plain ladder and the three window rows of the issue's budgets, near the old 12-format time.
+DEMO_FORMATS = ("bf16", "turbo4", "turbo3", "turbo2",
+                "turbo3+r64s16q8_0", "turbo3k_turbo2v+r32s16q8_0", "turbo2g64+r16s16q8_0")
+FORMAT_LISTS = {"default": DEFAULT_FORMATS, "demo": DEMO_FORMATS}
 REFERENCE_FORMAT = "bf16"
+
+
+def expand_formats(names) -> tuple[str, ...]:
+    """Format names with the list names of FORMAT_LISTS (`default`, `demo`) replaced by their
+    formats, in order, each format once."""
+    out: list[str] = []
+    for n in names:
+        for f in FORMAT_LISTS.get(n.strip().lower(), (n,)):
+            if f not in out:
+                out.append(f)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -38,21 +38,22 @@ from .metrics import MetricSums, log_probs, window_sums
 from .tuned import resolve_tuned, tuned_bits
 
 _HP = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
-_RECENT = re.compile(r"^(?P<rest>.+?)\+(?P<window>r\d+[a-z0-9_]*)$")
-_WINDOW = re.compile(r"^r?(?P<r>\d+)(?P<codec>[a-z0-9_]*)$")
+_RECENT = re.compile(r"^(?P<rest>.+?)\+(?P<window>r\d+(?:s\d+)?[a-z0-9_]*)$")
+_WINDOW = re.compile(r"^r?(?P<r>\d+)(?:s(?P<s>\d+))?(?P<codec>[a-z0-9_]*)$")
 
 
 def parse_window(spec: str, what: str = "recent window") -> RecentWindow:
-    """`r64` / `64` (bf16 tail), `r64q8_0` -> RecentWindow; ConfigError naming `what` and the bad value."""
+    """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (the first 16 positions, attention sinks,
+    also read from the tail) -> RecentWindow; ConfigError naming `what` and the bad value."""
     m = _WINDOW.match(spec.strip().lower())
     if not m:
-        raise ConfigError(f"{what} must be R[codec] (e.g. 64q8_0, 64), got {spec!r}")
-    return RecentWindow(int(m["r"]), m["codec"] or "bf16")
+        raise ConfigError(f"{what} must be R[sS][codec] (e.g. 64s16q8_0, 64q8_0, 64), got {spec!r}")
+    return RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
 
 
 def tail_tokens(recent: Optional[RecentWindow], seq_len: int, block_size: int) -> int:
     """Token slots a window's tail holds at `seq_len` tokens (0 without a window)."""
-    return 0 if recent is None else stored_tail_tokens(seq_len, recent.tokens, block_size)
+    return 0 if recent is None else stored_tail_tokens(seq_len, recent.tokens, block_size, recent.sinks)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ def parse_choice(spec: str) -> FormatChoice:
     if is_plan_path(s):
         plan = read_plan(s)
         r = plan["recent_window"]
-        recent = None if r is None else parse_window(f"{int(r['tokens'])}{r['codec']}", f"plan file {s!r}: recent_window")
+        recent = None if r is None else parse_window(f"{int(r['tokens'])}s{int(r.get('sinks', 0))}{r['codec']}",
+                                                     f"plan file {s!r}: recent_window")
         return FormatChoice(os.path.basename(s), s, 0, recent)
     m = _RECENT.match(s.lower())
     if m:

@@ -360,7 +360,7 @@ def _plan_recent(kv_format):
         return None
     from ..ops.recent import RecentWindow
 
-    return RecentWindow(int(r["tokens"]), r["codec"])
+    return RecentWindow(int(r["tokens"]), r["codec"], sinks=int(r.get("sinks", 0)))
 
 
 def _recent_window(recent, offload):

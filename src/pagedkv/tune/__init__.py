@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 DEFAULT_LADDER = ("turbo2g64", "turbo2", "turbo3", "turbo4", "turbo5", "q8_0")
 STDLIB_TEXT = "stdlib-docstrings"
-# The windows `recent="auto"` searches: recent positions with the tail in q8_0; None = no window.
-WINDOW_CANDIDATES = (None, 16, 32, 64, 128)
+# The windows `recent="auto"` searches: (recent positions, sinks) with the tail in q8_0; None = no window.
+WINDOW_CANDIDATES = (None, (16, 16), (32, 16), (64, 16), (128, 16), (32, 0), (64, 0), (128, 0))
 WINDOW_CODEC = "q8_0"
 
 
@@ -23,7 +23,7 @@ def window_candidates() -> list:
     """The RecentWindow objects (or None) of WINDOW_CANDIDATES, in order."""
     from ..ops.recent import RecentWindow
 
-    return [None if c is None else RecentWindow(c, WINDOW_CODEC) for c in WINDOW_CANDIDATES]
+    return [None if c is None else RecentWindow(c[0], WINDOW_CODEC, sinks=c[1]) for c in WINDOW_CANDIDATES]
 
 
 def tune(model, tokenizer, *, bits: float, text: Optional[str] = None, tokens: int = 512,

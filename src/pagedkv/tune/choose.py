@@ -8,7 +8,7 @@ cheaper rung), until no move fits or helps. Bits are averaged over every stored 
 (as held at the end of `context` tokens). Deterministic for given errors and budget.
 
 `choose_window` adds the high-precision window to the search: per candidate window (none, or R
-recent positions in a q8_0 tail) the sensitivities are measured with that window and
+recent positions and S sinks in a q8_0 tail) the sensitivities are measured with that window and
 the greedy plan spends what the window leaves of the budget; the candidate whose plan has the
 smallest summed error wins (ties: the earlier candidate).
 """
@@ -67,7 +67,10 @@ def choose_window(candidates: Sequence[tuple], ladder: Sequence[Codec], dims: Se
 def _window_doc(recent: Optional[RecentWindow]):
     if recent is None:
         return None
-    return {"tokens": recent.tokens, "codec": recent.codec.name}
+    doc = {"tokens": recent.tokens, "codec": recent.codec.name}
+    if recent.sinks:
+        doc["sinks"] = recent.sinks
+    return doc
 
 
 def choose(errors: Sequence[dict], ladder: Sequence[Codec], dims: Sequence[tuple[int, int]], bits: float,

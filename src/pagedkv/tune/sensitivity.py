@@ -5,8 +5,8 @@ layer, a side (K or V) and a codec, the statistics the cache would fit are compu
 (`cache.calibration.calibrate`: key centre, value centre, fp8 scales), only that side is
 round-tripped through the codec, and the error is the mean squared difference of the layer's
 causal attention output from the exact one, relative to the output's mean square. With a
-high-precision window (`ops.recent.RecentWindow`: the last R positions of each query read from a
-tail in the window's codec), the keys/values a query reads from the tail
+high-precision window (`ops.recent.RecentWindow`: the last R positions of each query and the first
+S, the sinks, read from a tail in the window's codec), the keys/values a query reads from the tail
 are round-tripped through the tail codec instead, as the cache stores them. Everything is seeded or
 exact, so the numbers are the same on every run (a test).
 """
@@ -109,24 +109,44 @@ def side_errors(layers: Sequence[tuple], ladder: Sequence[Codec], window=None) -
 
 
 def window_errors(layers: Sequence[tuple], ladder: Sequence[Codec], windows: Sequence) -> list[list[dict]]:
-    """`side_errors` for each of `windows` (None or a RecentWindow), the round trips computed once."""
+    """`side_errors` for each of `windows` (None or a RecentWindow): per layer the exact logits and
+    weights once, per codec its round trips and quantized logits once, per tail codec the tail's
+    logits once; per window only the mixing (the same numbers as `_attention` with each mask)."""
     out: list[list[dict]] = [[] for _ in windows]
     for q, k, v in layers:
-        exact = _attention(q, k, v)
-        norm = float(exact.square().mean()) or 1.0
-        rows = [{"k": {}, "v": {}} for _ in windows]
-        for codec in ladder:
-            if not _stores(codec, k.shape[-1]):
-                continue  # this layer's head_dim: not a rung here
-            kq, vq, kc, vc = _fit_roundtrip(codec, k, v, q)
-            for w, row in zip(windows, rows):
-                hk = hv = None
-                if w is not None:  # the tail holds both sides in its codec, relative to the same centres
-                    mask = window_mask(k.shape[1], w.tokens, 0, k.device)
-                    kt, vt = _tail_roundtrip(w.codec, k, kc), _tail_roundtrip(w.codec, v, vc)
-                    hk, hv = (mask, kt, v), (mask, k, vt)
-                row["k"][codec.name] = float((_attention(q, kq, v, hk) - exact).square().mean()) / norm
-                row["v"][codec.name] = float((_attention(q, k, vq, hv) - exact).square().mean()) / norm
-        for o, row in zip(out, rows):
+        for o, row in zip(out, _layer_errors(q, k, v, ladder, windows)):
             o.append(row)
     return out
+
+
+def _layer_errors(q, k, v, ladder: Sequence[Codec], windows: Sequence) -> list[dict]:
+    g, t = q.shape[0] // k.shape[0], k.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+
+    def logits(keys):
+        return (q @ keys.repeat_interleave(g, 0).mT * q.shape[-1] ** -0.5).masked_fill(~causal, float("-inf"))
+
+    p_exact = torch.softmax(logits(k), dim=-1)
+    v_rep = v.repeat_interleave(g, 0)
+    exact = p_exact @ v_rep
+    norm = float(exact.square().mean()) or 1.0
+    masks = [None if w is None else window_mask(t, w.tokens, w.sinks, q.device) for w in windows]
+    rows = [{"k": {}, "v": {}} for _ in windows]
+    for codec in ladder:
+        if not _stores(codec, k.shape[-1]):
+            continue  # this layer's head_dim: not a rung here
+        kq, vq, kc, vc = _fit_roundtrip(codec, k, v, q)
+        s_q, vq_rep, tails = logits(kq), vq.repeat_interleave(g, 0), {}
+        for w, mask, row in zip(windows, masks, rows):
+            if w is None:
+                k_out, v_out = torch.softmax(s_q, dim=-1) @ v_rep, p_exact @ vq_rep
+            else:  # the tail holds both sides in its codec, relative to the same centres
+                if w.codec.name not in tails:
+                    tails[w.codec.name] = (logits(_tail_roundtrip(w.codec, k, kc)),
+                                           _tail_roundtrip(w.codec, v, vc).repeat_interleave(g, 0))
+                s_t, vt_rep = tails[w.codec.name]
+                k_out = torch.softmax(torch.where(mask, s_t, s_q), dim=-1) @ v_rep
+                v_out = (p_exact * ~mask) @ vq_rep + (p_exact * mask) @ vt_rep
+            row["k"][codec.name] = float((k_out - exact).square().mean()) / norm
+            row["v"][codec.name] = float((v_out - exact).square().mean()) / norm
+    return rows
