@@ -18,6 +18,7 @@ from ..ops import recent
 from ..ops.batch import AttentionParams, PagedLayer
 from ..ops.validate import check_store
 from . import storage
+from .handouts import pending_mask
 from .tables import GroupSlots
 
 
@@ -36,8 +37,9 @@ class DataPlane:
                 f"{list(getattr(slot_mapping, 'shape', []))}"
             )
         pool = self._group(group).pool
-        last, tv, pv = self._checked.get(group, (None, -1, -1))
-        if last is slot_mapping and tv == slot_mapping._version and pv == pool.version:
+        epoch = self.handouts.epoch
+        last, tv, pv, ep = self._checked.get(group, (None, -1, -1, -1))
+        if last is slot_mapping and tv == slot_mapping._version and pv == pool.version and ep == epoch:
             return  # the same, unmodified tensor was checked for an earlier layer of this step
         s = slot_mapping.detach().cpu()
         s = s[s >= 0]
@@ -68,7 +70,9 @@ class DataPlane:
             )
         if torch.unique(s).numel() != s.numel():
             raise InvalidInput("slot_mapping holds the same slot twice")
-        self._checked[group] = (slot_mapping, slot_mapping._version, pool.version)
+        self.handouts.check(slot_mapping, s, group,
+                            lambda: pending_mask(self._group(group), pool.num_blocks * bs))
+        self._checked[group] = (slot_mapping, slot_mapping._version, pool.version, epoch)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping) -> None:
         """Encode k, v (float [T, H, D]) into layer `layer`'s pools at the new tokens' slots:

@@ -101,6 +101,8 @@ class GroupedStorage:
         return self.core.groups[index]
 
     def _apply_group(self, g: int, step: GroupStep) -> None:
+        if step.moves or step.num_blocks < self._pool_rows(g):
+            self.handouts.group_moved(g)  # slots handed out before name other blocks now
         layers, tails = list(self.layers), None if self.tails is None else list(self.tails)
         for kind, i in self.groups.members[g]:
             if kind == "main":

@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from .config import CacheConfig
 from .dataplane import DataPlane
 from .groups import GroupedStorage
+from .handouts import Handouts
 from .tables import GroupSlots, StepBatch, int_tensor
 
 
@@ -115,7 +116,8 @@ class PagedCache(DataPlane, GroupedStorage):
         self.device = config.device
         self.tiers = None
         self._build_storage(config)
-        self._checked: dict = {}  # group -> (slot tensor, its _version, pool.version)
+        self.handouts = Handouts(len(self.core.groups))  # which slot tensors may still be written
+        self._checked: dict = {}  # group -> (slot tensor, its _version, pool.version, epoch)
         self._epoch = 0  # bumps whenever tables or layers change (attention plans are per epoch)
         if offload is not None or swap_tier is not None or prefix_tier is not None:
             if len(self.core.groups) > 1:
@@ -140,9 +142,11 @@ class PagedCache(DataPlane, GroupedStorage):
         if self.tiers is not None:
             self.tiers.drop_dead(self.seqs)
 
-    def _slots_of(self, group_slots) -> dict:
-        """The GroupSlots fields of per-group slot lists (tensors on the cache's device)."""
+    def _slots_of(self, group_slots, seq_ids) -> dict:
+        """The GroupSlots fields of per-group slot lists (tensors on the cache's device, recorded
+        as handed out for `seq_ids`)."""
         ts = tuple(int_tensor(s, torch.int64, self.device) for s in group_slots)
+        self.handouts.record(ts, seq_ids)
         multi = len(ts) > 1
         return dict(slot_mapping=ts[0], group_slots=ts if multi else (),
                     layer_group=self.groups.layer_group if multi else (),
@@ -164,11 +168,12 @@ class PagedCache(DataPlane, GroupedStorage):
         if self.tiers is not None:
             tokens, loaded = self.tiers.before_add(self.seqs, self.layers, tokens, salt, seq_id)
         sid, hit, slots = self.core.add(seq_id, tokens, salt)
+        self.handouts.changed([sid])
         self._sync_sizes()  # an admission may grow a sliding group's pool
         self._changed()
         if self.tiers is not None:
             self.tiers.tier_hit_tokens += min(loaded * self.block_size, hit)
-        return NewSequence(sid, hit, **self._slots_of(slots))
+        return NewSequence(sid, hit, **self._slots_of(slots, [sid]))
 
     def allocate(self, seq_id: Hashable, tokens: Union[int, Sequence[int]]) -> torch.Tensor:
         """Slots (int64 [n], the first block group's) for new tokens at the end of a sequence:
@@ -178,7 +183,7 @@ class PagedCache(DataPlane, GroupedStorage):
         self.seqs._get(seq_id)
         plan = self.core.step([seq_id], [tokens])
         self._apply(plan)
-        return int_tensor(plan.groups[0].slots, torch.int64, self.device)
+        return self._slots_of([plan.groups[0].slots], [seq_id])["slot_mapping"]
 
     def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[Union[int, Sequence[int]]]
              ) -> StepBatch:
@@ -193,7 +198,7 @@ class PagedCache(DataPlane, GroupedStorage):
         for n in plan.counts:
             starts.append(starts[-1] + n)
         tables = tuple(self._group_tables(g, seq_ids) for g in range(len(plan.groups)))
-        slots = self._slots_of([gs.slots for gs in plan.groups])
+        slots = self._slots_of([gs.slots for gs in plan.groups], seq_ids)
         return StepBatch(
             block_tables=tables[0],
             seq_lens=self.seq_lens(seq_ids),
@@ -206,6 +211,7 @@ class PagedCache(DataPlane, GroupedStorage):
         with offload tiers)."""
         ids = self._ids(seq_ids)
         self.core.commit(ids)
+        self.handouts.changed(ids)  # their handed-out slots are written: no longer pending
         self._changed()
         if self.tiers is not None:
             self.tiers.after_commit(self.seqs, ids, self.layers)
@@ -214,6 +220,7 @@ class PagedCache(DataPlane, GroupedStorage):
         """A copy of a sequence sharing all its blocks and swap records (beam search, parallel
         sampling)."""
         out = self.core.fork(seq_id, new_id)
+        self.handouts.changed([out])
         self._changed()
         return out
 
@@ -224,6 +231,7 @@ class PagedCache(DataPlane, GroupedStorage):
         rid = self.core.check_pop(seq_id, n)[0]
         sections = None if rid is None else self.tiers.fetch(self.seqs, rid, self.layers)
         back = self.core.pop(seq_id, n)[0]
+        self.handouts.changed([seq_id])
         if back is not None:
             self.tiers.write_back(self.layers, back, sections)
         self._dropped()
@@ -235,11 +243,13 @@ class PagedCache(DataPlane, GroupedStorage):
     def free(self, seq_id: Hashable) -> None:
         """Drop a sequence; its committed full blocks stay cached for prefix hits (LRU)."""
         self.core.free(seq_id)
+        self.handouts.gone([seq_id])
         self._dropped()
 
     def clear(self) -> None:
         """Drop every sequence, swap record and cached prefix (the pools keep their bytes)."""
         self.core.clear()
+        self.handouts.clear()
         self._dropped()
 
     def reset_prefix_cache(self) -> int:
