@@ -259,9 +259,10 @@ def _decode_times(model, cache, logits, steps: int) -> list[float]:
         cuda = nxt.device.type == "cuda"
         clock = time.perf_counter if cuda else time.thread_time
         times = []
+        kw = with_cache(model, cache)  # resolved once, outside the timed steps
         for _ in range(steps):
             t = clock()
-            out = model(nxt, **with_cache(model, cache), use_cache=True)
+            out = model(nxt, **kw, use_cache=True)
             if cuda:
                 torch.cuda.synchronize()
             times.append(clock() - t)
