@@ -66,6 +66,14 @@ def test_bench_attention_cli_tiny_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [(r["kind"], r["format"], r["context"], r["batch"]) for r in rows] == [("decode", "turbo3", 32, 1)]
     assert rows[0]["ratio"] == pytest.approx(rows[0]["ms"] / rows[0]["baseline_ms"])
+    rc = main(["bench", "attention", "--formats", "turbo3", "--contexts", "64", "--batch", "2",
+               "--layers", "1", "--repeats", "1", "--no-prefill", "--no-memory", "--scaling-threads", "2", "--json"])
+    assert rc == 0
+    scaling = [r for r in json.loads(capsys.readouterr().out) if r["kind"] == "scaling"]
+    assert [(r["format"], r["context"], r["batch"], r["threads"]) for r in scaling] == [("turbo3", 64, 2, 2)]
+    assert scaling[0]["speedup"] == pytest.approx(scaling[0]["ms_1"] / scaling[0]["ms_n"])
+    assert main(["bench", "attention", "--contexts", "32", "--scaling-threads", "1"]) == 2
+    assert "scaling threads" in capsys.readouterr().err
     assert main(["bench", "attention", "--formats", "turbo3,turbo3"]) == 2  # listed twice
     assert main(["bench", "attention", "--contexts", "0"]) == 2
     assert "--contexts" in capsys.readouterr().err

@@ -152,10 +152,30 @@ def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, a
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, generator=gen).to(torch.bfloat16)
     params = AttentionParams(scale=shape.head_dim ** -0.5, int8_scores=int8_scores)
 
-    def step(i):
-        return attention(q, layers[i], tables, lens, qsl, params, num_threads=shape.threads)
+    def step(i, threads=shape.threads):
+        return attention(q, layers[i], tables, lens, qsl, params, num_threads=threads)
 
     return Contender(fmt.name, step, n, per_layer * shape.layers)
+
+
+def thread_scaling_point(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable,
+                         threads: int) -> dict:
+    """The kernel's own speed-up from more threads: the same decode step over the same pools at 1
+    and at `threads` threads, timed once per repeat each, interleaved, on the wall clock (CPU time
+    would count every thread's work); speedup = ms at 1 thread / ms at `threads`. The machine load
+    is printed beside it: on a shared machine other processes take cores from the wider run."""
+    one = ours_contender(fmt, shape, context, batch, attention)
+    wide = Contender(fmt.name, lambda i: one.fn(i, threads=threads), one.timed_layers, one.bytes_per_step)
+    for c in (one, wide):
+        c.fn(0)
+    load_before = machine_load()
+    for _ in range(shape.repeats):
+        for c in (one, wide):
+            c.time_once(time.perf_counter)
+    ms1, msn = one.step_ms(shape.layers), wide.step_ms(shape.layers)
+    return {"format": fmt.name, "context": context, "batch": batch, "threads": threads, "ms_1": ms1,
+            "ms_n": msn, "speedup": ms1 / msn, "repeats": shape.repeats, "timed_layers": one.timed_layers,
+            "layers": shape.layers, "load_before": load_before, "load": machine_load(), "cores": os.cpu_count()}
 
 
 def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, batch: int,
@@ -298,6 +318,7 @@ class BenchResult:
     rows: list = field(default_factory=list)
     prefill: list = field(default_factory=list)
     memory: list = field(default_factory=list)
+    scaling: list = field(default_factory=list)
     bandwidth_gbps: Optional[float] = None
     kernel: dict = field(default_factory=dict)
 
@@ -305,13 +326,17 @@ class BenchResult:
 def run(formats: list[str], contexts: list[int], batches: list[int], shape: BenchShape, *,
         prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None,
         prefill_shape: tuple = (4096, 512), bandwidth_bytes: int = 1 << 29,
-        int8_scores: bool = False) -> BenchResult:
+        int8_scores: bool = False, scaling_threads: Optional[int] = None) -> BenchResult:
     """Run the benchmark grid; formats are KV format names (parsed here, the config edge).
-    int8_scores: decode rows also with the approximate integer q.k.
+    int8_scores: decode rows also with the approximate integer q.k. scaling_threads: also a
+    thread-scaling row (1 vs that many threads, wall clock) per format, context and batch.
 
     prefill_shape: (context, query count) of the chunked-prefill rows; bandwidth_bytes: buffer
     of the streaming-read probe (larger than the caches)."""
     shape.check()
+    if scaling_threads is not None and (isinstance(scaling_threads, bool) or not isinstance(scaling_threads, int)
+                                        or scaling_threads < 2):
+        raise ConfigError(f"scaling threads must be an integer >= 2, got {scaling_threads!r}")
     fmts = [parse_format(f) for f in formats]
     for c in contexts + batches:
         if not isinstance(c, int) or c < 1:
@@ -331,6 +356,17 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
                 say(f"{row['format']:>14} {row['scores']} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
                     f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}, "
                     f"{row['gbps']:.2f} GB/s, {shape.threads} thread(s), load {row['load']:.1f}")
+    if scaling_threads is not None:
+        torch.set_num_threads(max(shape.threads, scaling_threads))
+        for batch in batches:
+            for context in contexts:
+                for fmt in fmts:
+                    s = thread_scaling_point(fmt, shape, context, batch, cpu.attention, scaling_threads)
+                    res.scaling.append(s)
+                    say(f"{fmt.name:>14} ctx {context:>6} batch {batch}: 1 thread {s['ms_1']:.1f} ms, "
+                        f"{scaling_threads} threads {s['ms_n']:.1f} ms, speed-up {s['speedup']:.2f}x (wall), "
+                        f"load {s['load_before']:.1f}-{s['load']:.1f} on {s['cores']} cores")
+        torch.set_num_threads(shape.threads)
     if prefill:
         for fmt in fmts:
             res.prefill.append(prefill_row(fmt, shape, prefill_shape[0], prefill_shape[1], cpu.attention))

@@ -58,6 +58,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     cpu.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     cpu.add_argument("--int8-scores", action="store_true",
                      help="decode rows also with the approximate integer q.k (AttentionParams.int8_scores)")
+    cpu.add_argument("--scaling-threads", type=int, default=None, metavar="N",
+                     help="also time our kernel at 1 and N threads, interleaved (wall clock), per format, "
+                          "context and batch: the multi-thread speed-up, with the machine load beside it")
     gpu = p.add_argument_group("--device cuda")
     gpu.add_argument("--precisions", default=",".join(CUDA.precisions),
                      help=f"matmul operand precisions of our kernels, of fp32,tf32,bf16 (default "
@@ -82,7 +85,8 @@ def run(args) -> int:
 
     progress = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     res = ba.run(formats, contexts, batches, shape, prefill=CPU.prefill and not args.no_prefill,
-                 memory=CPU.memory and not args.no_memory, progress=progress, int8_scores=args.int8_scores)
+                 memory=CPU.memory and not args.no_memory, progress=progress, int8_scores=args.int8_scores,
+                 scaling_threads=args.scaling_threads)
 
     mem = {(m["format"], m["context"]): m for m in res.memory}
     rows = []
@@ -97,6 +101,8 @@ def run(args) -> int:
         rows.append(row)
     for p in res.prefill:
         rows.append({"kind": "prefill", "batch": 1, "gbps": None, "bandwidth_gbps": res.bandwidth_gbps, **p})
+    for s in res.scaling:
+        rows.append({"kind": "scaling", **s})
     if args.json:
         print_json(rows)
         return 0
@@ -114,6 +120,11 @@ def run(args) -> int:
         print_table("chunked prefill (512 queries at the end of a 4096 context, batch 1) vs torch SDPA bf16",
                     ["format", "ms", "baseline_ms", "ratio", "baseline"],
                     [[p["format"], p["ms"], p["baseline_ms"], p["ratio"], p["baseline"]] for p in res.prefill])
+    if res.scaling:
+        print_table("thread scaling of our kernel (speedup = ms at 1 thread / ms at N threads, wall clock)",
+                    ["format", "context", "batch", "threads", "ms_1", "ms_n", "speedup", "load_before", "load"],
+                    [[s["format"], s["context"], s["batch"], s["threads"], s["ms_1"], s["ms_n"], s["speedup"],
+                      s["load_before"], s["load"]] for s in res.scaling])
     if res.memory:
         print_table("peak memory of one decode step of one layer (batch 1)",
                     ["format", "context", "cache_mb", "peak_extra_mb", "fp32_context_copy_mb",
