@@ -144,13 +144,26 @@ def _env():
     return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
 
 
+def _has_loaded(pid: int, library: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            return library in fh.read()
+    except OSError:
+        return False
+
+
 def test_ctrl_c_during_start_up_of_a_real_process():
     proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli.main", "eval", "--formats", "bf16"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     # importing torch / transformers, or loading. Not earlier: a SIGINT before the interpreter has
-    # started (or while it imports pagedkv.cli.main itself) ends any Python process with -2, which
-    # on a loaded machine took more than 1.5 s (seen once under load 12).
-    time.sleep(4.0)
+    # started (or while it imports pagedkv.cli.main itself) ends any Python process with -2. A
+    # fixed sleep (4 s) was too short once under load 6, so wait until the child maps libtorch:
+    # pagedkv.cli.main imports no torch, so the command is running inside its handler by then.
+    deadline = time.monotonic() + 300
+    while not _has_loaded(proc.pid, "libtorch") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not os.path.exists(f"/proc/{proc.pid}/maps"):  # not Linux: the old fixed wait
+        time.sleep(4.0)
     proc.send_signal(signal.SIGINT)
     # the interrupt is raised when the running C call (an import, the GGUF load) returns: under
     # load 15 that passed 120 s once; a hang still fails
