@@ -103,3 +103,48 @@ def test_settings_and_bad_input():
     # stored tail: the blocks covering the last R positions
     assert stored_tail_tokens(1024, 64, 16) == 64 and stored_tail_tokens(1030, 64, 16) == 80
     assert stored_tail_tokens(10, 64, 16) == 16 and stored_tail_tokens(0, 64, 16) == 0
+
+
+@pytest.mark.parametrize("fmt, tail, extra", [
+    (("turbo3", "turbo2"), "q8_0", dict(transform=True)),  # rotated K and V, k_mult, centres
+    (("q4_0", "turbo3"), "bf16", dict(centre=True, k_offset=3.0)),
+    (("turbo2g64", "turbo2g64"), "q8_0", {}),
+])
+@pytest.mark.parametrize("recent, sinks, window", [(16, 16, None), (64, 20, 50), (1, 0, None), (40, 3, 7),
+                                                   (500, 0, None)])
+def test_fast_path_is_the_reference_across_query_blocks(fmt, tail, extra, recent, sinks, window):
+    """The default (fast) path against `reference=True` on rows longer than QUERY_BLOCK, one short row,
+    GQA, with attention sinks not on a block boundary, sliding windows narrower and wider than R."""
+    from pagedkv.ops import recent as rec
+
+    kw = dict(seq_lens=(300, 5, 200), q_lens=(300, 5, 77), num_kv_heads=2, group=3, seed=11, **extra)
+    main, hp = make_case(CODECS[fmt[0]], CODECS[fmt[1]], **kw), make_case(CODECS[tail], CODECS[tail], **kw)
+    params = AttentionParams(scale=0.125, sliding_window=window)
+    assert rec.fast_path_applies(params) and max(kw["q_lens"]) > rec.QUERY_BLOCK
+    args = (main.q_prefill, main.layer, hp.layer, main.block_tables, main.seq_lens, main.query_start_loc, params)
+    fast = recent_prefill_attention(*args, recent=recent, sinks=sinks)
+    ref = recent_prefill_attention(*args, recent=recent, sinks=sinks, reference=True)
+    assert (fast - ref).abs().max() < 2e-5 * max(1.0, float(ref.abs().max()))
+    lens = main.seq_lens.clone()
+    lens[1] = 0
+    dec = [recent_decode_attention(main.q_decode, main.layer, hp.layer, main.block_tables, lens, params,
+                                   recent=recent, sinks=sinks, reference=r) for r in (False, True)]
+    assert (dec[0] - dec[1]).abs().max() < 2e-5 * max(1.0, float(dec[1].abs().max()))
+
+
+def test_fast_path_is_taken_only_where_it_applies(monkeypatch):
+    from pagedkv.ops import recent as rec
+
+    main, hp = _pair(("turbo3", "turbo3"), "bf16")
+    calls = []
+    real = rec._attend_fast
+    monkeypatch.setattr(rec, "_attend_fast", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = (main.q_prefill, main.layer, hp.layer, main.block_tables, main.seq_lens, main.query_start_loc)
+    recent_prefill_attention(*args, AttentionParams(scale=0.1), recent=8)
+    assert calls
+    calls.clear()
+    for params in (AttentionParams(scale=0.1, soft_cap=5.0), AttentionParams(scale=0.1, sinks=torch.zeros(4)),
+                   AttentionParams(scale=0.1, sparse_v_threshold=1e-3)):
+        recent_prefill_attention(*args, params, recent=8)
+    recent_prefill_attention(*args, AttentionParams(scale=0.1), recent=8, reference=True)
+    assert not calls

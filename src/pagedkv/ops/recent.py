@@ -17,8 +17,16 @@ group with window R); the compressed pages hold every token.
 Semantics beyond the plain ops (`ops/reference/attention.py`): logits of the tail keys use the
 tail layer's codecs, everything else (scale, soft-cap, causal / sliding-window mask, sinks,
 sparse V, the value centre of each layer) as in the reference. This module is the reference
-implementation (readable torch, one sequence in fp32 at a time); no fast path exists yet, so
-every backend runs it.
+implementation (readable torch, one sequence in fp32 at a time, `reference=True`).
+
+Fast path (the default where it applies: no soft-cap, no sink logits, no sparse V): both layers'
+rows are decoded once into the original basis (un-rotated, centres and key multiplier applied),
+and each block of QUERY_BLOCK queries runs one fused softmax (`scaled_dot_product_attention`)
+over the pages keys it reads from the pages, the sink rows and the band of recent rows it reads
+from the tail, concatenated, with a mask that counts every visible key once, from the source the
+reference reads it from. Same arithmetic up to fp32 rounding (tests/test_ops_recent.py); it skips
+the keys no query of the block sees (causal, window) and never forms the tail's logits beyond the
+band, where the reference forms two full [Hq, Tq, n] logit tensors.
 """
 
 from __future__ import annotations
@@ -174,13 +182,15 @@ def _check_tail_tables(tail: PagedLayer, tables: torch.Tensor, block_tables: tor
 def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, params: AttentionParams,
                              *, recent: int, checks: bool = True,
-                             tail_block_tables: Optional[torch.Tensor] = None, sinks: int = 0) -> torch.Tensor:
+                             tail_block_tables: Optional[torch.Tensor] = None, sinks: int = 0,
+                             reference: bool = False) -> torch.Tensor:
     """`prefill_attention` (same tensors and positions) with the last `recent` keys of each
     query read from `tail`: through `block_tables` (the same blocks and slots as the pages), or
     through `tail_block_tables` int32 [B, max_blocks] when the tail has its own block group
     (only the blocks covering each query's last `recent` positions are read, so the others may
     have been released; with `sinks`, the blocks covering the first `sinks` positions too, which
-    are also read from the tail). Returns [Tq, Hq, D] in q's dtype."""
+    are also read from the tail). reference: always the readable oracle (`attend_recent`), not
+    the fast path (module doc). Returns [Tq, Hq, D] in q's dtype."""
     _check_tail(layer, tail, recent, tail_block_tables is not None)
     if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
         raise ConfigError(f"sinks must be an integer >= 0, got {sinks!r}")
@@ -188,22 +198,87 @@ def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLaye
     tail_tables = block_tables if tail_block_tables is None else tail_block_tables
     if tail_block_tables is not None:
         _check_tail_tables(tail, tail_tables, block_tables, seq_lens, query_start_loc, recent, checks, sinks)
+    fast = not reference and fast_path_applies(params)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, n, chunks in varlen_query_chunks(seq_lens, query_start_loc, q.shape[1], q.device):
         table = block_tables[b]
         lo_q = int(chunks[0][2][0]) if n else 0
         kv = _rows(layer, table, n, 0)
         tail_kv = _rows(tail, tail_tables[b], n, max(0, lo_q - recent + 1), sinks)
+        if fast:
+            kv, tail_kv = original_basis(layer, kv), original_basis(tail, tail_kv)
         for a, e, q_pos in chunks:
-            out[a:e] = attend_recent(q[a:e], kv, tail_kv, q_pos, layer, tail, params, recent, sinks)
+            if fast:
+                out[a:e] = _attend_fast(q[a:e], kv, tail_kv, q_pos, params, recent, sinks)
+            else:
+                out[a:e] = attend_recent(q[a:e], kv, tail_kv, q_pos, layer, tail, params, recent, sinks)
     return out.to(q.dtype)
+
+
+QUERY_BLOCK = 128  # queries per fused softmax of the fast path
+
+
+def fast_path_applies(params: AttentionParams) -> bool:
+    """The fast path computes plain softmax attention: no soft-cap, no sink logits, no sparse V."""
+    return params.soft_cap is None and params.sinks is None and params.sparse_v_threshold == 0
+
+
+def original_basis(layer: PagedLayer, kv: tuple) -> tuple:
+    """(k, v) float32 [n, H, D] decoded in `layer`'s stored basis -> the keys and values attention
+    sees: un-rotated, plus the centres, keys divided by the key multiplier (stored k * m - c)."""
+    k, v = kv
+    if layer.k_codec.rotated:
+        k = wht.unrotate(k)
+    if layer.k_centre is not None:
+        k = k + layer.k_centre.to(k.device, torch.float32)
+    if layer.k_mult is not None:
+        k = k / layer.k_mult.to(k.device, torch.float32)
+    if layer.v_codec.rotated:
+        v = wht.unrotate(v)
+    if layer.v_centre is not None:
+        v = v + layer.v_centre.to(v.device, torch.float32)
+    return k, v
+
+
+def _attend_fast(q: torch.Tensor, kv: tuple, tail_kv: tuple, q_pos: torch.Tensor, params: AttentionParams,
+                 recent: int, sinks: int) -> torch.Tensor:
+    """`attend_recent` for consecutive query positions q_pos, kv / tail_kv in the original basis
+    (`original_basis`), where `fast_path_applies(params)`. Returns float32 [Tq, Hq, D]."""
+    tq, hq, d = q.shape
+    h = kv[0].shape[1]
+    w = params.sliding_window
+    out = torch.empty(tq, hq, d, dtype=torch.float32, device=q.device)
+    first = int(q_pos[0])
+    for a in range(0, tq, QUERY_BLOCK):
+        e = min(tq, a + QUERY_BLOCK)
+        p0, p1 = first + a, first + e - 1
+        lo = 0 if w is None else max(0, p0 - w + 1)  # no query of the block sees a key below lo
+        band = max(lo, p0 - recent + 1)  # tail rows [band, p1]: every recent key of the block
+        ranges = ((kv, max(lo, sinks), p1 - recent + 1, False),  # pages rows [max(lo, S), p1 - R]
+                  (tail_kv, lo, min(sinks, band), True), (tail_kv, band, p1 + 1, True))
+        ranges = [r for r in ranges if r[2] > r[1]]
+        keys = torch.cat([src[0][s:t] for src, s, t, _ in ranges]).transpose(0, 1)  # [H, m, D]
+        values = torch.cat([src[1][s:t] for src, s, t, _ in ranges]).transpose(0, 1)
+        key_pos = torch.cat([torch.arange(s, t, device=q.device) for _, s, t, _ in ranges])
+        from_tail = torch.cat([torch.full((t - s,), tl, device=q.device) for _, s, t, tl in ranges])
+        qp = q_pos[a:e, None]
+        visible = (key_pos[None, :] <= qp) & (True if w is None else key_pos[None, :] > qp - w)
+        in_tail = (key_pos[None, :] > qp - recent) | (key_pos[None, :] < sinks)
+        mask = visible & (in_tail == from_tail[None, :])
+        g = hq // h
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[a:e].float().transpose(0, 1)[None], keys.repeat_interleave(g, 0)[None],
+            values.repeat_interleave(g, 0)[None], attn_mask=mask, scale=params.scale)
+        out[a:e] = o[0].transpose(0, 1)
+    return out
 
 
 @torch.no_grad()
 def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, params: AttentionParams, *, recent: int,
                             checks: bool = True,
-                            tail_block_tables: Optional[torch.Tensor] = None, sinks: int = 0) -> torch.Tensor:
+                            tail_block_tables: Optional[torch.Tensor] = None, sinks: int = 0,
+                            reference: bool = False) -> torch.Tensor:
     """`decode_attention` (q [B, Hq, D], one query per sequence at seq_lens[b] - 1; length-0
     rows give zeros) with the last `recent` keys read from `tail` (through `tail_block_tables`
     when given, see `recent_prefill_attention`)."""
@@ -215,5 +290,6 @@ def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer
     if bool(keep.any()):
         out[keep] = recent_prefill_attention(q[keep].contiguous(), layer, tail, block_tables, seq_lens, qsl,
                                              params, recent=recent, checks=checks,
-                                             tail_block_tables=tail_block_tables, sinks=sinks)
+                                             tail_block_tables=tail_block_tables, sinks=sinks,
+                                             reference=reference)
     return out
