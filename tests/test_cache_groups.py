@@ -193,9 +193,9 @@ def test_store_takes_the_step_or_the_layers_own_slots():
     assert c.allocate(new.seq_id, [4]).shape == (1,)  # the first group's slots
 
 
-def test_offload_needs_one_group_and_the_config_is_checked():
-    with pytest.raises(ConfigError, match="reclaim_sliding=False"):
-        PagedCache(_cfg(), OffloadConfig(resident_blocks_per_seq=2, swap="memory"))
+def test_offload_with_groups_and_the_config_is_checked():
+    assert len(PagedCache(_cfg(), OffloadConfig(resident_blocks_per_seq=2, swap="memory"))
+               .core.groups) == 3  # tiers over every group (tests/test_cache_tiers_groups.py)
     PagedCache(_cfg(reclaim_sliding=False), OffloadConfig(resident_blocks_per_seq=2, swap="memory"))
     with pytest.raises(ConfigError, match="reclaim_sliding must be a bool"):
         _cfg(reclaim_sliding=1)

@@ -11,6 +11,8 @@ layer 1 an asymmetric compressed format whose expected value is the codec round 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -210,9 +212,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self):
-        cached = self.cache.pool.num_cached
+        pools = [g.pool for g in self.cache.core.groups]
+        cached = sum(p.num_cached for p in pools)
         assert self.cache.reset_prefix_cache() == cached
-        assert self.cache.pool.num_cached == 0 and self.cache.pool.index_size() == 0
+        assert all(p.num_cached == 0 and p.index_size() == 0 for p in pools)
 
     # ---- invariants ---------------------------------------------------------------------
     @invariant()
@@ -279,13 +282,16 @@ RECENT = RecentWindow(5, "turbo8")
 TAIL_EXPECTED = [(roundtrip(RECENT.codec, k), roundtrip(RECENT.codec, v)) for k, v in _RAW]
 
 
+def grouped_config(**kw) -> CacheConfig:
+    """`_config` with layer 1 sliding (W = 6) and a recent window on both layers."""
+    return dataclasses.replace(_config(), **{"sliding_window": [None, 6], "recent_window": RECENT,
+                                             **kw})
+
+
 class GroupedCacheMachine(CacheMachine):
     def __init__(self):
         super().__init__()
-        self.cache = PagedCache(CacheConfig(
-            num_layers=2, num_kv_heads=1, head_dim=16, layer_dims=DIMS, kv_format=FORMATS,
-            high_precision_layers=0, block_size=BS, num_blocks=20, trace=True,
-            sliding_window=[None, 6], recent_window=RECENT))
+        self.cache = PagedCache(grouped_config())
         assert len(self.cache.core.groups) == 3
 
     def _allocate(self, sid, tokens):

@@ -1,6 +1,7 @@
-"""Property test: the block manager (every group, growth, compaction, window reclaim, swap as an
-entry state, a prefix tier) driven by random add / step / commit / fork / pop / free against a
-naive model, >= 10^4 steps per run.
+"""Property test: the block manager (every group, growth, compaction, window reclaim, prefix hits
+in sliding groups, swap as an entry state in every group, a prefix tier below memory for every
+group) driven by random add / step / commit / fork / pop / free against a naive model, >= 10^4
+steps per run.
 
 The naive model is a dict of token lists. The data plane is simulated here: per group a dict
 slot -> content, where the content of position p is a hash of the sequence's tokens 0..p (so a
@@ -46,6 +47,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.seqs: dict[int, list[int]] = {}  # the naive model
         self.next_id = 0
         self.steps = 0
+        self.loaded = 0
+        self.window_hits = 0
 
     # ---- helpers ------------------------------------------------------------------------------
     def snapshot(self):
@@ -76,39 +79,42 @@ class CoreMachine(RuleBasedStateMachine):
             assert i == len(gs.slots)
 
     def drop_dead(self):
-        for g in self.m.groups:
+        for gi, g in enumerate(self.m.groups):
             for rid in g.drain_dead_records():
-                del self.records[rid]
+                del self.records[gi, rid]
 
     def after_commit(self, sids):
-        g, d = self.m.main, self.data[0]
-        for sid in sids:
-            if self.TIER:
-                for b, key in g.newly_full(sid):
-                    self.tier.setdefault(key, [d[b * BS + o] for o in range(BS)])
-            if self.CAP is not None:
-                todo = g.swap_candidates(sid, self.CAP)
-                for i, b, rid, new in todo:
-                    if new:
-                        self.records[rid] = [d[b * BS + o] for o in range(BS)]
-                g.swapped_out(sid, todo)
+        """The tiers, in every group: publish newly full blocks, then swap down to the cap."""
+        for gi, g in enumerate(self.m.groups):
+            d = self.data[gi]
+            for sid in sids:
+                if self.TIER:
+                    for b, key in g.newly_full(sid):
+                        self.tier.setdefault((gi, key), [d[b * BS + o] for o in range(BS)])
+                if self.CAP is not None:
+                    todo = g.swap_candidates(sid, self.CAP)
+                    for i, b, rid, new in todo:
+                        if new:
+                            self.records[gi, rid] = [d[b * BS + o] for o in range(BS)]
+                    g.swapped_out(sid, todo)
+                    # the cap holds in every group (the last block always stays)
+                    assert sum(1 for e in g.table(sid) if e >= 0) <= max(self.CAP, 1)
         self.drop_dead()
 
     def load_from_tier(self, toks):
-        """The prefix tier: stored leading blocks go into the pool as cached, keyed blocks."""
-        g = self.m.main
-        keys = g.chain(toks)
-        for key in keys[g.match(toks):]:
-            if g.pool.lookup(key) is not None:  # a later block survived its parent's eviction
-                continue
-            if key not in self.tier or not g.pool.ensure(1):
-                break
-            b = g.pool.allocate_one()
-            for o, v in enumerate(self.tier[key]):
-                self.data[0][b * BS + o] = v
-            g.pool.fill[b] = BS
-            assert g.pool.register(b, key)
-            g.pool.release(b)
+        """The prefix tier: the longest hit memory and the tier serve together, through the
+        block manager's own walk (`load_prefix`); loaded blocks are cached, keyed blocks."""
+        def fetch(gi, keys):
+            for key in keys:
+                yield self.tier.get((gi, key))
+
+        def write(gi, b, payload):
+            for o, v in enumerate(payload):
+                self.data[gi][b * BS + o] = v
+
+        before, loaded = self.m.load_prefix(toks, None, fetch, write)
+        self.loaded += loaded
+        assert self.m.match(toks) >= before
 
     # ---- rules --------------------------------------------------------------------------------
     @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 3), max_size=9))
@@ -116,16 +122,18 @@ class CoreMachine(RuleBasedStateMachine):
         toks = stem + tail
         if not toks:
             return
+        before = self.snapshot()
         if self.TIER:
             self.load_from_tier(toks)
         sid, self.next_id = self.next_id, self.next_id + 1
-        before = self.snapshot()
         try:
             hit = self.m.add(sid, toks, rest=False)[1]
-        except CacheFull:
+        except CacheFull:  # the tier loads nothing for an admission that cannot fit
             assert self.snapshot() == before
             return
         assert hit % BS == 0 and hit < len(toks)
+        if hit and any(g.dead(sid) for g in self.m.groups):
+            self.window_hits += 1  # a hit whose sliding groups hold only the window's blocks
         self.seqs[sid] = toks[:hit]
         self.extend([sid], [toks[hit:]], known=True, commit=True)
 
@@ -184,7 +192,7 @@ class CoreMachine(RuleBasedStateMachine):
         for gi, (rid, b) in enumerate(zip(rids, back)):
             assert (rid is None) == (b is None)
             if b is not None:  # the new last block was swapped: read it back
-                for o, v in enumerate(self.records[rid]):
+                for o, v in enumerate(self.records[gi, rid]):
                     self.data[gi][b * BS + o] = v
         del self.seqs[sid][len(self.seqs[sid]) - n:]
         self.drop_dead()
@@ -213,9 +221,10 @@ class CoreMachine(RuleBasedStateMachine):
                     e = table[p // BS]
                     assert e != RELEASED or p < seen_from, (sid, p)
                     rid = swapped_record(e)
-                    got = d.get(e * BS + p % BS) if rid is None else self.records[rid][p % BS]
+                    got = d.get(e * BS + p % BS) if rid is None else self.records[gi, rid][p % BS]
                     assert got == content(toks, p), (gi, sid, p, e)
-        assert set(self.records) == {r for g in self.m.groups for r in g.rec_refs}
+        assert set(self.records) == {(gi, r) for gi, g in enumerate(self.m.groups)
+                                     for r in g.rec_refs}
 
 
 class SlidingCore(CoreMachine):
@@ -226,20 +235,26 @@ class SlidingCore(CoreMachine):
 
 
 class TieredCore(CoreMachine):
-    """One global group with prefix hits, a resident cap of 2 blocks (swap) and a prefix tier."""
+    """The whole core: a global group, a sliding one (W = 6) and a recent window's tail group
+    (W = 3, keeping the first block for its sinks), prefix hits in all three, a resident cap of
+    2 blocks per sequence in every group (swap) and a prefix tier holding every group's blocks
+    (a hit loads only what each group needs)."""
 
-    SPECS = (GroupSpec(None, 6, 14),)
+    SPECS = (GroupSpec(None, 6, 14), GroupSpec(6, 2, 12), GroupSpec(3, 2, 12, keep_first=1))
     CAP = 2
     TIER = True
 
 
 STEPS: list[int] = []
+LOADED = [0, 0]  # blocks loaded from the tier, hits that left blocks before a window out
 
 
 def _run(machine) -> None:
     class Counted(machine):
         def teardown(self):
             STEPS.append(self.steps)
+            LOADED[0] += self.loaded
+            LOADED[1] += self.window_hits
 
     Counted.TestCase.settings = SETTINGS
     Counted.TestCase().runTest()
@@ -249,5 +264,7 @@ def test_core_against_naive_model():
     """Both machines; the invariant runs once per step: >= 10^4 steps in all."""
     _run(SlidingCore)
     _run(TieredCore)
-    print(f"{sum(STEPS)} steps in {len(STEPS)} runs")
+    print(f"{sum(STEPS)} steps in {len(STEPS)} runs, {LOADED[0]} blocks loaded from the tier, "
+          f"{LOADED[1]} windowed hits")
+    assert sum(STEPS) >= 10_000 and LOADED[0] > 0 and LOADED[1] > 0
     assert sum(STEPS) >= 10_000

@@ -64,8 +64,10 @@ class _Counter:
             lambda m, a, kw: self.seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "turbo3"])
-def test_second_generate_reuses_the_shared_system_prompt(lm, fmt):
+@pytest.mark.parametrize("fmt,recent", [("bf16", None), ("turbo3", None), ("turbo3", 16)])
+def test_second_generate_reuses_the_shared_system_prompt(lm, fmt, recent):
+    """recent=16: a high-precision recent window of 16 tokens, whose tails live in a sliding
+    block group: the hit holds only the tail blocks covering its last 16 positions there."""
     from transformers import DynamicCache
 
     from pagedkv.integrations.transformers import PagedKVCache
@@ -76,10 +78,13 @@ def test_second_generate_reuses_the_shared_system_prompt(lm, fmt):
     assert shared >= 32
     kw = dict(KW, pad_token_id=tok.eos_token_id)
     with torch.inference_mode():
-        cache = PagedKVCache(model, fmt)
+        cache = PagedKVCache(model, fmt, recent_window=recent)
         first = model.generate(ids1, cache=cache, **kw)
         hits = cache.begin(ids2)
         assert hits == shared // 16 * 16 and cache.get_seq_length() == hits
+        if recent is not None:  # the tail group holds only the window's blocks of the hit
+            tail = cache.tail_group.seqs
+            assert tail.window == recent and tail.dead(cache._rows[0]) == (hits - recent + 1) // 16 > 0
         counter = _Counter(model)
         try:
             out = model.generate(ids2, cache=cache, **kw)
@@ -94,7 +99,7 @@ def test_second_generate_reuses_the_shared_system_prompt(lm, fmt):
             ref = model.generate(ids2, cache=DynamicCache(config=model.config), **kw)
             model.set_attn_implementation("pagedkv")
         else:
-            again = PagedKVCache(model, fmt)
+            again = PagedKVCache(model, fmt, recent_window=recent)
             assert model.generate(ids1, cache=again, **kw).tolist() == first.tolist()
             assert again.begin(ids2, reuse=False) == 0
             ref = model.generate(ids2, cache=again, **kw)
@@ -150,6 +155,40 @@ def test_prefix_store_on_disk_lets_a_fresh_cache_load_the_shared_prompt(lm, tmp_
         hits = fresh.begin(ids2)
         assert hits == (ids2.shape[1] - 1) // 16 * 16 and fresh.layers[0].is_initialized
         assert fresh.offload_stats()["prefix"]["blocks_loaded"] == hits // 16
+        out = model.generate(ids2, cache=fresh, **kw)
+        fresh.close()
+    assert out.tolist() == ref.tolist()
+
+
+def test_tiers_with_a_recent_window(lm, tmp_path):
+    """The resident cap and the prefix store cover the recent window's tail group: a capped
+    cache generates what an uncapped one does, and a fresh cache loads the shared prompt's
+    pages and only the tail blocks the hit's last 16 positions need."""
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    tok, model = lm.tokenizer, lm.model
+    ids1, ids2 = _chat(tok, "What is a Python decorator?"), _chat(tok, "Why is the sky blue?")
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
+    cfg = OffloadConfig(resident_blocks_per_seq=1, swap_dir=str(tmp_path / "swap"),
+                        prefix_store="disk", prefix_dir=str(tmp_path / "prefix"))
+    with torch.inference_mode():
+        plain = model.generate(ids1, cache=PagedKVCache(model, "turbo3", recent_window=16), **kw)
+        first = PagedKVCache(model, "turbo3", recent_window=16, offload=cfg)
+        assert model.generate(ids1, cache=first, **kw).tolist() == plain.tolist()
+        assert first.offload_stats()["swapped_blocks"] > 0
+        assert first.tail_group.seqs.swapped(first._rows[0])  # the tail group swapped too
+        first.core.check_invariants()
+        assert first.begin(ids2, reuse=False) == 0
+        ref = model.generate(ids2, cache=first, **kw)
+        first.begin(ids2[:, :1], reuse=False)  # commits: ids2's blocks are published too
+        first.close()
+        fresh = PagedKVCache(model, "turbo3", recent_window=16, offload=cfg)
+        hits = fresh.begin(ids2)
+        n = hits // 16
+        assert hits == (ids2.shape[1] - 1) // 16 * 16
+        tail = fresh.tail_group.seqs
+        assert fresh.offload_stats()["prefix"]["blocks_loaded"] == n + len(tail.hit_blocks(n))
+        assert len(tail.hit_blocks(n)) < n
         out = model.generate(ids2, cache=fresh, **kw)
         fresh.close()
     assert out.tolist() == ref.tolist()

@@ -47,7 +47,7 @@ class TieredMachine(base.CacheMachine):
             return
         swapped = {s: set(self.cache.swapped_blocks(s)) for s in batch}  # as of the step
         rows = [base.rows_after(self._last_row(s), t)[0] for s, t in zip(batch, toks)]
-        self._store(step.slot_mapping, rows)
+        self._store(step, rows)
         self.cache.commit(batch)
         for s, t, r in zip(batch, toks, rows):
             self.tokens[s] += t
@@ -61,20 +61,22 @@ class TieredMachine(base.CacheMachine):
     @invariant()
     def swap_bookkeeping(self):
         c = self.cache
-        refs: dict = {}
-        for s in c.sequence_ids():
-            swapped = c.swapped_blocks(s)
-            committed_full = c.seqs.committed(s) // base.BS
-            n = len(c.seqs.table(s))
-            for j in swapped:  # only full committed blocks; the last one only if full
-                assert j < committed_full and (j < n - 1 or c.seq_len(s) % base.BS == 0)
-                rid = swapped_record(c.seqs.table(s)[j])
-                refs[rid] = refs.get(rid, 0) + 1
-            if c.seqs.committed(s) == c.seq_len(s):  # the cap holds after a commit
-                assert c.resident_blocks(s) <= max(1, n - committed_full + (c.seq_len(s) % base.BS > 0))
-        assert refs == c.seqs.rec_refs
-        keys = sorted(c.swap.key_of(r) for r in refs)
-        assert sorted(self.cache.swap.tier.keys()) == keys == sorted(c.swap.keys())
+        keys = []
+        for gi, g in enumerate(c.core.groups):
+            refs: dict = {}
+            for s in c.sequence_ids():
+                table = g.table(s)
+                committed_full = g.committed(s) // base.BS
+                for j in g.swapped(s):  # only full committed blocks; the last one only if full
+                    assert j < committed_full and (j < len(table) - 1 or c.seq_len(s) % base.BS == 0)
+                    rid = swapped_record(table[j])
+                    refs[rid] = refs.get(rid, 0) + 1
+                if g.committed(s) == c.seq_len(s) and gi == 0:  # the cap holds after a commit
+                    n = len(table)
+                    assert c.resident_blocks(s) <= max(1, n - committed_full + (c.seq_len(s) % base.BS > 0))
+            assert refs == g.rec_refs
+            keys += [c.swap.key_of(r, gi) for r in refs]
+        assert sorted(self.cache.swap.tier.keys()) == sorted(keys) == sorted(c.swap.keys())
 
 
 TieredMachine.TestCase.settings = settings(
@@ -82,3 +84,28 @@ TieredMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestTieredStateful = TieredMachine.TestCase
+
+
+class GroupedTieredMachine(TieredMachine):
+    """The same with every kind of block group: layer 1 slides (W = 6) and both layers keep a
+    recent window of 5 tokens in turbo8 with 2 attention sinks (a tail group that keeps each
+    sequence's first block); the cap and the prefix store work in every group, and every
+    layer's pages and tails read back bit for bit."""
+
+    def __init__(self):
+        base.CacheMachine.__init__(self)
+        self.store = MemoryTier()
+        self.cache = PagedCache(
+            base.grouped_config(model_id="stateful",
+                                recent_window=dataclasses.replace(base.RECENT, sinks=2)),
+            OffloadConfig(resident_blocks_per_seq=1, swap="memory", prefetch=False),
+            prefix_tier=self.store)
+        assert [g.window for g in self.cache.core.groups] == [None, 6, 5]
+
+    def _allocate(self, sid, tokens):
+        return self.cache.step([sid], [tokens])  # every group's slots
+
+
+GroupedTieredMachine.TestCase.settings = settings(TieredMachine.TestCase.settings,
+                                                   max_examples=12)
+TestGroupedTieredStateful = GroupedTieredMachine.TestCase

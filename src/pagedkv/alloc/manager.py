@@ -54,8 +54,9 @@ class StepPlan:
 class BlockManager:
     """Sequences over several block groups (see module doc). Plain Python, no torch.
 
-    namespace: mixed into prefix keys. Prefix hits need every group to hold the hit blocks, so
-    they are on only when no group slides (`prefix`)."""
+    namespace: mixed into prefix keys. A prefix hit is the same leading blocks in every group:
+    all of them in the global group, only those a query after the hit can see in a sliding one
+    (`SequenceManager.hit_blocks`); `match` finds the longest hit every group can serve."""
 
     def __init__(self, specs: Sequence[GroupSpec], block_size: int, namespace: bytes = b"", *,
                  trace: bool = False):
@@ -67,7 +68,6 @@ class BlockManager:
             SequenceManager(BlockPool(g.initial_blocks, trace=trace, max_blocks=g.max_blocks),
                             block_size, namespace, window=g.window, keep_first=g.keep_first)
             for g in specs]
-        self.prefix = all(g.window is None for g in specs)
         self.main = self.groups[0]
 
     def __contains__(self, seq_id: Hashable) -> bool:
@@ -79,26 +79,66 @@ class BlockManager:
     def length(self, seq_id: Hashable) -> int:
         return self.main.length(seq_id)
 
+    # ---- prefix hits --------------------------------------------------------------------------
+    def chain(self, tokens: Sequence[int], salt: Salt = None) -> list[bytes]:
+        """The prompt's chain keys (the same in every group: one namespace)."""
+        return self.main.chain(tokens, salt)
+
+    def feasible(self, keys: Sequence[bytes], cap: int) -> int:
+        """The longest hit (at most cap leading blocks) every group holds now (no change)."""
+        n = min(cap, len(keys))
+        while True:
+            m = n
+            for g in self.groups:
+                m = g.feasible(keys, m)
+            if m == n:
+                return n
+            n = m
+
+    def match(self, tokens: Sequence[int], salt: Salt = None) -> int:
+        """Leading full blocks of `tokens` every group can serve as a hit now (no change)."""
+        return self.feasible(self.chain(tokens, salt), len(tokens))
+
+    def common_hit(self, prompts: Sequence[Sequence[int]], salt: Salt = None) -> int:
+        """The longest hit (blocks) every prompt can take at once (a batch that shares one
+        length): a shorter hit of one prompt is not always servable (its window's blocks may be
+        gone), so each prompt is asked again at the others' length until they agree."""
+        keys = [self.chain(p, salt) for p in prompts]
+        n = min((len(k) for k in keys), default=0)
+        while True:
+            m = min((self.feasible(k, n) for k in keys), default=0)
+            if m == n:
+                return n
+            n = m
+
+    def load_prefix(self, tokens: Sequence[int], salt: Salt, fetch, write) -> tuple[int, int]:
+        """Bring the prompt's longest hit up from a tier below memory (`tierload.load_prefix`):
+        (hit blocks in memory before, blocks loaded)."""
+        from .tierload import load_prefix
+
+        return load_prefix(self, tokens, salt, fetch, write)
+
     # ---- sequences ----------------------------------------------------------------------------
     def add(self, seq_id: Optional[Hashable], tokens: Sequence[int], salt: Salt = None, *,
             rest: bool = True, max_hit_blocks: Optional[int] = None
             ) -> tuple[Hashable, int, tuple[tuple[int, ...], ...]]:
         """Admit a sequence in every group (prefix hits in whole blocks, see
-        `SequenceManager.add`). seq_id None = a new int id. Returns (seq_id, hit tokens, per
-        group the slots of the tokens after the hits). rest=False holds the hits only."""
+        `SequenceManager.add`; the longest hit every group serves, at most max_hit_blocks).
+        seq_id None = a new int id. Returns (seq_id, hit tokens, per group the slots of the
+        tokens after the hits). rest=False holds the hits only. CacheFull before any change."""
         if isinstance(tokens, int) and not isinstance(tokens, bool):
             raise ConfigError("add_sequence needs the prompt's token ids, not a count")
         n, toks, _ = check_tokens(tokens, "add_sequence")
+        keys = self.chain(toks, salt)
         seq_id = self.main._new_id(seq_id)
-        hit = self.main.match(toks, salt) if self.prefix else 0
-        hit = hit if max_hit_blocks is None else min(hit, max_hit_blocks)
-        held = n if rest else hit * self.block_size
+        hit = self.feasible(keys, len(keys) if max_hit_blocks is None else max_hit_blocks)
+        held = -(-(n if rest else hit * self.block_size) // self.block_size)
         for g in self.groups:
-            need = -(-held // self.block_size) - hit
-            if need > g.pool.headroom:
-                raise CacheFull(f"add_sequence of {n} tokens needs {need} new blocks "
+            cost = g.hit_cost(keys, hit, held)
+            if cost > g.pool.headroom:
+                raise CacheFull(f"add_sequence of {n} tokens needs {cost} blocks "
                                 f"({hit} prefix hits); {g.pool.headroom} available")
-        slots = tuple(tuple(g.add(toks, salt, seq_id, max_hit_blocks=hit, rest=rest)[2])
+        slots = tuple(tuple(g.add(toks, salt, seq_id, max_hit_blocks=hit, rest=rest, keys=keys)[2])
                       for g in self.groups)
         return seq_id, hit * self.block_size, slots
 

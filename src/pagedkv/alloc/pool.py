@@ -130,13 +130,22 @@ class BlockPool:
         return True
 
     def compact(self, target: int) -> list[tuple[int, int]]:
-        """Renumber every held or cached block with id >= target to a free id < target and cut
-        the pool to `target` blocks. Returns the (src, dst) moves: the caller renumbers its
-        tables and moves the data, then cuts its pools. Raises ConfigError if they do not fit."""
-        live = [b for b in range(target, self.num_blocks) if self._ref[b] or b in self._cached]
+        """Renumber every held block with id >= target to a free id < target, and as many
+        cached ones as then fit (the others are evicted, least recently used first), and cut the
+        pool to `target` blocks. Returns the (src, dst) moves: the caller renumbers its tables
+        and moves the data, then cuts its pools. Raises ConfigError if the held ones do not fit."""
+        held = [b for b in range(target, self.num_blocks) if self._ref[b]]
+        low = [b for b in self._cached if b < target]  # least recently used first
         spare = [b for b in range(target) if not self._ref[b] and b not in self._cached]
-        if not 0 < target <= self.num_blocks or len(live) > len(spare):
+        if not 0 < target <= self.num_blocks or len(held) > len(spare) + len(low):
             raise ConfigError(f"cannot compact {self.num_blocks} blocks to {target}")
+        for b in low[:max(0, len(held) - len(spare))]:  # make room for the held blocks
+            self._evict(b)
+        spare = [b for b in range(target) if not self._ref[b] and b not in self._cached]
+        high = [b for b in self._cached if b >= target]
+        for b in high[:max(0, len(high) - (len(spare) - len(held)))]:
+            self._evict(b)
+        live = held + [b for b in self._cached if b >= target]
         moves = list(zip(live, spare))
         for src, dst in moves:
             self._ref[dst], self._hash[dst] = self._ref[src], self._hash[src]
@@ -156,6 +165,18 @@ class BlockPool:
         self.max_blocks = max(self.max_blocks, target)
         self.version += 1
         return moves
+
+    def _evict(self, b: int) -> None:
+        """Drop cached block b's key (it leaves the LRU; the caller places the id)."""
+        del self._cached[b]
+        h = self._hash[b]
+        self._hash[b] = None
+        self.keyed[b] = 0
+        if self._index.get(h) == b:
+            del self._index[h]
+        self.evictions += 1
+        if self.trace is not None:
+            self.trace.add("evict", b, 0)
 
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks with ref 1: from the free list, then by evicting the LRU cached blocks.
@@ -178,15 +199,8 @@ class BlockPool:
         if self._free:
             b = self._free.pop()
         else:
-            b, _ = self._cached.popitem(last=False)
-            h = self._hash[b]
-            self._hash[b] = None
-            self.keyed[b] = 0
-            if self._index.get(h) == b:
-                del self._index[h]
-            self.evictions += 1
-            if self.trace is not None:
-                self.trace.add("evict", b, 0)
+            b = next(iter(self._cached))
+            self._evict(b)
         self._ref[b] = 1
         self.in_use[b] = 1
         self.fill[b] = 0

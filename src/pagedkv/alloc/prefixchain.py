@@ -1,6 +1,9 @@
 """The prefix chain of a block group: the one place chain keys are computed (`chain` for a
-prompt, `commit` for a sequence's newly full committed blocks, which it keys in the pool), the
-lookup of a prompt's hits (`match`), and what a prefix tier publishes (`newly_full`). Mixed into
+prompt, `commit` for a sequence's newly full committed blocks, which it keys in the pool), what a
+hit needs in this group (`hit_blocks`: every leading block without a window; with a sliding
+window W only the blocks covering the hit's last W positions and the kept first blocks, as
+vLLM's hybrid allocator), the longest hit it holds (`feasible`), what an admission with a hit
+costs (`hit_cost`), and what a prefix tier publishes (`newly_full`). Mixed into
 `SequenceManager`; plain Python, no torch.
 """
 
@@ -27,16 +30,51 @@ class PrefixChain:
             out.append(h)
         return out
 
-    def match(self, tokens: Sequence[int], salt: Salt = None) -> int:
-        """Leading full blocks of `tokens` the pool holds now (no change)."""
+    def hit_span(self, n: int) -> tuple[int, int]:
+        """(keep, lo): a hit of the first n blocks must hold blocks [0, keep) and [lo, n) in this
+        group (keep <= lo); every block without a window; with window W the first `keep_first`
+        and those from the block of position n*bs - W + 1 on (what a query at position n*bs or
+        later can see). Blocks [keep, lo) are released entries of the admitted sequence."""
+        if self.window is None:
+            return 0, 0
+        keep = min(self.keep_first, n)
+        return keep, max(keep, self.first_needed(n * self.block_size) // self.block_size)
+
+    def hit_blocks(self, n: int) -> list[int]:
+        """Table indices a hit of the first n blocks must hold (see `hit_span`)."""
+        keep, lo = self.hit_span(n)
+        return list(range(keep)) + list(range(lo, n))
+
+    def feasible(self, keys: Sequence[bytes], cap: int) -> int:
+        """The most leading blocks (at most cap) of a chain this group can serve as a hit now:
+        the pool holds every block `hit_blocks` names (no change)."""
         if not self.prefix:
             return 0
-        n = 0
-        for h in self.chain(tokens, salt):
-            if self.pool.lookup(h) is None:
+        n = min(cap, len(keys))
+        lookup = self.pool.lookup
+        if self.window is None:
+            for i in range(n):
+                if lookup(keys[i]) is None:
+                    return i
+            return n
+        while n:
+            miss = [i for i in self.hit_blocks(n) if lookup(keys[i]) is None]
+            if not miss:
                 break
-            n += 1
+            n = miss[-1]  # a hit that ends at or before the missing block cannot see it
         return n
+
+    def match(self, tokens: Sequence[int], salt: Salt = None) -> int:
+        """Leading full blocks of `tokens` this group alone could serve now (no change)."""
+        return self.feasible(self.chain(tokens, salt), len(tokens)) if self.prefix else 0
+
+    def hit_cost(self, keys: Sequence[bytes], n: int, held_blocks: int) -> int:
+        """Blocks an admission holding `held_blocks` blocks with a hit of n blocks (feasible)
+        takes from the pool's headroom: hit blocks nobody holds (revived from the cache) and
+        the blocks after the hit."""
+        pool = self.pool
+        idle = sum(1 for i in self.hit_blocks(n) if pool.ref_count(pool.lookup(keys[i])) == 0)
+        return idle + max(0, held_blocks - n)
 
     def commit(self, seq_ids: Union[Hashable, Iterable[Hashable]]) -> None:
         """Mark every allocated token of the sequences as written; key newly full blocks."""
@@ -60,10 +98,10 @@ class PrefixChain:
 
     def newly_full(self, seq_id: Hashable) -> list[tuple[int, bytes]]:
         """(pool block, chain key) of the committed, keyed blocks not handed out before (for a
-        prefix tier to publish); swapped ones are skipped (published before they left)."""
+        prefix tier to publish); swapped ones are skipped (published before they left), and so
+        are blocks a window released before they were committed."""
         s = self._get(seq_id)
         out = [(s.table[i], s.hashes[i]) for i in range(s.published, len(s.hashes))
                if s.table[i] >= 0]
         s.published = len(s.hashes)
         return out
-

@@ -80,7 +80,8 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
     namespace: bytes mixed into every prefix key (model identity, format, layer layout), so
     caches of different models or formats can never hit each other's blocks.
     window: None, or the group's sliding window W (`reclaim` then drops blocks no query at or
-    after a position can see; such a group keys nothing). prefix: key committed full blocks.
+    after a position can see; released keyed blocks stay cached for prefix hits, which need
+    only the blocks a query after the hit sees). prefix: key committed full blocks.
     keep_first: with a window, the first blocks of every sequence are never released (a recent
     window's tail that also holds the attention sinks).
     """
@@ -94,7 +95,7 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
         self.namespace = namespace
         self.window = window
         self.keep_first = keep_first
-        self.prefix = prefix and window is None
+        self.prefix = prefix
         self._seqs: dict[Hashable, _Seq] = {}
         self._ids = count()
         self.prefix_queries = 0
@@ -180,49 +181,51 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
 
     # ---- sequences ------------------------------------------------------------------------
     def add(self, tokens: Sequence[int], salt: Salt = None, seq_id: Optional[Hashable] = None,
-            *, max_hit_blocks: Optional[int] = None, rest: bool = True
-            ) -> tuple[Hashable, int, list[int]]:
-        """New sequence holding `tokens`, reusing cached full prefix blocks.
+            *, max_hit_blocks: Optional[int] = None, rest: bool = True,
+            keys: Optional[list[bytes]] = None) -> tuple[Hashable, int, list[int]]:
+        """New sequence holding `tokens`, reusing cached full prefix blocks (keys: the prompt's
+        `chain`, when the caller has it).
 
         Returns (seq_id, hit_tokens, slots): the first `hit_tokens` tokens (whole blocks, always
         fewer than len(tokens) so the model has at least one token to run; at most
-        max_hit_blocks blocks) are already stored and committed; `slots` are the slots of the
-        other tokens, to be stored then committed. rest=False admits the hit tokens only (the
-        others come later through `allocate`)."""
+        max_hit_blocks blocks; with a window only the blocks `hit_blocks` names are held, the
+        others are released entries) are already stored and committed; `slots` are the slots of
+        the other tokens, to be stored then committed. rest=False admits the hit tokens only
+        (the others come later through `allocate`)."""
         n, toks, _ = check_tokens(tokens, "add_sequence")
         if isinstance(tokens, int):
             raise ConfigError("add_sequence needs the prompt's token ids, not a count")
-        keys = self.chain(toks, salt) if self.prefix else []
+        if keys is None:
+            keys = self.chain(toks, salt) if self.prefix else []
         root = root_hash(self.namespace, salt)
         seq_id = self._new_id(seq_id)
         bs, pool = self.block_size, self.pool
-        hits: list[int] = []
-        for h in keys[:max_hit_blocks]:
-            b = pool.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
-        hit_tokens = len(hits) * bs
+        nhit = self.feasible(keys, len(keys) if max_hit_blocks is None else max_hit_blocks)
+        hit_tokens = nhit * bs
         held = n if rest else hit_tokens
-        n_new = -(-held // bs) - len(hits)
-        revive = sum(1 for b in hits if pool.ref_count(b) == 0)
-        if n_new and not pool.ensure(n_new + revive):
+        held_blocks = -(-held // bs)
+        cost = self.hit_cost(keys, nhit, held_blocks)
+        if cost and not pool.ensure(cost):
             raise CacheFull(
-                f"add_sequence of {n} tokens needs {n_new} new blocks ({len(hits)} prefix hits); "
-                f"{pool.headroom - revive} available of {pool.max_blocks}"
+                f"add_sequence of {n} tokens needs {cost} blocks ({nhit} prefix hits); "
+                f"{pool.headroom} available of {pool.max_blocks}"
             )
         s = _Seq(root)
-        for b in hits:
+        s.table.extend([RELEASED] * nhit)
+        for i in self.hit_blocks(nhit):
+            b = pool.lookup(keys[i])
             pool.share(b)
-        s.table.extend(hits)
-        for _ in range(n_new):
+            s.table[i] = b
+        keep, lo = self.hit_span(nhit)
+        s.dead = lo if lo > keep else 0  # entries [keep, lo): outside the window already
+        for _ in range(held_blocks - nhit):
             s.table.append(pool._take())
         s.tokens = toks[:held]
         if held > hit_tokens:
             self._mark_fill(s, hit_tokens, held)
         s.committed = hit_tokens
-        s.hashes = keys[:len(hits)]
-        s.published = len(hits)  # a hit block is already wherever the tiers keep it
+        s.hashes = keys[:nhit]
+        s.published = nhit  # a hit block is already wherever the tiers keep it
         self._seqs[seq_id] = s
         self.prefix_queries += 1
         self.prefix_query_tokens += n

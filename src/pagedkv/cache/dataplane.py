@@ -113,8 +113,8 @@ class DataPlane:
         Raises SwapLost, naming the sequences and tokens, if a swapped block is not intact."""
         pl = self._layer(layer)
         lens = self.seq_lens(seq_ids)
-        got = None if self.tiers is None else self.tiers.view(
-            self.seqs, self.layers, layer, seq_ids, self._epoch, self.device)
+        got = None if self.tiers is None else self.tiers.view_of(
+            "main", layer, self.group_of(layer), seq_ids, self._epoch, self.device)
         if got is None:
             return pl, self.block_tables(seq_ids, layer), lens
         return got[0], got[1], lens
@@ -125,7 +125,10 @@ class DataPlane:
         self._layer(layer)
         if self.tails is None:
             raise ConfigError("this cache has no recent window (CacheConfig.recent_window)")
-        return self.tails[layer], self._group_tables(self.groups.tail_group, seq_ids)
+        g = self.groups.tail_group
+        got = None if self.tiers is None else self.tiers.view_of(
+            "tail", layer, g, seq_ids, self._epoch, self.device)
+        return (self.tails[layer], self._group_tables(g, seq_ids)) if got is None else got
 
     def _check_window(self, layer: int, params: AttentionParams) -> None:
         w = self._group(self.group_of(layer)).window

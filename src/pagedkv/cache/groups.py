@@ -63,6 +63,14 @@ def group_layout(config: CacheConfig) -> GroupLayout:
                        tuple(tuple(m) for m in members), tuple(keep))
 
 
+def group_tags(layout: GroupLayout) -> list[bytes]:
+    """Each group's name in a prefix store's keys: b"" for the global group (the keys of a
+    cache with one group), else its window, kept blocks and members (two groups of one cache
+    can have the same record layout)."""
+    return [b"" if w is None else repr((w, k, m)).encode()
+            for w, k, m in zip(layout.windows, layout.keep_first, layout.members)]
+
+
 def tail_keep_blocks(recent, block_size: int) -> int:
     """Leading blocks a recent window's tail group keeps for every sequence: those covering its
     attention sinks (`RecentWindow.sinks` first positions)."""
@@ -141,16 +149,18 @@ class GroupedStorage:
 
     def _group_tables(self, g: int, seq_ids) -> torch.Tensor:
         """int32 [B, max_blocks] of group g, 0-padded. Entries a sliding group released read 0
-        (no query of the window reads them: the ops skip or mask them); a swapped entry of the
-        first group reads -1 so a direct op call fails loudly."""
+        (no query of the window reads them: the ops skip or mask them); a swapped entry reads
+        -1 so a direct op call fails loudly."""
         from .tables import block_table_tensor
 
         seqs = self.core.groups[g]
         t = block_table_tensor([seqs.table(i) for i in seq_ids], torch.device("cpu"))
         if seqs.window is not None:
-            t = t.clamp(min=0)
-        elif self.tiers is not None:
+            t = torch.where(t == -1, 0, t)  # released (RELEASED = -1) reads block 0
+        if self.tiers is not None:
             t = t.clamp(min=-1)  # a swapped entry (-2 - record) reads -1
+        else:
+            t = t.clamp(min=0)
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def group_stats(self) -> tuple:

@@ -120,13 +120,6 @@ class PagedCache(DataPlane, GroupedStorage):
         self._checked: dict = {}  # group -> (slot tensor, its _version, pool.version, epoch)
         self._epoch = 0  # bumps whenever tables or layers change (attention plans are per epoch)
         if offload is not None or swap_tier is not None or prefix_tier is not None:
-            if len(self.core.groups) > 1:
-                raise ConfigError(
-                    "the engine cache's offload tiers need one block group: this config has "
-                    + ("a recent window (its tail is not in swap or prefix records)"
-                       if config.recent_window is not None else
-                       "sliding-window layers that release blocks; use "
-                       "CacheConfig(reclaim_sliding=False) to keep every token for the tiers"))
             from ..offload.config import OffloadConfig
             from .tiering import CacheTiers
 
@@ -140,7 +133,12 @@ class PagedCache(DataPlane, GroupedStorage):
         """Table entries went: delete the swap records nothing names any more."""
         self._changed()
         if self.tiers is not None:
-            self.tiers.drop_dead(self.seqs)
+            self.tiers.drop_dead()
+
+    def _reclaimed(self) -> None:
+        """A step's window reclaim may have dropped swapped entries: delete their records."""
+        if self.tiers is not None:
+            self.tiers.drop_dead()
 
     def _slots_of(self, group_slots, seq_ids) -> dict:
         """The GroupSlots fields of per-group slot lists (tensors on the cache's device, recorded
@@ -164,15 +162,15 @@ class PagedCache(DataPlane, GroupedStorage):
         cached (in memory, or in the prefix store: loaded first) are shared instead of
         recomputed; hits are whole blocks and always fewer than len(tokens). Store K/V of
         `tokens[hit_tokens:]` at `slot_mapping`, then `commit`."""
-        loaded = 0
+        before = None  # hit blocks in memory before the prefix store was asked
         if self.tiers is not None:
-            tokens, loaded = self.tiers.before_add(self.seqs, self.layers, tokens, salt, seq_id)
+            tokens, before = self.tiers.before_add(self.seqs, tokens, salt, seq_id)
         sid, hit, slots = self.core.add(seq_id, tokens, salt)
         self.handouts.changed([sid])
         self._sync_sizes()  # an admission may grow a sliding group's pool
         self._changed()
-        if self.tiers is not None:
-            self.tiers.tier_hit_tokens += min(loaded * self.block_size, hit)
+        if before is not None:
+            self.tiers.tier_hit_tokens += max(0, hit - before * self.block_size)
         return NewSequence(sid, hit, **self._slots_of(slots, [sid]))
 
     def allocate(self, seq_id: Hashable, tokens: Union[int, Sequence[int]]) -> torch.Tensor:
@@ -183,6 +181,7 @@ class PagedCache(DataPlane, GroupedStorage):
         self.seqs._get(seq_id)
         plan = self.core.step([seq_id], [tokens])
         self._apply(plan)
+        self._reclaimed()
         return self._slots_of([plan.groups[0].slots], [seq_id])["slot_mapping"]
 
     def step(self, seq_ids: Sequence[Hashable], tokens: Sequence[Union[int, Sequence[int]]]
@@ -194,6 +193,7 @@ class PagedCache(DataPlane, GroupedStorage):
             self.seqs._get(i)
         plan = self.core.step(seq_ids, tokens)
         self._apply(plan)
+        self._reclaimed()
         starts = [0]
         for n in plan.counts:
             starts.append(starts[-1] + n)
@@ -214,7 +214,7 @@ class PagedCache(DataPlane, GroupedStorage):
         self.handouts.changed(ids)  # their handed-out slots are written: no longer pending
         self._changed()
         if self.tiers is not None:
-            self.tiers.after_commit(self.seqs, ids, self.layers)
+            self.tiers.after_commit(ids)
 
     def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
         """A copy of a sequence sharing all its blocks and swap records (beam search, parallel
@@ -228,12 +228,12 @@ class PagedCache(DataPlane, GroupedStorage):
         """Drop the last n tokens (rejected speculative tokens); empty blocks are released. A
         swapped block that becomes the partly filled last block is read back first (CacheFull
         / SwapLost before any change if that is impossible)."""
-        rid = self.core.check_pop(seq_id, n)[0]
-        sections = None if rid is None else self.tiers.fetch(self.seqs, rid, self.layers)
-        back = self.core.pop(seq_id, n)[0]
+        rids = self.core.check_pop(seq_id, n)
+        sections = None if all(r is None for r in rids) else self.tiers.pop_fetch(rids)
+        backs = self.core.pop(seq_id, n)
         self.handouts.changed([seq_id])
-        if back is not None:
-            self.tiers.write_back(self.layers, back, sections)
+        if sections is not None:
+            self.tiers.pop_restore(backs, sections)
         self._dropped()
 
     def reset(self, seq_id: Hashable) -> None:
@@ -253,9 +253,10 @@ class PagedCache(DataPlane, GroupedStorage):
         self._dropped()
 
     def reset_prefix_cache(self) -> int:
-        """Forget all prefix keys; cached blocks return to the free list. Returns how many."""
+        """Forget all prefix keys (every block group); cached blocks return to the free lists.
+        Returns how many did."""
         self._changed()
-        return self.pool.reset_prefix_cache()
+        return sum(g.pool.reset_prefix_cache() for g in self.core.groups)
 
     # ---- swap -----------------------------------------------------------------------------
     def swapped_blocks(self, seq_id: Hashable) -> list[int]:
@@ -272,21 +273,19 @@ class PagedCache(DataPlane, GroupedStorage):
         self.seqs._get(seq_id)
         if self.tiers is None:
             return 0
-        moved = self.tiers.enforce(self.seqs, seq_id, self.layers)
+        moved = self.tiers.enforce(seq_id)
         self._changed()
         return moved
 
     @property
     def swap(self):
         """The swap space (records, tier, stats) or None without a resident cap."""
-        t = self.tiers
-        return None if t is None or t.swap is None else t.swap.swap
+        return None if self.tiers is None else self.tiers.space
 
     @property
     def prefix(self):
         """The shared prefix store or None."""
-        t = self.tiers
-        return None if t is None or t.prefix is None else t.prefix.store
+        return None if self.tiers is None else self.tiers.store
 
     @property
     def layout(self):
@@ -305,7 +304,8 @@ class PagedCache(DataPlane, GroupedStorage):
         """Counters of the tiers: swap (outs, ins, bytes, read time) and prefix store."""
         if self.tiers is None:
             return {"tier_hit_tokens": 0, "swapped_blocks": 0}
-        return self.tiers.stats(self.seqs)
+        return {"tier_hit_tokens": self.tiers.tier_hit_tokens,
+                **self.tiers.stats(self.seqs.ids())}
 
     def close(self) -> None:
         """Delete this cache's swap records (and directory) and close the tiers."""

@@ -116,11 +116,11 @@ def _recent_attention(layer, q_rows, b, tq, counts, seq_lens, params):
 
     cache, dev = layer.cache, q_rows.device
     paged, tables = cache.attention_inputs(layer, dev)
-    return recent_prefill_attention(q_rows.contiguous(), paged, layer.tail, tables, seq_lens,
+    tail, tail_tables = cache.attention_inputs(layer, dev, tail=True)
+    return recent_prefill_attention(q_rows.contiguous(), paged, tail, tables, seq_lens,
                                     _query_start_loc(b, tq, counts, dev), params,
                                     recent=cache.recent_window.tokens, checks=cache.checks,
-                                    tail_block_tables=cache.block_table_tensor(dev, cache.tail_group),
-                                    sinks=cache.recent_window.sinks)
+                                    tail_block_tables=tail_tables, sinks=cache.recent_window.sinks)
 
 
 def _dense_attention(query, key, value, scaling, window, softcap, sinks, key_valid=None):

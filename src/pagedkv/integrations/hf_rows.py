@@ -7,7 +7,6 @@ crops pop. Mixed into `PagedKVCache`.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Optional, Sequence, Union
 
@@ -96,7 +95,11 @@ class RowStorage:
     def _apply_sizes(self) -> None:
         """Resize pools to their groups' block counts (after growth outside a step)."""
         for view in self.groups:
-            self._apply_step(view, GroupStep((), view.num_blocks, (), ()))
+            n = view.num_blocks
+            members = [self.layers[i].paged for i in view.layers] + \
+                [self.layers[i].tail for i in view.tails]
+            if any(p is not None and p.k_pool.shape[0] != n for p in members):
+                self._apply_step(view, GroupStep((), n, (), ()))
 
     def _apply_step(self, view: "GroupView", step: GroupStep) -> None:
         """One group's plan step applied to its members: pages of its layers, tails it holds."""
@@ -105,22 +108,20 @@ class RowStorage:
         for i in view.tails:
             self.layers[i]._apply_tail(step)
 
-    def attention_inputs(self, layer, device):
-        """(PagedLayer, int32 block tables [rows, width]) the layer attends through (swapped
-        blocks read back when the tiers swapped some)."""
+    def attention_inputs(self, layer, device, tail: bool = False):
+        """(PagedLayer, int32 block tables [rows, width]) the layer (tail=True: its recent
+        window's tail) attends through (swapped blocks read back when the tiers swapped some)."""
         if self.tiers is not None:
-            return self.tiers.attention(layer, device)
+            return self.tiers.attention(layer, device, tail)
+        if tail:
+            return layer.tail, self.block_table_tensor(device, self.tail_group)
         return layer.paged, self.block_table_tensor(device, layer.group)
 
     def offload_stats(self) -> dict:
         """Swapped blocks now, and the swap and prefix tiers' counters."""
-        out = {"swapped_blocks": sum(len(self.core.main.swapped(s)) for s in self._rows)}
-        t = self.tiers
-        if t is not None and t.swap is not None:
-            out["swap"] = dataclasses.asdict(t.swap.swap.stats)
-        if t is not None and t.prefix is not None:
-            out["prefix"] = dataclasses.asdict(t.prefix.store.stats)
-        return out
+        if self.tiers is None:
+            return {"swapped_blocks": 0}
+        return self.tiers.stats(self._rows)
 
     def close(self) -> None:
         """Delete this cache's swap records and close its tiers."""
@@ -147,6 +148,8 @@ class RowStorage:
             plan = self.core.step(self._rows, self._step_tokens(counts, valid))
             for view, gs in zip(self.groups, plan.groups):
                 self._apply_step(view, gs)
+            if self.tiers is not None:  # the window reclaim may have dropped swapped entries
+                self.tiers.drop_dead()
             self._plan = (key, plan, {})
             self._tables = {}
             self._uncommitted = True
@@ -192,8 +195,8 @@ class RowStorage:
         self._rows_changed()
         if self.tiers is not None and reuse and not padded:
             self.tiers.before_begin(rows)
-        hit = 0 if padded or not reuse or not self.layers[0].is_initialized else \
-            min(self.core.main.match(r) for r in rows)
+        hit = 0 if padded or not reuse or not all(layer.is_initialized for layer in self.layers) \
+            else self.core.common_hit(rows)
         for r in rows:
             sid = next(self._sids)
             self.core.add(sid, r, rest=False, max_hit_blocks=hit)

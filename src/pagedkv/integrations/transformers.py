@@ -135,8 +135,8 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
                  reclaim_sliding: bool = True, offload=None, swap_tier=None, prefix_tier=None,
                  recent_window=None):
         config = getattr(model_or_config, "config", model_or_config)
-        self.recent_window = _recent_window(recent_window if recent_window is not None
-                                            else _plan_recent(kv_format), offload)
+        self.recent_window = recent_window_of(recent_window if recent_window is not None
+                                              else _plan_recent(kv_format))
         if check_attn_implementation and hasattr(model_or_config, "config"):
             impl = getattr(config, "_attn_implementation", None)
             if impl != ATTN_IMPLEMENTATION:
@@ -361,13 +361,3 @@ def _plan_recent(kv_format):
     from ..ops.recent import RecentWindow
 
     return RecentWindow(int(r["tokens"]), r["codec"], sinks=int(r.get("sinks", 0)))
-
-
-def _recent_window(recent, offload):
-    """The cache's `ops.recent.RecentWindow` (None = off; an int R = a bf16 tail of R tokens):
-    every layer then keeps a high-precision tail (in a block group of window R) and attends
-    with `ops.recent`."""
-    recent = recent_window_of(recent)
-    if recent is not None and offload is not None:
-        raise ConfigError("recent_window does not work with offload yet (the tail is not swapped)")
-    return recent

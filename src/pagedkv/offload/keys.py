@@ -76,11 +76,15 @@ class StoreKeys:
                          + identity)
         self._tag = blake2b(key=k, digest_size=TAG, person=b"pagedkv-seal")
 
-    def key(self, layout: BlockLayout, chain: bytes) -> str:
-        """The tier key of the block whose prefix chain hash is `chain`."""
+    def key(self, layout: BlockLayout, chain: bytes, group: bytes = b"") -> str:
+        """The tier key of the block whose prefix chain hash is `chain` (group: which block
+        group of the cache it belongs to, b"" for the global one: two groups of one cache may
+        have the same record layout)."""
         h = self._key.copy()
         h.update(layout.fingerprint)
         h.update(chain)
+        if group:
+            h.update(b"|group|" + group)
         return f"{KEY_SCHEME}.{h.hexdigest()}"
 
     def aux_key(self, name: str) -> str:

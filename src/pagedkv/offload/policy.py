@@ -10,9 +10,10 @@ them (`PagedLayer`); they never see the cache, the model or the evaluation code.
   its pools holding the resident blocks then the swapped ones read back (same bytes: attention
   is bit-identical); `restore(...)`: a record read back into a pool block (pop into the
   swapped region).
-- `PrefixPolicy.load(seqs, layers, tokens, salt)`: bring a prompt's stored leading blocks into
-  the pool as cached prefix blocks (then the admission finds them); `publish(seqs, seq_id,
-  layers)`: store the newly full committed blocks.
+- `PrefixPolicy.fetch(layers, chains)`: a group's stored blocks, for the block manager's
+  `load_prefix` (which writes them into the pool as cached prefix blocks, where the admission
+  finds them); `publish(seqs, seq_id, layers)`: store the newly full committed blocks.
+- `CoreTiers` (`offload/coretiers.py`): both, for every block group of a block manager.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from ..alloc.hashing import Salt
 from ..alloc.sequences import SequenceManager, swapped_record
 from ..ops.batch import PagedLayer
 from .config import OffloadConfig
@@ -37,7 +37,7 @@ from .prefix import PrefixStore
 from .store import open_prefix_store
 from .record import BlockLayout, write_block
 from .swap import SwapSpace
-from .swapfile import SwapFileTier
+from .swapfile import GroupedSwapFiles, SwapFileTier
 from .tiers import MemoryTier, SwapLost, Tier
 
 
@@ -73,12 +73,13 @@ def remove_stale_swap_dirs(root: Path) -> int:
 
 
 def build_tiers(owner, config, offload: OffloadConfig, swap_tier: Optional[Tier] = None,
-                prefix_tier: Optional[Tier] = None):
+                prefix_tier: Optional[Tier] = None, groups: int = 1):
     """(SwapSpace or None, PrefixStore or None, close()) for `offload`: the swap space when a
     resident cap is set (a private directory per cache, removed by close() or when `owner` is
     collected), the prefix store when one is configured (`store.open_prefix_store`: ConfigError
     without a model identity in `config`, or on Redis without a secret). Given tiers replace
-    configured ones."""
+    configured ones. groups: the cache's block groups (a swap file per group on disk: their
+    records differ in size)."""
     prefix = open_prefix_store(config, offload, prefix_tier)
     swap = None
     finalizer = None
@@ -90,7 +91,8 @@ def build_tiers(owner, config, offload: OffloadConfig, swap_tier: Optional[Tier]
                 root = offload.swap_path()
                 remove_stale_swap_dirs(root)
                 d = root / f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-                swap_tier = SwapFileTier(d, offload.swap_limit_bytes)
+                swap_tier = SwapFileTier(d, offload.swap_limit_bytes) if groups == 1 else \
+                    GroupedSwapFiles(d, offload.swap_limit_bytes, groups)
                 finalizer = weakref.finalize(owner, _rmtree, str(d))
         swap = SwapSpace(swap_tier, prefetch=offload.prefetch)
 
@@ -124,11 +126,15 @@ _LAYOUT_FIELDS = ("k_pool", "k_centre", "k_mult", "v_centre", "k_scale", "v_scal
 
 
 class SwapPolicy:
-    """Per-sequence resident cap over one group, records in `swap` (a private tier)."""
+    """Per-sequence resident cap over one block group (`group`: its index, in the record keys),
+    records in `swap` (a private tier shared by the groups)."""
 
-    def __init__(self, swap: SwapSpace, cap: int):
-        self.swap, self.cap = swap, cap
+    def __init__(self, swap: SwapSpace, cap: int, group: int = 0):
+        self.swap, self.cap, self.group = swap, cap, group
         self.layouts = _Layouts()
+
+    def key(self, rid: int) -> str:
+        return self.swap.key_of(rid, self.group)
 
     def enforce(self, seqs: SequenceManager, seq_id: Hashable, layers: Sequence[PagedLayer]) -> int:
         """Swap out down to the cap; returns how many entries moved (TierWriteError from a
@@ -141,7 +147,7 @@ class SwapPolicy:
         try:
             for i, b, rid, new in todo:
                 if new:
-                    self.swap.write(layers, layout, b, rid)
+                    self.swap.write(layers, layout, b, rid, self.group)
                 done.append((i, b, rid, new))
         finally:
             seqs.swapped_out(seq_id, done)
@@ -150,12 +156,12 @@ class SwapPolicy:
     def drop_dead(self, seqs: SequenceManager) -> None:
         """Delete the records no table entry names any more."""
         for rid in seqs.drain_dead_records():
-            self.swap.release(self.swap.key_of(rid))
+            self.swap.release(self.key(rid))
 
     def fetch(self, seqs: SequenceManager, rid: int, layers: Sequence[PagedLayer]):
         """Every layer's bytes of record `rid` (SwapLost naming the sequences if not intact)."""
         try:
-            return self.swap.read_whole(self.layouts.of(layers), self.swap.key_of(rid))
+            return self.swap.read_whole(self.layouts.of(layers), self.key(rid))
         except SwapLost as exc:
             raise self.lost(seqs, exc, None) from None
 
@@ -171,7 +177,7 @@ class SwapPolicy:
         hit = []
         for sid in seqs.ids():
             idx = [i for i in seqs.swapped(sid)
-                   if self.swap.key_of(swapped_record(seqs.table(sid)[i])) in lost]
+                   if self.key(swapped_record(seqs.table(sid)[i])) in lost]
             if idx:
                 spans = ", ".join(f"{i * bs}..{(i + 1) * bs - 1}" for i in idx)
                 hit.append(f"sequence {sid!r} (tokens {spans})")
@@ -195,7 +201,7 @@ class SwapPolicy:
                 if rid is None:
                     row.append(res.setdefault(max(e, 0), len(res)))
                 else:
-                    row.append(~recs.setdefault(self.swap.key_of(rid), len(recs)))
+                    row.append(~recs.setdefault(self.key(rid), len(recs)))
             rows.append(row)
         if not recs:
             return None
@@ -231,20 +237,20 @@ class SwapPolicy:
 
 
 class PrefixPolicy:
-    """A shared prefix store over one group (blocks keyed by the group's chain hashes)."""
+    """A shared prefix store over one block group (blocks keyed by the group's chain hashes and
+    `tag`, the group's name in the store keys)."""
 
-    def __init__(self, store: PrefixStore):
+    def __init__(self, store: PrefixStore, tag: bytes = b""):
         self.store = store
+        self.tag = tag
         self.layouts = _Layouts()
 
-    def load(self, seqs: SequenceManager, layers: Sequence[PagedLayer], tokens: Sequence[int],
-             salt: Salt = None) -> int:
-        """Stored leading blocks of `tokens` loaded into the pool (cached, keyed)."""
-        return self.store.load(seqs.pool, layers, self.layouts.of(layers), seqs.namespace,
-                               list(tokens), salt)
+    def fetch(self, layers: Sequence[PagedLayer], chains: Sequence[bytes]):
+        """The stored sections of these chain keys, in order, None at the first miss."""
+        return self.store.fetch(self.layouts.of(layers), chains, self.tag)
 
     def publish(self, seqs: SequenceManager, seq_id: Hashable, layers: Sequence[PagedLayer]) -> int:
         blocks = seqs.newly_full(seq_id)
         if not blocks:
             return 0
-        return self.store.publish_many(layers, self.layouts.of(layers), blocks)
+        return self.store.publish_many(layers, self.layouts.of(layers), blocks, self.tag)

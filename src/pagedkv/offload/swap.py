@@ -50,26 +50,29 @@ class SwapSpace:
         self.tier = tier
         self.session = f"s{os.getpid()}{uuid.uuid4().hex[:10]}"
         self._heads: dict[str, tuple[int, bytes]] = {}  # live key -> (header length, digest)
-        self._offsets: tuple[Optional[BlockLayout], list[int]] = (None, [])
+        self._offsets: dict[int, tuple[BlockLayout, list[int]]] = {}  # per layout (by id)
         self.stats = SwapStats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-swap") \
             if prefetch else None
-        self._pending: dict[int, tuple[tuple[str, ...], Future]] = {}
+        # (layout id, layer) -> (keys, prefetch): the layers of several block groups interleave
+        self._pending: dict[tuple[int, int], tuple[tuple[str, ...], Future]] = {}
 
     # ---- writing ----------------------------------------------------------------------------
-    def key_of(self, rid: int) -> str:
-        """The record key of the block manager's swap record `rid` (fixed width: fixed-size
-        records)."""
-        return f"{self.session}-r{rid:012d}"
+    def key_of(self, rid: int, group: int = 0) -> str:
+        """The record key of swap record `rid` of the block manager's group `group` (fixed width
+        per group: fixed-size records)."""
+        return f"{self.session}-r{rid:012d}" if not group else \
+            f"{self.session}-g{group:03d}r{rid:012d}"
 
     def keys(self) -> list[str]:
         """The records held now."""
         return list(self._heads)
 
-    def write(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int, rid: int) -> str:
-        """Store block `block` of every layer as record `rid`; returns its key. Raises
-        TierWriteError with nothing stored."""
-        key = self.key_of(rid)
+    def write(self, layers: Sequence[PagedLayer], layout: BlockLayout, block: int, rid: int,
+              group: int = 0) -> str:
+        """Store block `block` of every layer (of block group `group`) as record `rid`; returns
+        its key. Raises TierWriteError with nothing stored."""
+        key = self.key_of(rid, group)
         rec = encode_record(layout, key.encode(), read_block(layers, block))
         self.tier.put(key, rec)
         head = header_bytes(layout, key.encode())
@@ -109,10 +112,12 @@ class SwapSpace:
         t0 = time.perf_counter()
         out: list[Optional[tuple[memoryview, memoryview]]] = []
         nbytes = 0
-        lay_of, offsets = self._offsets
+        lay_of, offsets = self._offsets.get(id(layout), (None, []))
         if lay_of is not layout:
             offsets = section_offsets(layout)
-            self._offsets = (layout, offsets)
+            if len(self._offsets) > 16:
+                self._offsets.clear()
+            self._offsets[id(layout)] = (layout, offsets)
         lay = layout.layers[layer]
         length = lay.section_bytes
         heads = [self._heads.get(key) for key in keys]  # None: released meanwhile (stale prefetch)
@@ -137,7 +142,7 @@ class SwapSpace:
                    ) -> list[tuple[bytes, bytes]]:
         """(K bytes, V bytes) of layer `layer` for each record in `keys`; then starts fetching
         the next layer (wrapping to 0) in the background. SwapLost if any is not intact."""
-        pending = self._pending.pop(layer, None)
+        pending = self._pending.pop((id(layout), layer), None)
         t0 = time.perf_counter()
         if pending is not None and pending[0] == keys:
             got = pending[1].result()
@@ -147,9 +152,10 @@ class SwapSpace:
         self.stats.wait_s += time.perf_counter() - t0
         if self._pool is not None and keys:
             nxt = (layer + 1) % len(layout.layers)
-            old = self._pending.get(nxt)
+            old = self._pending.get((id(layout), nxt))
             if old is None or old[0] != keys:
-                self._pending[nxt] = (keys, self._pool.submit(self._fetch, layout, nxt, keys))
+                self._pending[(id(layout), nxt)] = (
+                    keys, self._pool.submit(self._fetch, layout, nxt, keys))
         bad = tuple(key for key, item in zip(keys, got) if item is None)
         if bad:
             raise SwapLost(f"{len(bad)} swapped block(s) (layer {layer}) in {self.tier.name} are "

@@ -17,6 +17,7 @@ error. Private to one process (the key -> slot map lives in memory).
 from __future__ import annotations
 
 import errno
+import re
 import os
 from pathlib import Path
 from typing import Optional, Union
@@ -96,12 +97,7 @@ class SwapFileTier(Tier):
             except OSError as exc:
                 self._warn_once("read", f"read failed ({exc}); treated as a miss")
                 out.append(None)
-        with self._lock:
-            hits = sum(v is not None and len(v) == length for v in out)
-            self.stats.gets += len(out)
-            self.stats.hits += hits
-            self.stats.misses += len(out) - hits
-            self.stats.bytes_read += hits * length
+        _count_ranges(self, out, length)
         return out
 
     # ---- writes -----------------------------------------------------------------------------
@@ -164,3 +160,60 @@ class SwapFileTier(Tier):
             self.path.unlink()
         except OSError:
             pass
+
+
+_GROUP = re.compile(r"-g(\d{3})r\d{12}$")
+
+
+def _count_ranges(tier: Tier, out: list, length: int) -> None:
+    """Count a `read_ranges` answer in the tier's stats."""
+    with tier._lock:
+        hits = sum(v is not None and len(v) == length for v in out)
+        tier.stats.gets += len(out)
+        tier.stats.hits += hits
+        tier.stats.misses += len(out) - hits
+        tier.stats.bytes_read += hits * length
+
+
+class GroupedSwapFiles(Tier):
+    """The disk swap tier of a cache with several block groups: one `SwapFileTier` per group
+    under `root/g<N>` (a group's records all have one size, another group's another), chosen by
+    the group a record key names (`SwapSpace.key_of`). limit_bytes applies to each file."""
+
+    def __init__(self, root: Union[str, os.PathLike], limit_bytes: Optional[int], groups: int):
+        super().__init__()
+        self.root = Path(root).expanduser()
+        self.files = [SwapFileTier(self.root / f"g{g}", limit_bytes) for g in range(groups)]
+        self.name = f"swap files under {self.root}"
+
+    def _file(self, key: str) -> SwapFileTier:
+        m = _GROUP.search(key)
+        return self.files[int(m.group(1)) if m else 0]
+
+    def __len__(self) -> int:
+        return sum(len(f) for f in self.files)
+
+    def _get(self, key: str) -> Optional[bytes]:
+        return self._file(key)._get(key)
+
+    def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
+        return self._file(key)._get_range(key, start, length)
+
+    def read_ranges(self, keys: list[str], starts: list[int], length: int
+                    ) -> list[Optional[bytes]]:
+        """`SwapFileTier.read_ranges` (the keys of one call are of one group), counted here."""
+        if not keys:
+            return []
+        out = self._file(keys[0]).read_ranges(keys, starts, length)
+        _count_ranges(self, out, length)
+        return out
+
+    def _put(self, key: str, value: bytes, if_absent: bool) -> bool:
+        return self._file(key)._put(key, value, if_absent)
+
+    def _delete(self, key: str) -> None:
+        self._file(key)._delete(key)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
