@@ -149,13 +149,63 @@ def test_a_plan_file_is_a_vllm_format_checked_against_the_layout(tmp_path, monke
         parse_settings({"kv_format": "bad.json"}, environ={})
 
 
-@pytest.mark.parametrize("value", [
-    {"kv_format": "turbo3", "recent_window": 64},
-    {"kv_format": "turbo3+r64q8_0"},
-    {"kv_format": "PLAN"},
+@pytest.mark.parametrize("value, want", [
+    ({"kv_format": "turbo3", "recent_window": 64}, ("turbo3", 64, "bf16", 0)),
+    ({"kv_format": "turbo3", "recent_window": "64s16q8_0"}, ("turbo3", 64, "q8_0", 16)),
+    ({"kv_format": "turbo3", "recent_window": {"tokens": 32, "codec": "q8_0", "sinks": 16}}, ("turbo3", 32, "q8_0", 16)),
+    ({"kv_format": "turbo3+r64q8_0"}, ("turbo3", 64, "q8_0", 0)),
+    ({"kv_format": "turbo3+hp+r64s16q8_0"}, ("turbo3", 64, "q8_0", 16)),
+    ({"kv_format": "turbo3", "recent_window": 0}, ("turbo3", None, None, None)),
+    ({"kv_format": "PLAN"}, (None, 64, "bf16", 0)),
 ])
-def test_a_recent_window_is_refused_saying_what_is_supported(tmp_path, value):
+def test_a_recent_window_from_its_setting_a_name_or_a_plan(tmp_path, value, want):
+    """The window means what it means in `pagedkv eval` and the drop-in (`+rRsS<codec>` last)."""
     if value["kv_format"] == "PLAN":
         value = {"kv_format": _plan(tmp_path / "r.json", [("turbo3", "turbo3")], recent={"tokens": 64, "codec": "bf16"})}
-    with pytest.raises(ConfigError, match="recent window.*supported: a format name"):
+    s = parse_settings(value, environ={})
+    r = s.recent_window
+    assert (None if want[0] is None else s.kv_format, *((r.tokens, r.codec.name, r.sinks) if r else (None,) * 3)) \
+        == (None if want[0] is None else want[0], *want[1:])
+    if "+hp" in value["kv_format"]:
+        assert s.high_precision_layers == "auto"
+
+
+@pytest.mark.parametrize("value, needle", [
+    ({"kv_format": "turbo3+r64", "recent_window": 32}, "names a recent window \\(r64\\)"),
+    ({"kv_format": "turbo3", "recent_window": "sixty"}, "recent_window must be"),
+    ({"kv_format": "turbo3", "recent_window": {"tokens": 64}}, "recent_window must be"),
+    ({"kv_format": "turbo3", "recent_window": "64fp8"}, "tensor scale"),
+    ({"kv_format": "turbo3+r64zz9"}, "zz9"),
+])
+def test_bad_recent_windows_are_refused_naming_the_value(value, needle):
+    with pytest.raises(ConfigError, match=needle):
         parse_settings(value, environ={})
+
+
+def test_the_tail_may_have_its_own_block_size():
+    """`ops.recent` with tail_block_tables reads a tail of another block size (the vLLM tail
+    group's blocks are smaller than the pages'): the same result as a tail at the pages' size."""
+    from pagedkv.codecs import get_codec
+    from pagedkv.ops.recent import recent_prefill_attention
+
+    fmt, tc = parse_format("turbo3"), get_codec("q8_0")
+    h, d, n = 2, 64, 70
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+    q = torch.randn(n, 2 * h, d, generator=g)
+    pages = make_layer(fmt.k, fmt.v, 8, 16, h, d)
+    ops.store(pages, k, v, torch.arange(n) + 16)  # blocks 1..5
+    tables = torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32)
+    lens, qsl = torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
+    params = AttentionParams(scale=d ** -0.5)
+    outs = []
+    for bs in (16, 8):
+        tail = make_layer(tc, tc, 2 * 80 // bs, bs, h, d)
+        ids = torch.randperm(tail.num_blocks, generator=g)[:-(-n // bs)]
+        slots = (ids[torch.arange(n) // bs] * bs + torch.arange(n) % bs).long()
+        ops.store(tail, k, v, slots)
+        outs.append(recent_prefill_attention(q, pages, tail, tables, lens, qsl, params, recent=20, sinks=5,
+                                             tail_block_tables=ids.to(torch.int32)[None]))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    with pytest.raises(ConfigError, match="block size"):
+        recent_prefill_attention(q, pages, make_layer(tc, tc, 20, 8, h, d), tables, lens, qsl, params, recent=20)

@@ -77,6 +77,26 @@ def greedy(llm, prompts, max_tokens: int):
     return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.num_cached_tokens) for o in outs]
 
 
+def held_blocks(llm, prompt_ids, max_tokens: int):
+    """Run one request step by step; after each step, (computed tokens, blocks it holds in each
+    KV-cache group) from vLLM's own KV-cache manager (null entries, i.e. freed, not counted)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    managers = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator.single_type_managers
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.llm_engine.add_request("held", TokensPrompt(prompt_token_ids=list(map(int, prompt_ids))), sp)
+    out = []
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+        for rid in list(managers[0].req_to_blocks):
+            if rid in sched.requests:
+                out.append((sched.requests[rid].num_computed_tokens,
+                            [sum(not b.is_null for b in m.req_to_blocks[rid]) for m in managers]))
+    return out
+
+
 def coarse_kl(ref, other) -> float:
     """Mean over positions of KL(ref || other) on the partition {each token both engines
     reported} + {everything else}: a lower bound of the full KL (data processing) that is

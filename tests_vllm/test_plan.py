@@ -1,7 +1,7 @@
 """A per-layer plan file (`pagedkv tune`'s plan.json) as the vLLM format: every layer gets the
 plan's codecs, vLLM's capacity is the plan's bytes, the engine generates, and its quality sits
-where its codecs put it (between bf16 and turbo3+hp). Plans the backend cannot serve (made for
-another model, or asking for a recent window) fail at engine start naming the reason."""
+where its codecs put it (between bf16 and turbo3+hp). A plan made for another model fails at
+engine start naming the reason; a plan with a recent window gets its tails."""
 
 import pytest
 
@@ -43,8 +43,27 @@ def test_a_plan_for_another_model_is_refused_at_start(tmp_path):
         _start(_tiny(tmp_path, "llama", dict(LLAMA, hidden_size=128, head_dim=32)), {"kv_format": path})
 
 
-def test_a_recent_window_is_refused_at_start_saying_what_is_supported(tmp_path):
+def test_a_plan_with_a_recent_window_gets_a_tail_per_layer(tmp_path):
+    """A plan made with a window (`pagedkv tune --recent 64q8_0`): every layer keeps a tail in
+    a second KV-cache group (vLLM's sliding window of 64 tokens), and the engine generates."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engine import engine
+    from pagedkv.integrations.vllm.tail import TailLayer
+
     path = write_plan(tmp_path / "pr.json", plan_layers(2), dims=(2, 32), recent=(64, "q8_0"))
     model = _tiny(tmp_path, "llama", dict(LLAMA, hidden_size=128, head_dim=32))
-    with pytest.raises(Exception, match="recent window of 64 tokens in q8_0.*supported: a format name"):
-        _start(model, {"kv_format": path})
+    with engine({"kv_format": path, "key_centring": False, "value_centring": False}, model=model,
+                load_format="dummy", skip_tokenizer_init=True, max_model_len=256) as llm:
+        ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        tails = {n: m for n, m in ctx.items() if isinstance(m, TailLayer)}
+        assert sorted(tails) == [f"model.layers.{i}.self_attn.attn.pagedkv_tail" for i in range(2)]
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        specs = {n: g.kv_cache_spec for g in groups for n in g.layer_names}
+        for name in tails:  # vLLM may split the tails over groups: each a sliding window of 64
+            spec = getattr(specs[name], "kv_cache_specs", {name: specs[name]})[name]
+            assert type(spec).__name__ == "SlidingWindowSpec" and spec.sliding_window == 64, spec
+        out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 150)))],
+                           SamplingParams(max_tokens=8, temperature=0.0, detokenize=False), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8

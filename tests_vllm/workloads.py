@@ -7,6 +7,9 @@ PROMPTS = [
     "Q: What is the boiling point of water at sea level?\nA:",
 ]
 FIRST_TOKENS = 8
+FORMATS = ("turbo4", "turbo3", "fp8k_turbo3v")  # compared with `pagedkv eval` as NAME+hp
+KL_FACTOR = 3.0  # vLLM's prompt-logprob KL within this factor of the eval's (both vs their bf16)
+WINDOW_FORMAT = "turbo3+r64s16q8_0"  # issue 13's best <= 4.5-bit format: 64 recent + 16 sink tokens in q8_0
 WINDOWS, WINDOW_TOKENS = 2, 256
 
 

@@ -143,10 +143,12 @@ def _rows(layer: PagedLayer, table: torch.Tensor, n: int, start: int, sinks: int
 def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int, own_tables: bool) -> None:
     if not isinstance(tail, PagedLayer):
         raise ConfigError(f"tail must be a PagedLayer, got {type(tail).__name__}")
-    same = (tail.block_size, tail.num_kv_heads, tail.head_dim) == (layer.block_size, layer.num_kv_heads, layer.head_dim)
-    if not same or (not own_tables and tail.num_blocks < layer.num_blocks):
-        raise ConfigError("the tail layer must have the layer's block size, heads and head_dim (and, "
-                          "without tail_block_tables, at least its blocks)")
+    same = (tail.num_kv_heads, tail.head_dim) == (layer.num_kv_heads, layer.head_dim)
+    if not own_tables:  # the same tables address both: the same block size, at least the blocks
+        same = same and tail.block_size == layer.block_size and tail.num_blocks >= layer.num_blocks
+    if not same:
+        raise ConfigError("the tail layer must have the layer's heads and head_dim (and, without "
+                          "tail_block_tables, its block size and at least its blocks)")
     if isinstance(recent, bool) or not isinstance(recent, int) or recent < 1:
         raise ConfigError(f"recent must be an integer >= 1, got {recent!r}")
 
@@ -187,7 +189,7 @@ def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLaye
     """`prefill_attention` (same tensors and positions) with the last `recent` keys of each
     query read from `tail`: through `block_tables` (the same blocks and slots as the pages), or
     through `tail_block_tables` int32 [B, max_blocks] when the tail has its own block group
-    (only the blocks covering each query's last `recent` positions are read, so the others may
+    (its block size may then differ from the pages'; only the blocks covering each query's last `recent` positions are read, so the others may
     have been released; with `sinks`, the blocks covering the first `sinks` positions too, which
     are also read from the tail). reference: always the readable oracle (`attend_recent`), not
     the fast path (module doc). Returns [Tq, Hq, D] in q's dtype."""

@@ -14,6 +14,8 @@ Life of a layer (all at engine start unless said otherwise):
    `forward` runs `decode_attention` on the decode rows and `prefill_attention` on the rest.
    The step's first layer validates the shared tensors (slots, tables, lengths) through the
    public ops; the other layers of its group call the backend that ran (`store_new`, `attend`).
+   With a recent window (`tail.py`) every layer also stores the new tokens in its tail, at the
+   tail group's slots, and attends with `ops.recent` through the tail group's tables.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ...ops.dispatch import Op, select_backend
 from . import plugin
 from .backend import PagedKVMetadata, backend_for
 from .fit import FitPlan, describe, fit, load
-from .layout import check_geometry, layer_formats, paged_layer
+from .layout import check_geometry, layer_formats, paged_layer, tail_layer
 from .settings import VllmSettings, settings_from
 
 log = logging.getLogger("vllm.pagedkv")  # under vLLM's logger: its handlers print it
@@ -84,6 +86,8 @@ class PagedKVImpl(AttentionImpl):
         self.calibration: Optional[Calibration] = None
         self._vllm_config = cfg
         self._paged = None  # (kv_cache data_ptr, PagedLayer)
+        self.tail = None  # tail.TailLayer with a recent window (assigned with the formats)
+        self._tail_paged = None  # (tail kv_cache data_ptr, PagedLayer)
         self._params: Optional[AttentionParams] = None
         # every format named must store this head_dim (ConfigError now, not at first use)
         # (in a fixed order: the formats named first, then the high-precision one if any is used)
@@ -110,6 +114,22 @@ class PagedKVImpl(AttentionImpl):
             self._paged = (key, paged_layer(kv_cache, self.fmt, self.num_kv_heads, self.head_size, self.calibration))
         return self._paged[1]
 
+    def _tail(self):
+        """(tail PagedLayer, this step's TailMetadata) or None (no window, profiling run)."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if self.tail is None or self.tail.kv_cache.numel() == 0 or not is_forward_context_available():
+            return None
+        md = get_forward_context().attn_metadata
+        tm = md.get(self.tail.layer_name) if isinstance(md, dict) else None
+        if tm is None:
+            return None
+        kv = self.tail.kv_cache
+        if self._tail_paged is None or self._tail_paged[0] != kv.data_ptr():
+            self._tail_paged = (kv.data_ptr(), tail_layer(kv, self.tail.recent.codec, self.num_kv_heads,
+                                                          self.head_size, self.calibration))
+        return self._tail_paged[1], tm
+
     # -- per step ---------------------------------------------------------------------------
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -117,6 +137,10 @@ class PagedKVImpl(AttentionImpl):
             return
         store_new(self._layer(kv_cache), key, value, slot_mapping, _step_metadata(layer),
                   backend=self.settings.backend, checks=self.settings.checks)
+        tail = self._tail()
+        if tail is not None:
+            store_new(tail[0], key, value, tail[1].slot_mapping, tail[1],
+                      backend=self.settings.backend, checks=self.settings.checks)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Optional[PagedKVMetadata], output: torch.Tensor,
@@ -125,9 +149,15 @@ class PagedKVImpl(AttentionImpl):
             raise NotImplementedError("pagedkv vLLM backend: fused output quantization is not supported")
         if attn_metadata is None:  # profiling run
             return output
-        attend(self._layer(kv_cache), self._attention_params(), query.view(-1, self.num_heads, self.head_size),
-               output.view(-1, self.num_heads, self.head_size), attn_metadata, backend=self.settings.backend,
-               checks=self.settings.checks)
+        q = query.view(-1, self.num_heads, self.head_size)
+        out = output.view(-1, self.num_heads, self.head_size)
+        tail = self._tail()
+        if tail is not None:
+            attend_recent(self._layer(kv_cache), tail[0], tail[1].block_tables, self.tail.recent,
+                          self._attention_params(), q, out, attn_metadata, checks=self.settings.checks)
+            return output
+        attend(self._layer(kv_cache), self._attention_params(), q, out, attn_metadata,
+               backend=self.settings.backend, checks=self.settings.checks)
         return output
 
 
@@ -195,6 +225,23 @@ def attend(paged, params: AttentionParams, q: torch.Tensor, out: torch.Tensor, m
         out[nd:n] = res
 
 
+def attend_recent(paged, tail, tail_tables: torch.Tensor, recent, params: AttentionParams, q: torch.Tensor,
+                  out: torch.Tensor, m: PagedKVMetadata, *, checks: bool = False) -> None:
+    """`attend` with the recent window: keys p - R < j <= p read from the tail (through the tail
+    group's tables, rows in the step's order: decodes first), older keys from the pages."""
+    from ...ops.recent import recent_decode_attention, recent_prefill_attention
+
+    n, nd = m.num_actual_tokens, m.num_decodes
+    kw = dict(recent=recent.tokens, sinks=recent.sinks, checks=checks)
+    if nd:
+        out[:nd] = recent_decode_attention(q[:nd], paged, tail, m.decode_block_tables, m.decode_seq_lens, params,
+                                           tail_block_tables=tail_tables[:nd], **kw)
+    if n > nd:
+        out[nd:n] = recent_prefill_attention(q[nd:n], paged, tail, m.prefill_block_tables, m.prefill_seq_lens,
+                                             m.prefill_query_start, params, tail_block_tables=tail_tables[nd:],
+                                             **kw)
+
+
 def _pagedkv_layers(vllm_config) -> list[tuple[str, torch.nn.Module]]:
     """The (name, module) of every layer served by pagedkv, in model order."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -215,6 +262,11 @@ def assign_formats(vllm_config) -> None:
     for (name, mod), fmt in zip(layers, formats):
         mod.impl.fmt = fmt
         mod.attn_backend = backend_for(fmt.name)
+    if s.recent_window is not None:
+        from .tail import add_tails
+
+        for (_, mod), tail in zip(layers, add_tails(vllm_config, layers, s.recent_window)):
+            mod.impl.tail = tail
     names = sorted({f.name for f in formats})
     log.info("pagedkv: %d attention layers in %s (formats: %s)", len(layers), s.label, ", ".join(names))
 
@@ -238,5 +290,5 @@ def prepare_layers(vllm_config) -> None:
         cals = [Calibration() for _ in impls]
     for impl, cal in zip(impls, cals):
         impl.calibration = cal
-        impl._paged = None
+        impl._paged = impl._tail_paged = None
     log.info("pagedkv: statistics per layer %s", describe(cals))

@@ -11,6 +11,7 @@ as they are (they read `pool.stride(0)`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -81,6 +82,17 @@ def paged_layer(kv_cache: torch.Tensor, fmt: KVFormat, num_kv_heads: int, head_d
         v_scale=one.clone() if cal.v_scale is None else cal.v_scale.to(dev, torch.float32),
         **{name: _stat(getattr(cal, name), dev) for name in ("k_centre", "k_mult", "v_centre")},
     )
+
+
+def tail_layer(kv_cache: torch.Tensor, codec, num_kv_heads: int, head_dim: int,
+               cal: Optional[Calibration]) -> PagedLayer:
+    """The recent window's tail over vLLM's tail page (its own block size): `codec` on both
+    sides, the layer's transform (key centre and multipliers, value centre: the tail stores the
+    same transformed rows as the pages, as `cache.storage.build_tail`), unit tensor scales."""
+    check_geometry(KVFormat(codec, codec), kv_cache.shape[2], num_kv_heads, head_dim)
+    layer = paged_layer(kv_cache, KVFormat(codec, codec), num_kv_heads, head_dim, cal)
+    one = torch.ones(1, dtype=torch.float32, device=kv_cache.device)
+    return dataclasses.replace(layer, k_scale=one, v_scale=one.clone())
 
 
 def _stat(x: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:

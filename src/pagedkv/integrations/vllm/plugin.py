@@ -5,6 +5,8 @@
 - CUDA (and other GPU platforms): registers `PagedKVBackend` as `AttentionBackendEnum.CUSTOM`,
   which vLLM uses only when asked (`--attention-backend CUSTOM`); the backend then needs the
   pagedkv settings and refuses to start without them.
+- Every platform: the platform's `register_custom_kv_cache_specs` also registers pagedkv's
+  tail spec (`tail.SinkWindowSpec`, used only by a recent window with sinks).
 - CPU: vLLM's CPU platform always resolves CPU_ATTN (it ignores `--attention-backend`), so the
   plugin wraps the platform's `get_attn_backend_cls`: for an engine whose config names a pagedkv
   format it overrides CPU_ATTN with `PagedKVBackend` (and refuses MLA / sparse attention, which
@@ -41,6 +43,7 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    _wrap_spec_registration(type(current_platform))
     if current_platform.is_cpu():
         _wrap_cpu_selection(type(current_platform), AttentionBackendEnum, register_backend)
 
@@ -51,6 +54,24 @@ def engine_settings():
 
     cfg = get_current_vllm_config_or_none()
     return settings_from(getattr(cfg, "additional_config", None), env_value())
+
+
+def _wrap_spec_registration(platform_cls) -> None:
+    """Add pagedkv's KV-cache spec (the recent window's tail with sinks, `tail.SinkWindowSpec`)
+    to vLLM's spec registry whenever vLLM registers its own (the platform's hook); a spec class
+    only pagedkv's tail layers use, so nothing else changes."""
+    original = platform_cls.register_custom_kv_cache_specs  # bound classmethod
+    if getattr(original, "_pagedkv", False):
+        return
+
+    def register_custom_kv_cache_specs(cls, vllm_config) -> None:
+        original(vllm_config)
+        from .tail import register_specs
+
+        register_specs()
+
+    register_custom_kv_cache_specs._pagedkv = True
+    platform_cls.register_custom_kv_cache_specs = classmethod(register_custom_kv_cache_specs)
 
 
 def _wrap_cpu_selection(platform_cls, enum, register_backend) -> None:

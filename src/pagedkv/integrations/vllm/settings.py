@@ -14,9 +14,13 @@ Keys (anything else is refused, naming the key):
   high-precision first/last layers, as everywhere in pagedkv), one per attention layer, or a plan
   file written by `pagedkv tune` (a path ending in .json: one K and one V codec per layer,
   checked against the model's layers at engine start). Required.
-- recent_window: refused unless null / 0 (and a plan file asking for one, or a `+rR` name, is
-  refused): the vLLM backend has no high-precision recent window yet (its tail would need a
-  second, sliding page set per layer); the drop-in and `pagedkv eval` serve it.
+- recent_window: the high-precision recent window (`pagedkv.ops.recent`): null / 0 (none), R
+  (a bf16 tail of the last R tokens), "R[sS][codec]" (e.g. "64s16q8_0": 64 recent tokens and
+  the first 16 in q8_0), or {"tokens": R, "codec": "q8_0", "sinks": S}. A format name may carry
+  it as its last suffix (`turbo3+r64s16q8_0`, as in `pagedkv eval`), a plan file as its
+  `recent_window`; naming it twice is refused. Served from a second KV-cache group per layer
+  (`tail.py`: vLLM's sliding-window group of window R, so only the blocks covering the last R
+  positions stay allocated, and prefix hits need them cached).
 - high_precision_layers: None (default: what the name says, none for a plain name), N >= 0 or
   "auto" (see `pagedkv.cache.config`); hp_format (q8_0). A name means the same bytes as in Python
   and on the command line.
@@ -46,6 +50,7 @@ from typing import Any, Mapping, Optional, Union
 from ...errors import ConfigError
 from ...cache.config import split_hp
 from ...formats import KVFormat, is_plan_path, parse_format, read_plan
+from ...ops.recent import RecentWindow
 
 ENV_VAR = "PAGEDKV_VLLM"
 CONFIG_KEY = "pagedkv"
@@ -54,10 +59,24 @@ DEFAULT_CALIBRATION_TOKENS = 512
 _KEYS = ("kv_format", "high_precision_layers", "hp_format", "key_centring", "value_centring",
          "key_scaling", "calibration", "calibration_tokens", "cache_dir", "backend", "checks",
          "recent_window")
-_RECENT_SUFFIX = re.compile(r"^.+?\+r\d+[a-z0-9_]*$")
-NO_RECENT = ("the pagedkv vLLM backend does not serve a high-precision recent window yet; supported: "
-             "a format name, NAME+hp, one format per layer, or a plan file without a recent window "
-             "(`pagedkv tune` without --recent); the transformers drop-in and `pagedkv eval` serve windows")
+_RECENT_SUFFIX = re.compile(r"^(?P<rest>.+?)\+r(?P<window>\d+(?:s\d+)?[a-z0-9_]*)$")
+_WINDOW = re.compile(r"^r?(?P<r>\d+)(?:s(?P<s>\d+))?(?P<codec>[a-z0-9_]*)$")
+
+
+def recent_window_from(value, what: str = "pagedkv recent_window") -> Optional[RecentWindow]:
+    """A recent-window setting as a RecentWindow: None / 0 (none), R (bf16 tail), "R[sS][codec]",
+    {"tokens", "codec"[, "sinks"]} (a plan file's form) or a RecentWindow; ConfigError naming
+    `what` and the value otherwise."""
+    if value is None or value == 0 or isinstance(value, RecentWindow):
+        return value or None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return RecentWindow(value)
+    if isinstance(value, str) and (m := _WINDOW.match(value.strip().lower())):
+        return RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
+    if isinstance(value, Mapping) and {"tokens", "codec"} <= set(value) <= {"tokens", "codec", "sinks"}:
+        return RecentWindow(value["tokens"], value["codec"], sinks=value.get("sinks", 0))
+    raise ConfigError(f"{what} must be null, an int R, 'R[sS][codec]' (e.g. '64s16q8_0') or "
+                      f"{{'tokens': R, 'codec': C, 'sinks': S}}, got {value!r}")
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> str:
@@ -80,22 +99,23 @@ class VllmSettings:
     cache_dir: Optional[str] = field(default=None)
     backend: Optional[str] = None
     checks: bool = False
-    recent_window: Optional[int] = None
+    recent_window: Optional[RecentWindow] = None
 
     def __post_init__(self) -> None:
         fmt = self.kv_format
-        if self.recent_window not in (None, 0):
-            raise ConfigError(f"pagedkv recent_window={self.recent_window!r}: {NO_RECENT}")
+        recent = recent_window_from(self.recent_window)
+        named = None  # the window the format names (a plan's, or a +r suffix)
         if is_plan_path(fmt):
             path = os.path.abspath(fmt.strip())
-            recent = read_plan(path)["recent_window"]  # ConfigError naming the file if it is not a plan
-            if recent is not None:
-                raise ConfigError(f"pagedkv kv_format {fmt!r}: the plan asks for a recent window of "
-                                  f"{recent['tokens']} tokens in {recent['codec']}; {NO_RECENT}")
+            named = recent_window_from(read_plan(path)["recent_window"],  # ConfigError naming the file
+                                       f"pagedkv kv_format {fmt!r}: the plan's recent_window")
             object.__setattr__(self, "kv_format", path)  # the engine's processes may not share a cwd
             names = ()  # the plan's codecs were parsed by read_plan
-        elif isinstance(fmt, str) and _RECENT_SUFFIX.match(fmt.strip().lower()):
-            raise ConfigError(f"pagedkv kv_format {fmt!r} names a recent window; {NO_RECENT}")
+        elif isinstance(fmt, str) and (m := _RECENT_SUFFIX.match(fmt.strip().lower())):
+            named = recent_window_from(m["window"], f"pagedkv kv_format {fmt!r}: the window")
+            fmt = m["rest"]
+            object.__setattr__(self, "kv_format", fmt)
+            names = (fmt,)
         elif isinstance(fmt, (list, tuple)):
             if not fmt:
                 raise ConfigError("pagedkv kv_format: an empty list; give a format name or one per layer")
@@ -103,6 +123,10 @@ class VllmSettings:
             names = fmt
         else:
             names = (fmt,)
+        if named is not None and recent is not None:
+            raise ConfigError(f"pagedkv kv_format {self.kv_format!r} names a recent window ({named.name}); "
+                              f"do not give recent_window={self.recent_window!r} as well")
+        object.__setattr__(self, "recent_window", named or recent)
         for name in names:
             base, named_hp = split_hp(name)
             if named_hp is not None and not isinstance(fmt, str):
@@ -155,7 +179,8 @@ class VllmSettings:
         if is_plan_path(fmt):
             fmt = f"plan {os.path.basename(fmt)}"
         hp = self.high_precision_layers
-        return fmt if hp is None else f"{fmt} (high_precision_layers={hp})"
+        fmt = fmt if hp is None else f"{fmt} (high_precision_layers={hp})"
+        return fmt if self.recent_window is None else f"{fmt} + recent window {self.recent_window.name}"
 
 
 def parse_settings(value: Any, environ: Optional[Mapping[str, str]] = None) -> VllmSettings:
