@@ -1,7 +1,8 @@
 """Bookkeeping speed of the block pool and the cache (no attention, no model).
 
 Prints medians over repeats:
-- pool alloc+free (one block) and sequence append (one token) ops/sec with 100k blocks;
+- pool alloc+free (one block) and sequence append (one token, `BlockManager.step`) ops/sec
+  with 100k blocks;
 - prefix lookup ops/sec with 100k keyed blocks (index probe alone, and chain hash + probe);
 - one decode step for 64 sequences: slot allocation + block-table / slot-mapping / seq-len
   tensors (`PagedCache.step`), target <= 200 us; and the commit that follows it.
@@ -17,7 +18,8 @@ import time
 
 import torch
 
-from pagedkv.alloc import BlockPool, SequenceManager, chain_hash, root_hash
+from pagedkv.alloc import BlockPool, chain_hash, root_hash
+from pagedkv.alloc.manager import BlockManager, GroupSpec
 from pagedkv.cache import CacheConfig, PagedCache
 
 N_BLOCKS = 100_000
@@ -45,12 +47,12 @@ def bench_pool(repeats: int) -> dict[str, float]:
 
     out = {"pool alloc+free pairs/s": _median_rate(alloc_free, n, repeats)}
 
-    mgr = SequenceManager(BlockPool(N_BLOCKS), 16, b"bench")
-    ids = [mgr.add(list(range(100)))[0] for _ in range(64)]
+    mgr = BlockManager([GroupSpec(None, N_BLOCKS)], 16, b"bench")
+    ids = [mgr.add(None, list(range(100)))[0] for _ in range(64)]
 
     def append():
         for i in range(n):
-            mgr.allocate(ids[i % 64], [i & 1023])
+            mgr.step([ids[i % 64]], [[i & 1023]])
         for s in ids:
             mgr.pop(s, n // 64)
 

@@ -1,4 +1,5 @@
-"""Block pool and sequence bookkeeping (no tensors): ordering, LRU, keys, failures."""
+"""Block pool and sequence bookkeeping (no tensors): ordering, LRU, keys, failures, through the
+block manager's own API (`BlockManager`: add / step / commit / fork / pop / free)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import sys
 
 import pytest
 
-from pagedkv.alloc import BlockPool, SequenceManager, chain_hash, root_hash
+from pagedkv.alloc import BlockPool, chain_hash, root_hash
 from pagedkv.alloc.hashing import chain
+from pagedkv.alloc.manager import BlockManager, GroupSpec
 from pagedkv.errors import CacheFull, ConfigError, UnknownSequence
 
 
@@ -70,124 +72,140 @@ def test_hash_chain_is_deterministic_across_processes_and_salted():
 
 
 def _mgr(n=8, bs=4):
-    return SequenceManager(BlockPool(n), bs, b"test")
+    return BlockManager([GroupSpec(None, n)], bs, b"test")
+
+
+def _add(m, tokens, seq_id=None):
+    """(seq id, hit tokens, slots) of an admission (one group)."""
+    sid, hit, slots = m.add(seq_id, tokens)
+    return sid, hit, list(slots[0])
+
+
+def _append(m, sids, tokens):
+    """(slots, copies) of a step appending tokens[i] to sids[i] (one group)."""
+    g = m.step(sids, tokens).groups[0]
+    return list(g.slots), list(g.copies)
 
 
 def test_add_commit_then_hit_whole_blocks_only():
     m = _mgr()
-    a, hit, slots = m.add(list(range(10)))
+    a, hit, slots = _add(m, list(range(10)))
     assert hit == 0 and slots == list(range(10))
     # not committed yet: nothing is keyed, a second prompt must not hit unwritten data
-    b, hit, _ = m.add(list(range(10)))
+    b, hit, _ = _add(m, list(range(10)))
     assert hit == 0
     m.commit([a, b])
-    c, hit, slots = m.add(list(range(9)) + [99])
-    assert hit == 8 and m.table(c)[:2] == m.table(a)[:2] and len(slots) == 2
+    c, hit, slots = _add(m, list(range(9)) + [99])
+    assert hit == 8 and m.main.table(c)[:2] == m.main.table(a)[:2] and len(slots) == 2
     # a prompt fully covered by cached blocks still leaves its last block to compute
-    d, hit, _ = m.add(list(range(8)))
+    d, hit, _ = _add(m, list(range(8)))
     assert hit == 4
     m.check_invariants()
 
 
 def test_allocate_by_count_is_never_keyed():
     m = _mgr()
-    a, _, _ = m.add([1, 2])
-    m.allocate(a, 6)  # ids unknown
-    m.commit(a)
-    assert m.pool.index_size() == 0
-    b, hit, _ = m.add([1, 2, -0, 0, 0, 0, 7])
+    a, _, _ = _add(m, [1, 2])
+    _append(m, [a], [6])  # ids unknown
+    m.commit([a])
+    assert m.main.pool.index_size() == 0
+    b, hit, _ = _add(m, [1, 2, -0, 0, 0, 0, 7])
     assert hit == 0
     m.check_invariants()
 
 
 def test_fork_then_write_copies_the_shared_partial_block_once():
     m = _mgr()
-    a, _, _ = m.add([1, 2, 3, 4, 5, 6])
-    m.commit(a)
+    t = m.main.table
+    a, _, _ = _add(m, [1, 2, 3, 4, 5, 6])
+    m.commit([a])
     b = m.fork(a)
-    assert m.pool.ref_count(m.table(a)[1]) == 2
-    slots, copies = m.allocate(b, [7])
+    assert m.main.pool.ref_count(t(a)[1]) == 2
+    slots, copies = _append(m, [b], [[7]])
     src, dst = copies[0]
-    assert copies == [(m.table(a)[1], m.table(b)[1])] and src != dst
+    assert copies == [(t(a)[1], t(b)[1])] and src != dst
     assert slots == [dst * 4 + 2]
-    slots, copies = m.allocate(a, [8])  # now sole owner: in place
+    slots, copies = _append(m, [a], [[8]])  # now sole owner: in place
     assert copies == [] and slots == [src * 4 + 2]
     m.check_invariants()
 
 
 def test_pop_then_write_into_a_keyed_block():
     m = _mgr()
-    a, _, _ = m.add([1, 2, 3, 4, 5])
-    m.commit(a)
-    blk = m.table(a)[0]
-    assert m.pool.block_hash(blk) is not None
+    pool, t = m.main.pool, m.main.table
+    a, _, _ = _add(m, [1, 2, 3, 4, 5])
+    m.commit([a])
+    blk = t(a)[0]
+    assert pool.block_hash(blk) is not None
     m.pop(a, 2)  # back into the keyed block
-    _, copies = m.allocate(a, [9])  # sole owner: key dropped, written in place
-    assert copies == [] and m.pool.block_hash(blk) is None
-    m.commit(a)
-    assert m.pool.block_hash(blk) == chain_hash(root_hash(b"test"), [1, 2, 3, 9])
-    b, _, _ = m.add([1, 2, 3, 4, 5])
-    m.commit(b)
+    _, copies = _append(m, [a], [[9]])  # sole owner: key dropped, written in place
+    assert copies == [] and pool.block_hash(blk) is None
+    m.commit([a])
+    assert pool.block_hash(blk) == chain_hash(root_hash(b"test"), [1, 2, 3, 9])
+    b, _, _ = _add(m, [1, 2, 3, 4, 5])
+    m.commit([b])
     c = m.fork(b)
     m.pop(c, 2)
-    _, copies = m.allocate(c, [7])  # shared keyed block: copied, original keeps its key
-    assert len(copies) == 1 and m.pool.block_hash(m.table(b)[0]) is not None
+    _, copies = _append(m, [c], [[7]])  # shared keyed block: copied, original keeps its key
+    assert len(copies) == 1 and pool.block_hash(t(b)[0]) is not None
     m.check_invariants()
 
 
 def test_pop_frees_trailing_blocks_and_bad_counts_are_rejected():
     m = _mgr()
-    a, _, _ = m.add(list(range(9)))
-    assert m.pool.num_used == 3
+    a, _, _ = _add(m, list(range(9)))
+    assert m.main.pool.num_used == 3
     m.pop(a, 5)
-    assert m.length(a) == 4 and m.pool.num_used == 1
+    assert m.length(a) == 4 and m.main.pool.num_used == 1
     with pytest.raises(ConfigError):
         m.pop(a, 5)
     with pytest.raises(ConfigError):
         m.pop(a, -1)
     assert m.length(a) == 4
-    m.reset(a)
-    assert m.length(a) == 0 and m.pool.num_used == 0
+    m.pop(a, m.length(a))  # every token: always allowed
+    assert m.length(a) == 0 and m.main.pool.num_used == 0
 
 
 def test_failures_change_nothing():
     m = _mgr(n=4)
-    a, _, _ = m.add(list(range(12)))  # 3 blocks
-    m.commit(a)
+    a, _, _ = _add(m, list(range(12)))  # 3 blocks
+    m.commit([a])
     b = m.fork(a)
-    before = (m.tokens(a), list(m.table(a)), m.pool.num_free, m.pool.num_used)
+    g = m.main
+    before = (g.tokens(a), list(g.table(a)), g.pool.num_free, g.pool.num_used)
     with pytest.raises(CacheFull):
-        m.add(list(range(20, 28)))  # needs 2 new blocks, 1 free
+        _add(m, list(range(20, 28)))  # needs 2 new blocks, 1 free
     with pytest.raises(CacheFull):
-        m.allocate_batch([a, b], [[1], [2]])  # 2 new blocks needed
+        _append(m, [a, b], [[1], [2]])  # 2 new blocks needed
     with pytest.raises(UnknownSequence):
-        m.allocate(123, [1])
+        _append(m, [123], [[1]])
     with pytest.raises(UnknownSequence):
-        m.allocate_batch([a, 123], [[1], [1]])
+        _append(m, [a, 123], [[1], [1]])
     with pytest.raises(ConfigError):
-        m.allocate_batch([a, a], [[1], [1]])
+        _append(m, [a, a], [[1], [1]])
     with pytest.raises(ConfigError):
-        m.allocate(a, [1, -2])
+        _append(m, [a], [[1, -2]])
     with pytest.raises(ConfigError):
-        m.add([1], seq_id=a)
-    assert (m.tokens(a), list(m.table(a)), m.pool.num_free, m.pool.num_used) == before
-    assert m.tokens(b) == m.tokens(a)
+        _add(m, [1], seq_id=a)
+    assert (g.tokens(a), list(g.table(a)), g.pool.num_free, g.pool.num_used) == before
+    assert g.tokens(b) == g.tokens(a)
     m.check_invariants()
 
 
 def test_free_puts_tail_blocks_first_in_line_for_eviction():
     m = _mgr(n=4)
-    a, _, _ = m.add(list(range(13)))  # 4 blocks, 3 full
-    m.commit(a)
-    t = list(m.table(a))
+    pool = m.main.pool
+    a, _, _ = _add(m, list(range(13)))  # 4 blocks, 3 full
+    m.commit([a])
+    t = list(m.main.table(a))
     m.free(a)
-    assert m.pool.cached_blocks() == [t[2], t[1], t[0]]
-    m.add([50, 51])  # takes the free block (t[3]); no eviction
-    c, _, _ = m.add([60, 61, 62, 63, 64])  # needs 2: evicts t[2] then t[1]
-    assert m.pool.evictions == 2 and m.pool.cached_blocks() == [t[0]]
+    assert pool.cached_blocks() == [t[2], t[1], t[0]]
+    _add(m, [50, 51])  # takes the free block (t[3]); no eviction
+    c, _, _ = _add(m, [60, 61, 62, 63, 64])  # needs 2: evicts t[2] then t[1]
+    assert pool.evictions == 2 and pool.cached_blocks() == [t[0]]
     m.free(c)  # never committed: its blocks go straight to the free list
-    assert m.pool.num_free == 2 and m.pool.num_cached == 1
-    d, hit, _ = m.add(list(range(9)))
+    assert pool.num_free == 2 and pool.num_cached == 1
+    d, hit, _ = _add(m, list(range(9)))
     assert hit == 4  # the head block survived
     m.check_invariants()
 
@@ -196,22 +214,22 @@ def test_token_ids_may_come_as_a_tensor():
     import torch
 
     m = _mgr()
-    a, _, slots = m.add(torch.tensor([5, 6, 7]))
-    assert m.tokens(a) == [5, 6, 7] and slots == [0, 1, 2]
-    m.allocate(a, torch.tensor([8]))
-    assert m.tokens(a) == [5, 6, 7, 8]
+    a, _, slots = _add(m, torch.tensor([5, 6, 7]))
+    assert m.main.tokens(a) == [5, 6, 7] and slots == [0, 1, 2]
+    _append(m, [a], [torch.tensor([8])])
+    assert m.main.tokens(a) == [5, 6, 7, 8]
     with pytest.raises(ConfigError):
-        m.allocate(a, torch.tensor([1.5]))
+        _append(m, [a], [torch.tensor([1.5])])
 
 
 def test_batch_needs_exactly_the_copies_it_makes():
     m = _mgr(n=4)
-    a, _, _ = m.add([1, 2, 3, 4, 5, 6])  # 2 blocks, the second partly filled
-    m.commit(a)
+    a, _, _ = _add(m, [1, 2, 3, 4, 5, 6])  # 2 blocks, the second partly filled
+    m.commit([a])
     b = m.fork(a)
     c = m.fork(a)  # the partial block has 3 holders
-    assert m.pool.num_available == 2
-    _, copies = m.allocate_batch([a, b, c], [[7], [8], [9]])  # 2 copies, the last in place
-    assert len(copies) == 2 and m.pool.num_available == 0
-    assert len({m.table(x)[1] for x in (a, b, c)}) == 3
+    assert m.main.pool.num_available == 2
+    _, copies = _append(m, [a, b, c], [[7], [8], [9]])  # 2 copies, the last in place
+    assert len(copies) == 2 and m.main.pool.num_available == 0
+    assert len({m.main.table(x)[1] for x in (a, b, c)}) == 3
     m.check_invariants()

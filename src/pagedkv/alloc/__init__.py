@@ -2,8 +2,11 @@
 
 - `BlockPool`: free list, reference counts, prefix index (chain hash -> block), LRU of
   unreferenced cached blocks, optional event trace. O(1) per operation.
-- `SequenceManager`: per-sequence token ids and block tables; add with prefix hits, allocate
-  (with copy-on-write of a shared partly filled block), commit, fork, pop, reset, free.
+- `SequenceManager`: one block group's sequences: token ids and block tables; add with prefix
+  hits, extend (with copy-on-write of a shared partly filled block), commit, fork, pop, free.
+- `BlockManager` (`manager.py`): THE block manager every front door uses: sequences over every
+  block group, all or nothing, prefix hits every group serves, the per-step plan;
+  `load_prefix` (`tierload.py`) for a tier below memory.
 - `hashing`: the deterministic prefix-key chain (blake2b over parent key + int64 token ids).
 
 The cache (`pagedkv.cache`) owns the tensors and applies the block copies this layer asks for.

@@ -49,11 +49,13 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def chain(root: bytes, tokens: Sequence[int], block_size: int, start: Optional[bytes] = None,
-          first_block: int = 0) -> list[bytes]:
-    """Keys of the full blocks of `tokens`, from block `first_block` on (parent `start`, or root)."""
+          first_block: int = 0, end_block: Optional[int] = None) -> list[bytes]:
+    """Keys of the full blocks of `tokens`, from block `first_block` on (parent `start`, or root)
+    up to `end_block` (None: every full block). The one walk of the chain."""
     out = []
     h = root if start is None else start
-    for i in range(first_block, len(tokens) // block_size):
+    end = len(tokens) // block_size if end_block is None else end_block
+    for i in range(first_block, end):
         h = chain_hash(h, tokens[i * block_size:(i + 1) * block_size])
         out.append(h)
     return out

@@ -1,5 +1,6 @@
-"""The prefix chain of a block group: the one place chain keys are computed (`chain` for a
-prompt, `commit` for a sequence's newly full committed blocks, which it keys in the pool), what a
+"""The prefix chain of a block group: where chain keys are computed (`chain` for a prompt,
+`commit` for a sequence's newly full committed blocks, which it keys in the pool; both walk
+`hashing.chain`, the one implementation of the chain), what a
 hit needs in this group (`hit_blocks`: every leading block without a window; with a sliding
 window W only the blocks covering the hit's last W positions and the kept first blocks, as
 vLLM's hybrid allocator), the longest hit it holds (`feasible`), what an admission with a hit
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Hashable, Iterable, Sequence, Union
 
 from ..errors import ConfigError
-from .hashing import Salt, chain_hash, root_hash
+from .hashing import Salt, chain, root_hash
 
 
 class PrefixChain:
@@ -24,11 +25,8 @@ class PrefixChain:
             root = root_hash(self.namespace, salt)
         except TypeError as exc:
             raise ConfigError(str(exc)) from None
-        bs, out, h = self.block_size, [], root
-        for i in range((len(tokens) - 1) // bs if tokens else 0):
-            h = chain_hash(h, tokens[i * bs:(i + 1) * bs])
-            out.append(h)
-        return out
+        bs = self.block_size
+        return chain(root, tokens, bs, end_block=(len(tokens) - 1) // bs if tokens else 0)
 
     def hit_span(self, n: int) -> tuple[int, int]:
         """(keep, lo): a hit of the first n blocks must hold blocks [0, keep) and [lo, n) in this
@@ -89,10 +87,12 @@ class PrefixChain:
             if not self.prefix:
                 continue
             full = min(s.committed, s.first_unknown) // bs
-            h = s.hashes[-1] if s.hashes else s.root
-            for i in range(len(s.hashes), full):
-                h = chain_hash(h, s.tokens[i * bs:(i + 1) * bs])
-                s.hashes.append(h)
+            first = len(s.hashes)
+            if full <= first:  # no newly full block (most decode steps)
+                continue
+            new = chain(s.root, s.tokens, bs, s.hashes[-1] if s.hashes else None, first, full)
+            s.hashes.extend(new)
+            for i, h in enumerate(new, first):
                 if s.table[i] >= 0:
                     pool.register(s.table[i], h)
 

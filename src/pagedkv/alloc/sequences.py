@@ -8,12 +8,13 @@ can see any more) or a swapped record (`-2 - rid`, see `swapped_record`): swap i
 entry, counted like a block (records have reference counts here, a record is deleted when its last
 entry goes). Positions map to slots as `slot(p) = table[p // bs] * bs + p % bs`.
 
-Life of a token: `allocate` hands out its slot (copying a shared, partly filled last block first:
-the returned `copies` list of `(src, dst)` must be applied to every layer's pools before anything
-is stored); the caller stores K/V there; `commit` marks the tokens written and keys every newly
+Life of a token: `extend` (through `BlockManager.step`, after `demand` checked the capacity)
+hands out its slot (copying a shared, partly filled last block first: the returned `copies` list
+of `(src, dst)` must be applied to every layer's pools before anything is stored); the caller
+stores K/V there; `commit` marks the tokens written and keys every newly
 full block in the prefix index (the one place the chain is computed: `_Seq.hashes`). Only
 committed full blocks are ever keyed, so a prefix hit never returns unwritten data. Tokens whose
-ids are unknown (`allocate(seq, n)` with a count) are stored normally but the blocks holding them,
+ids are unknown (a step given a count) are stored normally but the blocks holding them,
 and every later block of that sequence, are never keyed.
 
 Every method validates first and raises (ConfigError, UnknownSequence, CacheFull) before any
@@ -191,7 +192,7 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
         max_hit_blocks blocks; with a window only the blocks `hit_blocks` names are held, the
         others are released entries) are already stored and committed; `slots` are the slots of
         the other tokens, to be stored then committed. rest=False admits the hit tokens only
-        (the others come later through `allocate`)."""
+        (the others come later through a step)."""
         n, toks, _ = check_tokens(tokens, "add_sequence")
         if isinstance(tokens, int):
             raise ConfigError("add_sequence needs the prompt's token ids, not a count")
@@ -265,33 +266,6 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
             b = t[j]
             if fill[b] < f:
                 fill[b] = f
-
-    def allocate(self, seq_id: Hashable, tokens: Tokens) -> tuple[list[int], list[tuple[int, int]]]:
-        """Slots for new tokens (ids, or a count when the ids are unknown) at the sequence end.
-
-        Returns (slots, copies): copies are (src, dst) block pairs to copy in every layer first.
-        """
-        return self.allocate_batch([seq_id], [tokens])
-
-    def allocate_batch(self, seq_ids: Sequence[Hashable], tokens: Sequence[Tokens]
-                       ) -> tuple[list[int], list[tuple[int, int]]]:
-        """`allocate` for several distinct sequences at once; all or nothing.
-
-        Returns the slots concatenated in `seq_ids` order, and the block copies to apply."""
-        if len(seq_ids) != len(tokens):
-            raise ConfigError(
-                f"allocate_batch: {len(seq_ids)} sequence ids but {len(tokens)} token lists"
-            )
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ConfigError("allocate_batch: a sequence id appears twice in the batch")
-        for i in seq_ids:
-            self._get(i)
-        parsed = [check_tokens(t, "allocate") for t in tokens]
-        counts = [p[0] for p in parsed]
-        need, freed = self.demand(seq_ids, counts)
-        if not self.fits(need, freed):
-            raise self.full_error(sum(counts), len(seq_ids), need, freed)
-        return self.extend(seq_ids, parsed)
 
     def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
         """A new sequence sharing every block of `seq_id` (copy-on-write on the first write)."""

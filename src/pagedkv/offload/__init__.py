@@ -1,10 +1,12 @@
 """Tiers below memory: a per-sequence resident cap with swap, and a shared prefix store.
 
 - Policies (`policy.py`) the cache core calls at admit, commit and attend: `SwapPolicy` (the
-  resident cap), `PrefixPolicy` (the prefix store); `pagedkv.cache.PagedCache(config,
-  offload=OffloadConfig(...))` and the transformers drop-in use them.
+  resident cap), `PrefixPolicy` (the prefix store), one per block group; `coretiers.CoreTiers`
+  holds them for every group of a block manager: `pagedkv.cache.PagedCache(config,
+  offload=OffloadConfig(...))` and the transformers drop-in use it.
 - Tiers: `DiskTier` (a file per value, size limit, LRU: the embedded prefix store),
-  `SwapFileTier` (fixed-size slots in one file: the disk swap), `RedisTier` (shared across
+  `SwapFileTier` (fixed-size slots in one file: the disk swap; `GroupedSwapFiles`, one per
+  block group, when a cache has several), `RedisTier` (shared across
   processes and machines), `MemoryTier` (tests, benchmarks, swap in memory).
 - `record`: the checksummed byte format of one stored block (every layer, K and V).
 - `keys` / `store` / `identity`: keyed store keys and sealed records (the operator's secret),
