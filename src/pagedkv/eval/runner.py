@@ -32,23 +32,21 @@ from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from ..formats import KVFormat, is_plan_path, parse_format, read_plan
 from ..integrations.hf_compat import with_cache
-from ..ops.recent import RecentWindow, stored_tail_tokens
+from ..ops.recent import RecentWindow, split_window_suffix, stored_tail_tokens, window_from_label
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, log_probs, window_sums
 from .tuned import resolve_tuned, tuned_bits
 
 _HP = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
-_RECENT = re.compile(r"^(?P<rest>.+?)\+(?P<window>r\d+(?:s\d+)?[a-z0-9_]*)$")
-_WINDOW = re.compile(r"^r?(?P<r>\d+)(?:s(?P<s>\d+))?(?P<codec>[a-z0-9_]*)$")
 
 
 def parse_window(spec: str, what: str = "recent window") -> RecentWindow:
     """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (the first 16 positions, attention sinks,
     also read from the tail) -> RecentWindow; ConfigError naming `what` and the bad value."""
-    m = _WINDOW.match(spec.strip().lower())
-    if not m:
+    recent = window_from_label(spec)
+    if recent is None:
         raise ConfigError(f"{what} must be R[sS][codec] (e.g. 64s16q8_0, 64q8_0, 64), got {spec!r}")
-    return RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
+    return recent
 
 
 def tail_tokens(recent: Optional[RecentWindow], seq_len: int, block_size: int) -> int:
@@ -90,10 +88,10 @@ def parse_choice(spec: str) -> FormatChoice:
         recent = None if r is None else parse_window(f"{int(r['tokens'])}s{int(r.get('sinks', 0))}{r['codec']}",
                                                      f"plan file {s!r}: recent_window")
         return FormatChoice(os.path.basename(s), s, 0, recent)
-    m = _RECENT.match(s.lower())
-    if m:
-        base = parse_choice(m["rest"])
-        recent = parse_window(m["window"], f"{spec!r}: the window")
+    rest, window = split_window_suffix(s)
+    if window is not None:
+        base = parse_choice(rest)
+        recent = parse_window(window, f"{spec!r}: the window")
         return FormatChoice(f"{base.label}+{recent.name}", base.kv_format, base.high_precision_layers, recent)
     m = _HP.match(s.lower())
     if m:

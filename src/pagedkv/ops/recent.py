@@ -31,6 +31,7 @@ band, where the reference forms two full [Hq, Tq, n] logit tensors.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -71,6 +72,24 @@ class RecentWindow:
         format label."""
         return (f"r{self.tokens}" + (f"s{self.sinks}" if self.sinks else "")
                 + ("" if self.codec.name == "bf16" else self.codec.name))
+
+
+_WINDOW_LABEL = re.compile(r"^r?(?P<r>\d+)(?:s(?P<s>\d+))?(?P<codec>[a-z0-9_]*)$")
+_WINDOW_SUFFIX = re.compile(r"^(?P<rest>.+?)\+(?P<window>r\d+(?:s\d+)?[a-z0-9_]*)$")
+
+
+def window_from_label(label: str) -> Optional[RecentWindow]:
+    """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (`RecentWindow.name`'s form) ->
+    RecentWindow; None when `label` is not of that form. The one parser of a window label."""
+    m = _WINDOW_LABEL.match(label.strip().lower())
+    return None if m is None else RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
+
+
+def split_window_suffix(name: str) -> tuple[str, Optional[str]]:
+    """"turbo3+r64s16q8_0" -> ("turbo3", "r64s16q8_0") (lower-cased); a name without a last
+    `+rR...` suffix -> (name, None)."""
+    m = _WINDOW_SUFFIX.match(name.strip().lower())
+    return (name, None) if m is None else (m["rest"], m["window"])
 
 
 def sink_blocks(sinks: int, block_size: int) -> int:

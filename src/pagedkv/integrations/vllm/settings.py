@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from ...errors import ConfigError
 from ...cache.config import split_hp
 from ...formats import KVFormat, is_plan_path, parse_format, read_plan
-from ...ops.recent import RecentWindow
+from ...ops.recent import RecentWindow, split_window_suffix, window_from_label
 
 ENV_VAR = "PAGEDKV_VLLM"
 CONFIG_KEY = "pagedkv"
@@ -59,8 +58,6 @@ DEFAULT_CALIBRATION_TOKENS = 512
 _KEYS = ("kv_format", "high_precision_layers", "hp_format", "key_centring", "value_centring",
          "key_scaling", "calibration", "calibration_tokens", "cache_dir", "backend", "checks",
          "recent_window")
-_RECENT_SUFFIX = re.compile(r"^(?P<rest>.+?)\+r(?P<window>\d+(?:s\d+)?[a-z0-9_]*)$")
-_WINDOW = re.compile(r"^r?(?P<r>\d+)(?:s(?P<s>\d+))?(?P<codec>[a-z0-9_]*)$")
 
 
 def recent_window_from(value, what: str = "pagedkv recent_window") -> Optional[RecentWindow]:
@@ -71,8 +68,8 @@ def recent_window_from(value, what: str = "pagedkv recent_window") -> Optional[R
         return value or None
     if isinstance(value, int) and not isinstance(value, bool):
         return RecentWindow(value)
-    if isinstance(value, str) and (m := _WINDOW.match(value.strip().lower())):
-        return RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
+    if isinstance(value, str) and (recent := window_from_label(value)) is not None:
+        return recent
     if isinstance(value, Mapping) and {"tokens", "codec"} <= set(value) <= {"tokens", "codec", "sinks"}:
         return RecentWindow(value["tokens"], value["codec"], sinks=value.get("sinks", 0))
     raise ConfigError(f"{what} must be null, an int R, 'R[sS][codec]' (e.g. '64s16q8_0') or "
@@ -111,9 +108,9 @@ class VllmSettings:
                                        f"pagedkv kv_format {fmt!r}: the plan's recent_window")
             object.__setattr__(self, "kv_format", path)  # the engine's processes may not share a cwd
             names = ()  # the plan's codecs were parsed by read_plan
-        elif isinstance(fmt, str) and (m := _RECENT_SUFFIX.match(fmt.strip().lower())):
-            named = recent_window_from(m["window"], f"pagedkv kv_format {fmt!r}: the window")
-            fmt = m["rest"]
+        elif isinstance(fmt, str) and (suffix := split_window_suffix(fmt))[1] is not None:
+            named = recent_window_from(suffix[1], f"pagedkv kv_format {fmt!r}: the window")
+            fmt = suffix[0]
             object.__setattr__(self, "kv_format", fmt)
             names = (fmt,)
         elif isinstance(fmt, (list, tuple)):
