@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..cache.config import split_hp
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from ..formats import KVFormat, is_plan_path, parse_format, read_plan
@@ -36,9 +36,6 @@ from ..ops.recent import RecentWindow, split_window_suffix, stored_tail_tokens, 
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, log_probs, window_sums
 from .tuned import resolve_tuned, tuned_bits
-
-_HP = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
-
 
 def parse_window(spec: str, what: str = "recent window") -> RecentWindow:
     """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (the first 16 positions, attention sinks,
@@ -93,11 +90,10 @@ def parse_choice(spec: str) -> FormatChoice:
         base = parse_choice(rest)
         recent = parse_window(window, f"{spec!r}: the window")
         return FormatChoice(f"{base.label}+{recent.name}", base.kv_format, base.high_precision_layers, recent)
-    m = _HP.match(s.lower())
-    if m:
-        fmt = parse_format(m["fmt"])
-        hp: Union[int, str] = int(m["n"]) if m["n"] else "auto"
-        return FormatChoice(f"{fmt.name}+hp{m['n']}", fmt, hp)
+    base, hp = split_hp(s)
+    if hp is not None:
+        fmt = parse_format(base)
+        return FormatChoice(f"{fmt.name}+hp{'' if hp == 'auto' else hp}", fmt, hp)
     fmt = parse_format(s)
     return FormatChoice(fmt.name, fmt, 0)
 
