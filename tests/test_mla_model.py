@@ -10,23 +10,12 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache  # noqa: E402
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
+from helpers.mla import LAT, LAYERS, ROPE, RoundingCache as _RoundingCache  # noqa: E402
+from helpers.mla import mla_config as _config, random_ids as _ids  # noqa: E402
 from pagedkv.errors import ConfigError, InvalidInput  # noqa: E402
 from pagedkv.integrations.deepseek import PagedLatentCache, disable, enable, mla_dims  # noqa: E402
-
-LAT, ROPE, LAYERS = 64, 32, 3
-
-
-def _config(**kw):
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
-                kv_lora_rank=LAT, q_lora_rank=32, qk_rope_head_dim=ROPE, qk_nope_head_dim=16,
-                v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256,
-                initializer_range=0.2, attn_implementation="eager")
-    base.update(kw)
-    return DeepseekV3Config(**base)
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +24,6 @@ def model():
     m = DeepseekV3ForCausalLM(_config()).eval()
     yield m
     disable(m)
-
-
-class _RoundingCache(DynamicCache):
-    """transformers' cache, storing the latent and rope key rounded to bf16 (what ours stores)."""
-
-    def update(self, k, v, layer_idx, *args, **kwargs):
-        return super().update(k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float(), layer_idx,
-                              *args, **kwargs)
-
-
-def _ids(seed=1, batch=2, n=12):
-    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()

@@ -237,6 +237,9 @@ class CacheConfig:
             from .latent import LatentLayout
             if not isinstance(self.latent, LatentLayout):
                 raise ConfigError(f"latent must be None or a LatentLayout, got {self.latent!r}")
+            if self.key_centring:  # the latent is both key and value: a centre is not exact
+                raise ConfigError("key_centring=True is for K/V layers; latent (MLA) layers store "
+                                  "the latent as it is (use key_centring=False)")
         specs = []
         for i in range(L):
             h, d = dims[i]

@@ -74,14 +74,17 @@ class DataPlane:
                             lambda: pending_mask(self._group(group), pool.num_blocks * bs))
         self._checked[group] = (slot_mapping, slot_mapping._version, pool.version, epoch)
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping) -> None:
-        """Encode k, v (float [T, H, D]) into layer `layer`'s pools at the new tokens' slots:
-        `slot_mapping` is the `StepBatch` / `NewSequence` that handed them out (the cache picks
-        the layer's block group and, with a recent window, the tail's), or an int64 [T] tensor
-        of slots in the layer's group (negative = skip; not with a recent window). Slots must
-        have been allocated (checked unless config.check_slots is False). Raises before writing
-        anything."""
+    def _kv(self, layer: int) -> PagedLayer:
+        """Layer `layer`, a K/V layer (ConfigError naming the latent methods for a latent one)."""
         pl = self._layer(layer)
+        if not isinstance(pl, PagedLayer):
+            raise ConfigError(f"layer {layer} is a latent (MLA) layer: use store_latent / "
+                              "latent_decode_attention / latent_prefill_attention / gather_latent")
+        return pl
+
+    def _store_slots(self, layer: int, slot_mapping):
+        """(slots of layer `layer`'s group, the tail's slots or None) from what `store` takes,
+        checked (unless config.check_slots is False) before anything is written."""
         g = self.group_of(layer)
         tail_slots = None
         if isinstance(slot_mapping, GroupSlots):
@@ -95,6 +98,17 @@ class DataPlane:
             self._check_slots(slots, g)
             if tail_slots is not None:
                 self._check_slots(tail_slots, self.groups.tail_group)
+        return slots, tail_slots
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping) -> None:
+        """Encode k, v (float [T, H, D]) into layer `layer`'s pools at the new tokens' slots:
+        `slot_mapping` is the `StepBatch` / `NewSequence` that handed them out (the cache picks
+        the layer's block group and, with a recent window, the tail's), or an int64 [T] tensor
+        of slots in the layer's group (negative = skip; not with a recent window). Slots must
+        have been allocated (checked unless config.check_slots is False). Raises before writing
+        anything."""
+        pl = self._kv(layer)
+        slots, tail_slots = self._store_slots(layer, slot_mapping)
         if tail_slots is None:
             ops.store(pl, k, v, slots)
             return
@@ -106,8 +120,8 @@ class DataPlane:
     # ---- attention ----------------------------------------------------------------------------
     def attention_view(self, layer: int, seq_ids: Sequence[Hashable]
                        ) -> tuple[PagedLayer, torch.Tensor, torch.Tensor]:
-        """(PagedLayer, block_tables int32 [B, max_blocks], seq_lens int32 [B]) for attention of
-        `seq_ids` in `layer`: the layer itself and the cache's tables when nothing of the batch
+        """(PagedLayer, or the LatentLayer of a latent layer; block_tables int32 [B, max_blocks],
+        seq_lens int32 [B]) for attention of `seq_ids` in `layer`: the layer itself and the cache's tables when nothing of the batch
         is swapped, else a temporary layer whose pools hold the batch's resident blocks then its
         swapped blocks read back (the same bytes, so any attention op gives the same result).
         Raises SwapLost, naming the sequences and tokens, if a swapped block is not intact."""
@@ -117,7 +131,7 @@ class DataPlane:
             "main", layer, self.group_of(layer), seq_ids, self._epoch, self.device)
         if got is None:
             return pl, self.block_tables(seq_ids, layer), lens
-        return got[0], got[1], lens
+        return storage.from_record_member(pl, got[0]), got[1], lens
 
     def tail_view(self, layer: int, seq_ids: Sequence[Hashable]) -> tuple[PagedLayer, torch.Tensor]:
         """(the layer's recent-window tail, its block tables int32 [B, max_blocks]): what
@@ -143,6 +157,7 @@ class DataPlane:
         """`pagedkv.ops.decode_attention` of q float [B, Hq, D] over `seq_ids` in `layer`
         (swapped blocks read back; with a recent window `ops.recent.recent_decode_attention`,
         which takes `checks` only). Returns [B, Hq, D]."""
+        self._kv(layer)
         self._check_window(layer, params)
         pl, tables, lens = self.attention_view(layer, seq_ids)
         if self.tails is not None:
@@ -158,6 +173,7 @@ class DataPlane:
         """`pagedkv.ops.prefill_attention` of packed q float [Tq, Hq, D] (new tokens already
         stored) over `seq_ids` in `layer` (swapped blocks read back; with a recent window
         `ops.recent.recent_prefill_attention`). Returns [Tq, Hq, D]."""
+        self._kv(layer)
         self._check_window(layer, params)
         pl, tables, lens = self.attention_view(layer, seq_ids)
         if self.tails is not None:
@@ -174,6 +190,7 @@ class DataPlane:
         from the recent window's tail): float32 [len, H, D] each, in the original basis
         (transform undone); NaN rows where a sliding window released the block. For tests and
         oracles."""
+        self._kv(layer)
         if tail:
             pl, tables = self.tail_view(layer, [seq_id])
             g = self.groups.tail_group
@@ -198,7 +215,7 @@ class DataPlane:
         CacheConfig(key_centring=True)). Only while the cache holds no data (they change what
         stored bytes mean). The prefix keys' namespace then covers the transform
         (`storage.transform_namespace`): caches with different transforms share no prefix."""
-        pl = self._layer(layer)
+        pl = self._kv(layer)
         if any(g.pool.num_used or g.pool.num_cached for g in self.core.groups):
             raise ConfigError(
                 "configure_layer needs an empty cache (stored blocks were encoded with the old "

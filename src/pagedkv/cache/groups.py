@@ -169,8 +169,7 @@ class GroupedStorage:
         for g, seqs in enumerate(self.core.groups):
             nbytes = 0
             for kind, i in self.groups.members[g]:
-                pl = self.layers[i] if kind == "main" else self.tails[i]
-                nbytes += pl.k_pool.numel() + pl.v_pool.numel()
+                nbytes += sum(storage.layer_bytes(self.layers[i] if kind == "main" else self.tails[i]))
             p = seqs.pool
             out.append(GroupStats(seqs.window, p.num_blocks, p.num_used, p.num_free, p.num_cached,
                                   nbytes))

@@ -81,3 +81,22 @@ class LatentLayout:
         elif rope == "same":
             rope = latent
         return LatentSpec(self.latent_dim, self.rope_dim, latent, rope)
+
+
+def fit_latent_scales(spec: LatentSpec, latent, rope, device) -> dict:
+    """The fp8 tensor scales of a latent layer fitted to its first chunk (latent float [..., L],
+    rope float [..., R]): {"latent_scale": float32 [1], "rope_scale": ...} for the tensor-scaled
+    sections only (a uniform row has one section: the latent scale over the whole row), empty
+    for every other codec. The one place both front doors (the engine's `PagedCache`, the
+    drop-in's `PagedLatentCache`) fit them."""
+    from .calibration import fp8_tensor_scale
+    import torch
+
+    out = {}
+    if spec.latent_codec.traits.tensor_scaled:
+        x = torch.cat([latent.detach().float().flatten(), rope.detach().float().flatten()]) \
+            if spec.uniform else latent.detach().float()
+        out["latent_scale"] = fp8_tensor_scale(x, device)
+    if not spec.uniform and spec.rope_codec.traits.tensor_scaled:
+        out["rope_scale"] = fp8_tensor_scale(rope.detach().float(), device)
+    return out

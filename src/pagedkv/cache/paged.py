@@ -13,8 +13,11 @@ Typical step (every call validates first; failures raise before any state change
     cache.pop(sid, 3)                               # speculative rollback
     cache.free(sid)
 
-`cache.layers[i]` is the `PagedLayer` ops consume. `commit` is what makes a full block findable
-by later prefix lookups; a block is never keyed before its K/V were stored in every layer.
+`cache.layers[i]` is the `PagedLayer` ops consume. With `CacheConfig(latent=...)` (MLA) every
+layer is a `LatentLayer`: `store_latent` / `latent_decode_attention` / `latent_prefill_attention`
+(`cache/latent_plane.py`) instead of the K/V methods; everything else is the same. `commit`
+is what makes a full block findable by later prefix lookups; a block is never keyed before its
+K/V were stored in every layer.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from ..alloc.trace import BlockTrace
 from ..errors import ConfigError
 from .config import CacheConfig
 from .dataplane import DataPlane
+from . import storage
 from .groups import GroupedStorage
 from .handouts import Handouts
+from .latent_plane import LatentPlane
 from .tables import GroupSlots, StepBatch, int_tensor
 
 
@@ -76,7 +81,7 @@ class CacheStats:
     tail_bytes: int = 0  # the recent window's tail pools (included in total_bytes)
 
 
-class PagedCache(DataPlane, GroupedStorage):
+class PagedCache(DataPlane, LatentPlane, GroupedStorage):
     """Paged KV storage for every attention layer of one model, on the block manager.
 
     layers: tuple of PagedLayer (index = cache layer). Sequence ids are any hashable value given
@@ -107,9 +112,6 @@ class PagedCache(DataPlane, GroupedStorage):
     def __init__(self, config: CacheConfig, offload=None, *, swap_tier=None, prefix_tier=None):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"PagedCache needs a CacheConfig, got {type(config).__name__}")
-        if config.latent is not None:  # latent (MLA) layers have one pool, not K/V pools
-            raise ConfigError("PagedCache stores K/V layers; latent (MLA) layouts are served by "
-                              "pagedkv.integrations.deepseek.PagedLatentCache and pagedkv.ops.latent")
         self.config = config
         self.block_size = config.block_size
         self.num_blocks = config.total_blocks
@@ -293,7 +295,7 @@ class PagedCache(DataPlane, GroupedStorage):
         records and the prefix store hold)."""
         from ..offload.record import BlockLayout
 
-        return BlockLayout.from_layers(self.layers)
+        return BlockLayout.from_layers([storage.record_member(pl) for pl in self.layers])
 
     @property
     def tier_hit_tokens(self) -> int:
@@ -364,9 +366,8 @@ class PagedCache(DataPlane, GroupedStorage):
         return self.pool.trace
 
     def stats(self) -> CacheStats:
-        layer_bytes = tuple((pl.k_pool.numel() * pl.k_pool.element_size(),
-                             pl.v_pool.numel() * pl.v_pool.element_size()) for pl in self.layers)
-        tail_bytes = sum(t.k_pool.numel() + t.v_pool.numel() for t in self.tails or ())
+        layer_bytes = tuple(storage.layer_bytes(pl) for pl in self.layers)
+        tail_bytes = sum(sum(storage.layer_bytes(t)) for t in self.tails or ())
         s = self.seqs
         q = s.prefix_query_tokens
         return CacheStats(

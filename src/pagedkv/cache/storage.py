@@ -39,13 +39,45 @@ def build_layer(spec: LayerSpec, num_blocks: int, block_size: int, device: torch
     return pl
 
 
-def apply_group_step(layer, step, names: tuple[str, ...] = ("k_pool", "v_pool")):
+def pool_names(layer) -> tuple[str, ...]:
+    """The pool fields of a layer: ("pool",) for a `LatentLayer`, ("k_pool", "v_pool") else."""
+    return ("pool",) if isinstance(layer, LatentLayer) else ("k_pool", "v_pool")
+
+
+def layer_bytes(layer) -> tuple[int, int]:
+    """(K bytes, V bytes) of a layer's pools as allocated (a latent layer: (pool bytes, 0))."""
+    return tuple(int(getattr(layer, n).numel()) for n in pool_names(layer)) + \
+        ((0,) if isinstance(layer, LatentLayer) else ())
+
+
+def record_member(layer) -> PagedLayer:
+    """The layer as swap records and the prefix store see it (`offload.record`: K bytes, V bytes
+    and what they mean per block): a `PagedLayer` itself; a `LatentLayer` as a PagedLayer whose
+    K pool is its whole pool (every section of a block), whose V pool is empty, with the latent
+    and rope codecs and fp8 scales as K's and V's (so both are in the record's meaning)."""
+    if not isinstance(layer, LatentLayer):
+        return layer
+    s = layer.spec
+    return PagedLayer(k_pool=layer.pool, v_pool=layer.pool[:, :0], k_codec=s.latent_codec,
+                      v_codec=s.rope_codec, block_size=layer.block_size, num_kv_heads=1,
+                      head_dim=s.elements, k_scale=layer.latent_scale, v_scale=layer.rope_scale)
+
+
+def from_record_member(layer, member: PagedLayer):
+    """`layer` with the pools of `member` (a `record_member` of it, e.g. a swap read-back view)."""
+    if not isinstance(layer, LatentLayer):
+        return member
+    return dataclasses.replace(layer, pool=member.k_pool)
+
+
+def apply_group_step(layer, step, names: Optional[tuple[str, ...]] = None):
     """One block group's plan step (`alloc.manager.GroupStep`) applied to a layer's pools: block
     moves then a cut to `step.num_blocks` (new tensors, so the memory is returned), or growth;
     then the copy-on-write copies. Returns the layer with its new pools (a `PagedLayer`, a
-    `LatentLayer` with names=("pool",), or a tail); the one place pools are resized."""
+    `LatentLayer`, or a tail; names: the pool fields, default `pool_names(layer)`); the one
+    place pools are resized."""
     changes = {}
-    for name in names:
+    for name in names or pool_names(layer):
         pool = getattr(layer, name)
         if step.moves:
             src = torch.tensor([m[0] for m in step.moves], device=pool.device)

@@ -27,6 +27,7 @@ from ..offload.config import OffloadConfig
 from ..offload.coretiers import CoreTiers
 from ..offload.policy import build_tiers
 from .groups import group_tags
+from .storage import record_member
 
 
 def _loadable(tokens, salt: Salt) -> Optional[list]:
@@ -63,10 +64,12 @@ class CacheTiers(CoreTiers):
         self.tier_hit_tokens = 0
 
     def _members(self, g: int) -> list[PagedLayer]:
-        """Group g's members now, pools sized to its block pool."""
+        """Group g's members now, pools sized to its block pool, as records see them (a latent
+        layer: `storage.record_member`)."""
         c = self.cache
         c._sync_sizes()
-        return [c.layers[i] if kind == "main" else c.tails[i] for kind, i in c.groups.members[g]]
+        return [record_member(c.layers[i]) if kind == "main" else c.tails[i]
+                for kind, i in c.groups.members[g]]
 
     def before_add(self, seqs, tokens, salt: Salt, seq_id: Optional[Hashable]):
         """(tokens to admit, hit blocks in memory before loading). Loaded blocks stay cached

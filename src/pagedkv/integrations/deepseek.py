@@ -36,13 +36,12 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..cache.config import CacheConfig
-from ..cache.latent import LatentLayout
+from ..cache.latent import LatentLayout, fit_latent_scales
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..ops import AttentionParams
 from ..ops.latent import (LatentLayer, latent_decode_attention, latent_prefill_attention,
                           latent_store)
-from ..cache.calibration import fp8_tensor_scale
 from .transformers import PagedCacheLayer, PagedKVCache, _model_device, _transformers
 
 _ORIGINAL = "_pagedkv_original_forward"
@@ -62,7 +61,29 @@ def _text(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-class PagedLatentCache(PagedKVCache):
+class AbsorbedCache:
+    """What the absorbed MLA forward (`enable`) asks of a cache; two front doors implement it:
+    the drop-in `PagedLatentCache` (a transformers Cache, rows of equal length) and the engine's
+    `deepseek_engine.EngineStep` (one forward over sequences of a `pagedkv.cache.PagedCache`)."""
+
+    def mla_store(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor,
+                  attention_mask) -> None:
+        """Store the new tokens: latent float [B, T, L] (after kv_a_layernorm), rope float
+        [B, T, R] (after RoPE)."""
+        raise NotImplementedError
+
+    def mla_window(self, layer_idx: int) -> Optional[int]:
+        """The layer's sliding window (None: full attention)."""
+        raise NotImplementedError
+
+    def mla_attend(self, layer_idx: int, q_lat: torch.Tensor, q_rope: torch.Tensor,
+                   params: AttentionParams) -> torch.Tensor:
+        """Attention of q_lat float32 [B, T, H, L], q_rope [B, T, H, R] on the stored rows
+        (the new tokens included) -> [B, T, H, L]."""
+        raise NotImplementedError
+
+
+class PagedLatentCache(PagedKVCache, AbsorbedCache):
     """A transformers `Cache` holding each layer's `[latent | rope]` per token compressed in pages.
 
     model_or_config: an MLA model (DeepSeek-V2/V3 family) or its HF config.
@@ -107,6 +128,30 @@ class PagedLatentCache(PagedKVCache):
         _, cache_utils = _transformers()
         cache_utils.Cache.__init__(self, layers=layers)
 
+    def mla_store(self, layer_idx, latent, rope, attention_mask) -> None:
+        layer: LatentCacheLayer = self.layers[layer_idx]
+        layer.store_latent(latent, rope)
+        _check_mask(attention_mask, layer.length)
+
+    def mla_window(self, layer_idx: int) -> Optional[int]:
+        return self.layers[layer_idx].sliding_window
+
+    def mla_attend(self, layer_idx, q_lat, q_rope, params) -> torch.Tensor:
+        layer: LatentCacheLayer = self.layers[layer_idx]
+        b, t, h, lat = q_lat.shape
+        dev = q_lat.device
+        tables = self.block_table_tensor(dev)
+        seq_lens = torch.full((b,), layer.length, dtype=torch.int32, device=dev)
+        kw = dict(backend=self.backend, checks=self.checks)
+        if t == 1:
+            return latent_decode_attention(q_lat[:, 0].contiguous(), q_rope[:, 0].contiguous(),
+                                           layer.paged, tables, seq_lens, params, **kw)[:, None]
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
+        o = latent_prefill_attention(q_lat.reshape(b * t, h, lat).contiguous(),
+                                     q_rope.reshape(b * t, h, -1).contiguous(), layer.paged, tables,
+                                     seq_lens, qsl, params, **kw)
+        return o.reshape(b, t, h, lat)
+
 
 class LatentCacheLayer(PagedCacheLayer):
     """One model layer's paged latent (`paged`: the ops' LatentLayer, rebuilt when pools grow)."""
@@ -114,22 +159,14 @@ class LatentCacheLayer(PagedCacheLayer):
     def __repr__(self):
         return f"LatentCacheLayer({self.spec.index}, {self.spec.latent.name}, len={self.length})"
 
-    def _pool_names(self) -> tuple[str, ...]:
-        return ("pool",)
-
     def pool_bytes(self) -> int:
         return 0 if self.paged is None else self.paged.pool.numel() + 8
 
     def lazy_initialization(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
-        """Make the pool; fp8 tensor scales from the first chunk (headroom x amax / 448)."""
+        """Make the pool; fp8 tensor scales from the first chunk (`cache.latent.fit_latent_scales`,
+        as the engine cache does)."""
         p = self._make(self.cache.blocks.num_blocks)
-        spec = p.spec
-        changes = {}
-        if spec.latent_codec.traits.tensor_scaled:
-            x = torch.cat([latent.flatten(), rope.flatten()]) if spec.uniform else latent
-            changes["latent_scale"] = fp8_tensor_scale(x, p.device)
-        if not spec.uniform and spec.rope_codec.traits.tensor_scaled:
-            changes["rope_scale"] = fp8_tensor_scale(rope, p.device)
+        changes = fit_latent_scales(p.spec, latent, rope, p.device)
         self.paged = replace(p, **changes) if changes else p
         self.is_initialized = True
 
@@ -177,14 +214,15 @@ def _check_mask(attention_mask, length: int) -> None:
 
 def _absorbed_forward(self, hidden_states: torch.Tensor, position_embeddings=None,
                       attention_mask: Optional[torch.Tensor] = None, cache=None, **kwargs):
-    """DeepseekV3Attention.forward with the latent cached in pages and absorbed attention.
+    """DeepseekV3Attention.forward with the latent cached in pages and absorbed attention (the
+    cache, an `AbsorbedCache`, stores the rows and attends: either front door).
 
     hidden_states [B, T, hidden]; returns ([B, T, hidden], None)."""
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     else:
         kwargs.pop("past_key_values", None)
-    if not isinstance(cache, PagedLatentCache):
+    if not isinstance(cache, AbsorbedCache):
         return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, cache=cache, **kwargs)
     hf = sys.modules[type(self).__module__]
@@ -204,9 +242,7 @@ def _absorbed_forward(self, hidden_states: torch.Tensor, position_embeddings=Non
     rope_fn = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else hf.apply_rotary_pos_emb
     q_rot, k_rot = rope_fn(q_rot, k_rot, cos, sin)
 
-    layer: LatentCacheLayer = cache.layers[self.layer_idx]
-    layer.store_latent(kv_nope, k_rot[:, 0])
-    _check_mask(attention_mask, layer.length)
+    cache.mla_store(self.layer_idx, kv_nope, k_rot[:, 0], attention_mask)
 
     h = q_states.shape[1]
     # absorption in the model's dtype (as transformers' own projections; no fp32 weight copies)
@@ -214,23 +250,11 @@ def _absorbed_forward(self, hidden_states: torch.Tensor, position_embeddings=Non
     q_lat = torch.einsum("bhtn,hnl->bthl", q_pass.to(w.dtype), w[:, :nope]).float()  # [B, T, H, L]
     q_rope = q_rot.float().transpose(1, 2)  # [B, T, H, R]
     params = AttentionParams(
-        scale=float(self.scaling), sliding_window=layer.sliding_window,
+        scale=float(self.scaling), sliding_window=cache.mla_window(self.layer_idx),
         soft_cap=getattr(self.config, "attn_logit_softcapping", None),
         sinks=None if getattr(self, "sinks", None) is None else self.sinks.float(),
     )
-    dev = hidden_states.device
-    tables = cache.block_table_tensor(dev)
-    seq_lens = torch.full((b,), layer.length, dtype=torch.int32, device=dev)
-    if t == 1:
-        o = latent_decode_attention(q_lat[:, 0].contiguous(), q_rope[:, 0].contiguous(), layer.paged,
-                                    tables, seq_lens, params, backend=cache.backend, checks=cache.checks)
-        o = o[:, None]
-    else:
-        qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
-        o = latent_prefill_attention(q_lat.reshape(b * t, h, L).contiguous(),
-                                     q_rope.reshape(b * t, h, rd).contiguous(), layer.paged, tables,
-                                     seq_lens, qsl, params, backend=cache.backend, checks=cache.checks)
-        o = o.reshape(b, t, h, L)
+    o = cache.mla_attend(self.layer_idx, q_lat, q_rope, params)
     out = torch.einsum("bthl,hvl->bthv", o.to(w.dtype), w[:, nope:])  # [B, T, H, v_head_dim]
     out = out.reshape(b, t, h * self.v_head_dim).to(hidden_states.dtype)
     return self.o_proj(out), None

@@ -76,9 +76,6 @@ class PagedCacheLayer:
             return
         self.tail = build_tail(self.paged, recent.codec, self.cache.tail_group.num_blocks)
 
-    def _pool_names(self) -> tuple[str, ...]:
-        return ("k_pool", "v_pool")
-
     def transform(self) -> dict:
         """The layer's stored-bytes transform (float32 tensors or None), see calibration."""
         p = self.paged
@@ -113,7 +110,7 @@ class PagedCacheLayer:
             self.tail = self._applied(self.tail, step)
 
     def _applied(self, p: PagedLayer, step) -> PagedLayer:
-        return apply_group_step(p, step, self._pool_names())
+        return apply_group_step(p, step)
 
     def pool_bytes(self) -> int:
         if self.paged is None:

@@ -98,7 +98,7 @@ class RowStorage:
             n = view.num_blocks
             members = [self.layers[i].paged for i in view.layers] + \
                 [self.layers[i].tail for i in view.tails]
-            if any(p is not None and p.k_pool.shape[0] != n for p in members):
+            if any(p is not None and p.num_blocks != n for p in members):
                 self._apply_step(view, GroupStep((), n, (), ()))
 
     def _apply_step(self, view: "GroupView", step: GroupStep) -> None:

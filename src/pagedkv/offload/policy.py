@@ -230,8 +230,9 @@ class SwapPolicy:
             tmp = torch.empty(n_res + n_sw, pool.shape[1], dtype=torch.uint8, device=pool.device)
             if n_res:
                 tmp[:n_res] = pool[resident]
-            raw = bytearray().join(item[side] for item in got)
-            tmp[n_res:] = torch.frombuffer(raw, dtype=torch.uint8).view(n_sw, -1).to(pool.device)
+            if pool.shape[1]:  # a side may be empty (a latent layer's record member has no V)
+                raw = bytearray().join(item[side] for item in got)
+                tmp[n_res:] = torch.frombuffer(raw, dtype=torch.uint8).view(n_sw, -1).to(pool.device)
             pools.append(tmp)
         return dataclasses.replace(pl, k_pool=pools[0], v_pool=pools[1])
 

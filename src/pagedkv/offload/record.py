@@ -341,6 +341,8 @@ def write_block(layers: Sequence[PagedLayer], block: int, sections: Sequence[tup
     """Write per-layer (K bytes, V bytes) into block id `block` of every layer's pools."""
     for pl, (k, v) in zip(layers, sections):
         for pool, data in ((pl.k_pool, k), (pl.v_pool, v)):
+            if not pool.shape[1]:  # an empty side (a latent layer's record member has no V)
+                continue
             if pool.device.type == "cpu":  # a numpy view of the row: no tensor op per row
                 pool[block].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
             else:

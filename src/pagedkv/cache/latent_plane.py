@@ -1,0 +1,115 @@
+"""The data plane of the engine cache for latent (MLA) layers, mixed into `PagedCache` next to
+`DataPlane` (K/V layers).
+
+With `CacheConfig(latent=LatentLayout(...))` every layer is a `LatentLayer` (one pool of
+`[latent | rope]` rows, `ops.latent_layer`) built by the one builder (`storage.build_layer`).
+Everything above the data plane is the same as for K/V layers: sequences, prefix hits, fork,
+pop, block groups (a latent layer is one member of its group; sliding windows work as for K/V),
+the resident cap and the prefix store (a latent layer's record is its whole pool block,
+`storage.record_member`). Per layer:
+
+- `store_latent(layer, latent [T, L], rope [T, R], slots)`: the StepBatch / NewSequence that
+  handed the slots out (or an int64 [T] slot tensor), checked as `store` checks them. A layer's
+  first store fits its fp8 tensor scales from that chunk (`cache.latent.fit_latent_scales`, as
+  the drop-in `PagedLatentCache` does; nothing for other codecs; kept as they are when blocks
+  were loaded from a prefix store first). The scales are in the records' layout
+  (`offload.record`), so caches with other scales never read each other's stored blocks.
+- `latent_decode_attention` / `latent_prefill_attention`: `pagedkv.ops.latent`'s ops over the
+  sequences' pages (swapped blocks read back through `attention_view`).
+- `gather_latent(layer, seq_id)`: the stored rows decoded (tests, oracles).
+
+The K/V methods (`store`, `decode_attention`, ...) refuse a latent layer and these refuse a K/V
+layer, each with a ConfigError naming the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Sequence
+
+import torch
+
+from ..alloc.swapstate import RELEASED
+from ..errors import ConfigError
+from ..ops.batch import AttentionParams
+from ..ops.latent import latent_decode_attention, latent_prefill_attention, latent_store
+from ..ops.latent_layer import LatentLayer
+from . import storage
+from .latent import fit_latent_scales
+
+
+class LatentPlane:
+    """Store / attend / gather of `PagedCache`'s latent layers (see the module doc)."""
+
+    _latent_fitted: frozenset = frozenset()  # layers whose fp8 scales are fixed
+
+    def _latent(self, layer: int) -> LatentLayer:
+        pl = self._layer(layer)
+        if not isinstance(pl, LatentLayer):
+            raise ConfigError(f"layer {layer} stores K/V: use store / decode_attention / "
+                              "prefill_attention / gather (the latent methods need "
+                              "CacheConfig(latent=LatentLayout(...)))")
+        return pl
+
+    def store_latent(self, layer: int, latent: torch.Tensor, rope: torch.Tensor,
+                     slot_mapping, **op_kwargs) -> None:
+        """Encode the new tokens' latent float [T, L] (after the KV layernorm) and rope key
+        float [T, R] (after RoPE) into layer `layer` at the slots `slot_mapping` names (the
+        StepBatch / NewSequence, or int64 [T] slots of the layer's group; negative = skip).
+        The layer's first store fixes its fp8 tensor scales from this chunk. Raises before
+        anything is written (InvalidInput for bad tensors or slots)."""
+        pl = self._latent(layer)
+        slots, _ = self._store_slots(layer, slot_mapping)
+        # blocks loaded from a prefix store before the first store were written with today's
+        # scales: then they stay
+        fit = layer not in self._latent_fitted and not any(any(g.pool.keyed) for g in self.core.groups)
+        self._latent_fitted = self._latent_fitted | {layer}
+        if fit:  # validate against the layer as it is, then fix its scales, then write
+            latent_store(pl, latent, rope, torch.full_like(slots, -1), **op_kwargs)
+            changes = fit_latent_scales(pl.spec, latent, rope, pl.device)
+            if changes:
+                pl = dataclasses.replace(pl, **changes)
+                layers = list(self.layers)
+                layers[layer] = pl
+                self.layers = tuple(layers)
+                self._changed()
+        latent_store(pl, latent, rope, slots, **op_kwargs)
+
+    def latent_decode_attention(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor,
+                                seq_ids: Sequence[Hashable], params: AttentionParams,
+                                **op_kwargs) -> torch.Tensor:
+        """`pagedkv.ops.latent.latent_decode_attention` of q_lat float [B, Hq, L], q_rope
+        [B, Hq, R] (absorbed, RoPE applied; one query per sequence) over `seq_ids` in `layer`.
+        Returns [B, Hq, L]."""
+        self._latent(layer)
+        self._check_window(layer, params)
+        pl, tables, lens = self.attention_view(layer, seq_ids)
+        return latent_decode_attention(q_lat, q_rope, pl, tables, lens, params, **op_kwargs)
+
+    def latent_prefill_attention(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor,
+                                 seq_ids: Sequence[Hashable], query_start_loc: torch.Tensor,
+                                 params: AttentionParams, **op_kwargs) -> torch.Tensor:
+        """`pagedkv.ops.latent.latent_prefill_attention` of packed q_lat [Tq, Hq, L], q_rope
+        [Tq, Hq, R] (the new tokens already stored) over `seq_ids` in `layer`. Returns
+        [Tq, Hq, L]."""
+        self._latent(layer)
+        self._check_window(layer, params)
+        pl, tables, lens = self.attention_view(layer, seq_ids)
+        return latent_prefill_attention(q_lat, q_rope, pl, tables, lens, query_start_loc, params,
+                                        **op_kwargs)
+
+    def gather_latent(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode a sequence's stored rows in `layer` (swapped blocks included): (latent float32
+        [len, L], rope float32 [len, R]), unrotated; NaN rows where a sliding window released
+        the block. For tests and oracles."""
+        self._latent(layer)
+        pl, tables, _ = self.attention_view(layer, [seq_id])
+        n, bs = self.seq_len(seq_id), self.block_size
+        pos = torch.arange(n, device=self.device)
+        slots = tables[0].long()[pos // bs] * bs + pos % bs
+        row = torch.cat([storage.gather_side(sec, "k", slots)[:, 0] for sec in pl.sections()], -1)
+        released = torch.tensor([e == RELEASED for e in self._group(self.group_of(layer)).table(seq_id)],
+                                dtype=torch.bool)
+        if n:
+            row = row.masked_fill(released[pos.cpu() // bs].to(self.device)[:, None], float("nan"))
+        return row[:, :pl.latent_dim], row[:, pl.latent_dim:]

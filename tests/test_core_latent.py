@@ -1,0 +1,217 @@
+"""MLA in the engine loop (issue 17): `PagedCache(CacheConfig(latent=...))` driven directly, as an
+engine does (add_sequence with prefix hits, step, commit, fork, pop, the offload tiers), running
+a tiny random-weight DeepSeek-V3 model through `integrations.deepseek_engine.engine_forward`.
+
+Oracles: the drop-in `PagedLatentCache` (the same stored bytes and the same ops, one sequence at
+a time: only fp32 summation order differs), transformers' own eager attention over bf16-rounded
+latents (what a bf16 cache stores), the reference latent ops (`backend="reference"`), and a
+fresh cache that computed every token (for prefix hits, forks and pops). A resident cap must
+not change one bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DeepseekV3ForCausalLM  # noqa: E402
+
+from helpers.mla import RoundingCache, mla_config  # noqa: E402
+from pagedkv.cache import CacheConfig, PagedCache  # noqa: E402
+from pagedkv.cache.latent import LatentLayout  # noqa: E402
+from pagedkv.errors import ConfigError, InvalidInput  # noqa: E402
+from pagedkv.integrations.deepseek import PagedLatentCache, disable, enable  # noqa: E402
+from pagedkv.integrations.deepseek_engine import engine_forward, latent_config  # noqa: E402
+from pagedkv.offload import MemoryTier, OffloadConfig  # noqa: E402
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(mla_config()).eval()
+    enable(m)
+    yield m
+    disable(m)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _cache(model, fmt="turbo4", **kw) -> PagedCache:
+    return PagedCache(latent_config(model, fmt, num_blocks=64, block_size=BS, model_id="tiny-mla"),
+                      **kw)
+
+
+def _prefill(model, c: PagedCache, tokens, **kw):
+    """Admit `tokens`, run the tokens after the hit; (seq id, hit tokens, logits of those)."""
+    new = c.add_sequence(tokens)
+    logits = engine_forward(model, c, [new.seq_id], [tokens[new.hit_tokens:]], new, **kw)
+    c.commit(new.seq_id)
+    return new.seq_id, new.hit_tokens, logits
+
+
+def _decode(model, c: PagedCache, sids, toks, **kw):
+    """One packed decode step: token toks[b] for sequence sids[b]; logits [B, vocab]."""
+    batch = c.step(sids, [[t] for t in toks])
+    logits = engine_forward(model, c, sids, [[t] for t in toks], batch, **kw)
+    c.commit(sids)
+    return logits
+
+
+def _engine_run(model, c, prompts, steps: int, **kw):
+    """Prompts admitted one after another (each prefilled alone), then `steps` greedy decode
+    steps of all of them packed. Returns per prompt (tokens, logits [len, vocab])."""
+    sids, toks, outs = [], [], []
+    for p in prompts:
+        sid, _, lg = _prefill(model, c, p, **kw)
+        sids.append(sid)
+        toks.append(list(p))
+        outs.append([lg])
+    for _ in range(steps):
+        nxt = [int(o[-1][-1].argmax()) for o in outs]
+        lg = _decode(model, c, sids, nxt, **kw)
+        for b, t in enumerate(nxt):
+            toks[b].append(t)
+            outs[b].append(lg[b:b + 1])
+    return [(t, torch.cat(o)) for t, o in zip(toks, outs)]
+
+
+@torch.no_grad()
+def _drop_in(model, fmt, tokens, prompt_len):
+    """The drop-in's logits for `tokens`: the prompt in one forward, then one token at a time."""
+    d = PagedLatentCache(model, fmt, block_size=BS)
+    ids = torch.tensor(tokens)[None]
+    parts = [model(ids[:, :prompt_len], cache=d).logits[0]]
+    parts += [model(ids[:, j:j + 1], cache=d).logits[0] for j in range(prompt_len, len(tokens))]
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def _fresh(model, fmt, tokens):
+    """Logits of every position of `tokens` from a cache that computed all of them."""
+    c = _cache(model, fmt)
+    return _prefill(model, c, tokens)[2]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "turbo4"])
+@torch.no_grad()
+def test_engine_loop_matches_the_drop_in_the_reference_ops_and_eager(model, fmt):
+    prompts = [_prompt(1, 13), _prompt(2, 7)]  # ragged: one packed decode batch, no padding
+    c = _cache(model, fmt)
+    runs = _engine_run(model, c, prompts, steps=4)
+    assert c.layers[0].spec.name == ("fp8+q8_0rope" if fmt == "fp8" else fmt)
+    scale = max(float(lg.abs().max()) for _, lg in runs)
+    for b, (toks, lg) in enumerate(runs):
+        # the drop-in: same bytes, same ops (fp8 scales are fitted to the first chunk stored,
+        # which is prompt 0 for both front doors; prompt 1's drop-in fits its own)
+        if fmt != "fp8" or b == 0:
+            torch.testing.assert_close(lg, _drop_in(model, fmt, toks, len(prompts[b])),
+                                       atol=1e-4 * scale, rtol=0)
+        if fmt == "bf16":  # transformers' eager attention over the same bf16-rounded latents
+            disable(model)
+            try:
+                rounded = model(torch.tensor(toks)[None], cache=RoundingCache(config=model.config))
+            finally:
+                enable(model)
+            torch.testing.assert_close(lg, rounded.logits[0], atol=2e-3 * scale, rtol=0)
+    # the reference latent ops on the same pages: fp32 rounding only
+    ref = _engine_run(model, _cache(model, fmt), prompts, steps=4, backend="reference")
+    for (toks, lg), (rtoks, rlg) in zip(runs, ref):
+        assert toks == rtoks
+        torch.testing.assert_close(lg, rlg, atol=1e-4 * scale, rtol=0)
+
+
+@torch.no_grad()
+def test_prefix_hit_fork_and_pop_on_latent_layers(model):
+    fmt = "turbo4"
+    c = _cache(model, fmt)
+    first = _prompt(3, 14)
+    _prefill(model, c, first)
+    second = first[:12] + _prompt(4, 5)
+    sid, hit, lg = _prefill(model, c, second)
+    assert hit == 12  # three whole blocks shared
+    used = c.stats().blocks_used
+    fresh = _fresh(model, fmt, second)
+    scale = float(fresh.abs().max())
+    torch.testing.assert_close(lg, fresh[hit:], atol=1e-4 * scale, rtol=0)
+
+    fork = c.fork(sid)
+    assert c.stats().blocks_used == used  # the fork shares every block
+    out = _decode(model, c, [sid, fork], [5, 9])  # the shared last block is copied on write
+    for row, tok in zip(out, (5, 9)):
+        torch.testing.assert_close(row, _fresh(model, fmt, second + [tok])[-1], atol=1e-4 * scale,
+                                   rtol=0)
+
+    for t in (11, 12, 13):
+        _decode(model, c, [fork], [t])
+    c.pop(fork, 3)  # speculative rollback: back to second + [9]
+    assert c.tokens(fork) == second + [9]
+    row = _decode(model, c, [fork], [77])[0]
+    torch.testing.assert_close(row, _fresh(model, fmt, second + [9, 77])[-1], atol=1e-4 * scale,
+                               rtol=0)
+    latent, rope = c.gather_latent(0, fork)
+    assert latent.shape == (len(second) + 2, 64) and rope.shape == (len(second) + 2, 32)
+    c.core.check_invariants()
+
+
+@pytest.mark.parametrize("fmt", ["turbo4", "fp8"])
+@torch.no_grad()
+def test_resident_cap_changes_no_bit_and_the_prefix_store_serves_latent_blocks(model, fmt):
+    prompts = [_prompt(5, 15), _prompt(6, 10)]
+    plain = _engine_run(model, _cache(model, fmt), prompts, steps=3)
+    capped = _cache(model, fmt, offload=OffloadConfig(resident_blocks_per_seq=1, swap="memory"))
+    runs = _engine_run(model, capped, prompts, steps=3)
+    assert capped.offload_stats()["swapped_blocks"] > 0
+    for (t, lg), (pt, plg) in zip(runs, plain):
+        assert t == pt and torch.equal(lg, plg)
+    capped.close()
+
+    store = MemoryTier()
+    a = _cache(model, fmt, prefix_tier=store)
+    _prefill(model, a, prompts[0])
+    b = _cache(model, fmt, prefix_tier=store)
+    if fmt == "fp8":  # b's scales are not fitted yet: the store's records (a's scales) miss
+        _prefill(model, b, prompts[1])
+        assert b.tier_hit_tokens == 0
+        return
+    _, hit, lg = _prefill(model, b, prompts[0][:12] + [1, 2])
+    assert hit == 12 and b.tier_hit_tokens == 12  # loaded from the store, not computed
+    full = _fresh(model, fmt, prompts[0][:12] + [1, 2])
+    torch.testing.assert_close(lg, full[12:], atol=1e-4 * float(full.abs().max()), rtol=0)
+
+
+@torch.no_grad()
+def test_bad_combinations_and_misuse_are_refused_before_any_change(model):
+    lat = LatentLayout(64, 32)
+    kw = dict(num_layers=2, num_kv_heads=1, head_dim=96, num_blocks=8, block_size=BS, latent=lat)
+    with pytest.raises(ConfigError, match="key_centring"):
+        CacheConfig(key_centring=True, **kw)
+    with pytest.raises(ConfigError, match="recent window"):
+        CacheConfig(recent_window=8, **kw)
+    c = PagedCache(CacheConfig(kv_format="fp8", **kw))
+    new = c.add_sequence([1, 2, 3, 4, 5])
+    before = [pl.pool.clone() for pl in c.layers]
+    with pytest.raises(ConfigError, match="latent"):  # the K/V methods name the latent ones
+        c.store(0, torch.randn(5, 1, 96), torch.randn(5, 1, 96), new)
+    with pytest.raises(ConfigError, match="latent"):
+        c.configure_layer(0, k_scale=2.0)
+    with pytest.raises(InvalidInput):  # a NaN row: nothing written, the scales not fitted
+        c.store_latent(0, torch.full((5, 64), float("nan")), torch.randn(5, 32), new)
+    with pytest.raises(InvalidInput, match="rope"):
+        c.store_latent(0, torch.randn(5, 64), torch.randn(5, 31), new)
+    assert all(torch.equal(a, pl.pool) for a, pl in zip(before, c.layers))
+    assert float(c.layers[0].latent_scale) == 1.0
+    kv = PagedCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_blocks=8))
+    with pytest.raises(ConfigError, match="K/V"):
+        kv.store_latent(0, torch.randn(1, 64), torch.randn(1, 32), kv.add_sequence([1]))
+    disable(model)
+    try:
+        c2 = _cache(model)
+        with pytest.raises(ConfigError, match="enable"):
+            _prefill(model, c2, [1, 2, 3])
+    finally:
+        enable(model)
