@@ -55,7 +55,7 @@ def main() -> None:
             t, toks = run(tc)
             print(f"cap 8 blocks, swap={swap} prefetch={prefetch}: {t * 1e3:.1f} ms/step "
                   f"({t / base_t:.2f}x), same tokens: {toks == base_toks}, resident "
-                  f"{tc.resident_blocks(0)} of {len(tc.seqs.table(0))} blocks")
+                  f"{tc.resident_blocks(0)[0]} of {len(tc.seqs.table(0))} blocks")
             tc.close()
     again, _ = run(PagedCache(CFG))
     print(f"uncapped again: {again * 1e3:.1f} ms/step")

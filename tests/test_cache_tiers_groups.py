@@ -173,3 +173,72 @@ def test_a_sliding_hit_is_shortened_when_its_window_blocks_are_gone():
     assert new.hit_tokens == 32
     assert [g.dead(new.seq_id) for g in c.core.groups] == [0, 7, 6]
     c.core.check_invariants()
+
+
+def _swap_run(c: PagedCache, steps: int = 6):
+    """Two prompts, then `steps` packed decode steps; a TierWriteError from a commit (the
+    commit took effect, the blocks stay resident) is counted. (sids, outputs, errors)."""
+    from pagedkv.offload import TierWriteError
+
+    prompts = [[100 + i for i in range(21)], [300 + i for i in range(14)]]
+    rows = [_kv(40, seed=s) for s in range(2)]
+    outs, sids, errors = [], [], 0
+
+    def commit(ids):
+        nonlocal errors
+        try:
+            c.commit(ids)
+        except TierWriteError:
+            errors += 1
+
+    for p, r in zip(prompts, rows):
+        new = c.add_sequence(p)
+        qsl = torch.tensor([0, len(p)], dtype=torch.int32)
+        for layer, (k, v, q) in enumerate(r):
+            c.store(layer, k[:len(p)], v[:len(p)], new)
+            outs.append(c.prefill_attention(layer, q[:len(p)], [new.seq_id], qsl, _params(layer)))
+        commit(new.seq_id)
+        sids.append(new.seq_id)
+    for t in range(steps):
+        batch = c.step(sids, [[7]] * len(sids))
+        for layer in range(3):
+            k, v, q = (torch.stack([r[layer][i][21 + t if b == 0 else 14 + t]
+                                    for b, r in enumerate(rows)]) for i in range(3))
+            c.store(layer, k, v, batch)
+            outs.append(c.decode_attention(layer, q, sids, _params(layer)))
+        commit(sids)
+    return sids, outs, errors
+
+
+def test_swap_reports_and_the_swap_limit_cover_every_group(tmp_path):
+    cap = OffloadConfig(resident_blocks_per_seq=1, swap="disk", swap_dir=str(tmp_path / "a"))
+    capped = PagedCache(_cfg(), cap)
+    sids, _, errors = _swap_run(capped)
+    assert errors == 0
+    n_groups = len(capped.core.groups)
+    total = 0
+    for s in sids:
+        res, sw = capped.resident_blocks(s), capped.swapped_blocks(s)
+        assert len(res) == len(sw) == n_groups and all(r <= 1 for r in res)  # the cap, per group
+        for layer in range(3):  # what the tables of each layer's group show as swapped (-1)
+            table = capped.block_tables([s], layer=layer)[0].tolist()
+            assert [j for j, b in enumerate(table) if b == -1] == sw[capped.group_of(layer)]
+        total += sum(len(x) for x in sw)
+    assert all(any(capped.swapped_blocks(s)[g] for s in sids) for g in range(n_groups))
+    assert capped.offload_stats()["swapped_blocks"] == total
+    files = capped.swap.tier.files
+    grown = [f.path.stat().st_size for f in files]
+    capped.close()
+
+    # a limit every file stays under but their sum does not: refused, never passed
+    limit = sum(grown) - 1
+    assert max(grown) <= limit
+    plain_sids, plain_outs, _ = _swap_run(PagedCache(_cfg()))
+    tight = PagedCache(_cfg(), OffloadConfig(resident_blocks_per_seq=1, swap="disk",
+                                             swap_dir=str(tmp_path / "b"), swap_limit_bytes=limit))
+    _, outs, errors = _swap_run(tight)
+    assert errors > 0
+    assert sum(f.path.stat().st_size for f in tight.swap.tier.files) <= limit
+    assert len(outs) == len(plain_outs) and all(torch.equal(a, b) for a, b in zip(outs, plain_outs))
+    tight.core.check_invariants()
+    tight.close()

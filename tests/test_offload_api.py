@@ -42,7 +42,7 @@ def test_redis_tier_argument_errors():
 def _swapped_cache():
     tc = PagedCache(_cfg(), OffloadConfig(resident_blocks_per_seq=1, swap="memory"))
     run = ToyLM(tc).generate(list(range(9)), 1)  # 9 tokens: blocks 0, 1 swapped, 2 resident
-    assert tc.swapped_blocks(run.seq_id) == [0, 1]
+    assert tc.swapped_blocks(run.seq_id) == ([0, 1],)
     return tc, run.seq_id
 
 
@@ -71,7 +71,7 @@ def test_pop_into_a_swapped_block_with_no_room_raises_before_changing_anything()
     assert (list(tc.seqs.table(child)), tc.seq_len(child), dict(tc.seqs.rec_refs), tc.swap.keys()) == before
     tc.free(filler.seq_id)
     tc.pop(child, 2)  # now it fits: block 1 comes back as the partly filled last block
-    assert tc.swapped_blocks(child) == [0]
+    assert tc.swapped_blocks(child) == ([0],)
     k, _ = tc.gather(0, child)
     k0, _ = tc.gather(0, sid)
     assert torch.equal(k, k0[:7])

@@ -120,7 +120,7 @@ def test_prefix_store_with_resident_cap(tmp_path, baseline):
     b = _cache(tmp_path, resident_blocks_per_seq=1, cache_dir=str(tmp_path / "c"))
     rb = ToyLM(b).generate(PROMPT, 8)
     assert rb.hit_tokens == 40 and rb.tokens == baseline.tokens
-    assert b.resident_blocks(rb.seq_id) == 1
+    assert b.resident_blocks(rb.seq_id) == (1,)
     b.seqs.check_invariants()
     b.close()
 

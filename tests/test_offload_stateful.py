@@ -45,7 +45,7 @@ class TieredMachine(base.CacheMachine):
         except CacheFull:
             assert self._snapshot() == before
             return
-        swapped = {s: set(self.cache.swapped_blocks(s)) for s in batch}  # as of the step
+        swapped = {s: set(self.cache.swapped_blocks(s)[0]) for s in batch}  # as of the step
         rows = [base.rows_after(self._last_row(s), t)[0] for s, t in zip(batch, toks)]
         self._store(step, rows)
         self.cache.commit(batch)
@@ -71,9 +71,9 @@ class TieredMachine(base.CacheMachine):
                     assert j < committed_full and (j < len(table) - 1 or c.seq_len(s) % base.BS == 0)
                     rid = swapped_record(table[j])
                     refs[rid] = refs.get(rid, 0) + 1
-                if g.committed(s) == c.seq_len(s) and gi == 0:  # the cap holds after a commit
+                if g.committed(s) == c.seq_len(s):  # the cap holds after a commit, every group
                     n = len(table)
-                    assert c.resident_blocks(s) <= max(1, n - committed_full + (c.seq_len(s) % base.BS > 0))
+                    assert c.resident_blocks(s)[gi] <= max(1, n - committed_full + (c.seq_len(s) % base.BS > 0))
             assert refs == g.rec_refs
             keys += [c.swap.key_of(r, gi) for r in refs]
         assert sorted(self.cache.swap.tier.keys()) == sorted(keys) == sorted(c.swap.keys())

@@ -53,8 +53,8 @@ def test_capped_generation_is_bit_identical(tmp_path, fmt, cap, prefetch):
         run = ToyLM(tc).generate(PROMPT, 24)
         _same(base, run)
         n_blocks = len(tc.seqs.table(run.seq_id))
-        assert tc.resident_blocks(run.seq_id) == max(cap, 1)
-        assert tc.swapped_blocks(run.seq_id) == list(range(n_blocks - cap))
+        assert tc.resident_blocks(run.seq_id) == (max(cap, 1),)
+        assert tc.swapped_blocks(run.seq_id) == (list(range(n_blocks - cap)),)
         tc.seqs.check_invariants()
         st = tc.offload_stats()["swap"]
         assert st["swap_outs"] == n_blocks - cap and st["sections_read"] > 0
@@ -101,7 +101,7 @@ def test_batched_decode_with_shared_prefix_is_bit_identical(tmp_path):
     with _tiered(tmp_path, cfg, 2) as tc:
         ids, t1, o1 = _batch_run(tc)
         assert t0 == t1 and all(torch.equal(a, b) for a, b in zip(o0, o1))
-        assert all(tc.resident_blocks(i) == 2 for i in ids)
+        assert all(tc.resident_blocks(i) == (2,) for i in ids)
         tc.seqs.check_invariants()
 
 
@@ -165,7 +165,7 @@ def test_swap_write_failure_keeps_blocks_resident_and_loses_nothing(tmp_path, mo
         errors += 1
         assert "no space left" in str(exc)
     assert tc.seqs.committed(sid) == len(PROMPT)  # the commit itself took effect
-    assert tc.swapped_blocks(sid) == [] and tc.resident_blocks(sid) == 6
+    assert tc.swapped_blocks(sid) == ([],) and tc.resident_blocks(sid) == (6,)
     tc.seqs.check_invariants()
     toks, outs = [int(logits[-1].argmax())], [o[-1].clone()]
     for step in range(15):
@@ -181,7 +181,7 @@ def test_swap_write_failure_keeps_blocks_resident_and_loses_nothing(tmp_path, mo
         outs.append(o[-1].clone())
     assert errors == 9
     assert toks == base.tokens and all(torch.equal(a, b) for a, b in zip(base.outputs, outs))
-    assert tc.resident_blocks(sid) == 1
+    assert tc.resident_blocks(sid) == (1,)
     tc.seqs.check_invariants()
     tc.close()
 

@@ -261,12 +261,17 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         return sum(g.pool.reset_prefix_cache() for g in self.core.groups)
 
     # ---- swap -----------------------------------------------------------------------------
-    def swapped_blocks(self, seq_id: Hashable) -> list[int]:
-        """Logical indices of the sequence's blocks that are swapped out (sorted)."""
-        return self.seqs.swapped(seq_id)
+    def swapped_blocks(self, seq_id: Hashable) -> tuple[list[int], ...]:
+        """Per block group (index g of `core.groups` / `stats().groups`; one entry with one
+        group), the logical indices of the sequence's blocks swapped out, sorted."""
+        self.seqs._get(seq_id)
+        return tuple(g.swapped(seq_id) for g in self.core.groups)
 
-    def resident_blocks(self, seq_id: Hashable) -> int:
-        return len(self.seqs.table(seq_id)) - len(self.seqs.swapped(seq_id))
+    def resident_blocks(self, seq_id: Hashable) -> tuple[int, ...]:
+        """Per block group, how many of the sequence's blocks are in memory (swapped-out and
+        window-released entries not counted)."""
+        self.seqs._get(seq_id)
+        return tuple(sum(1 for e in g.table(seq_id) if e >= 0) for g in self.core.groups)
 
     def enforce_cap(self, seq_id: Hashable) -> int:
         """Swap out the sequence's oldest full committed blocks until at most the cap stay

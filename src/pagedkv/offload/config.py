@@ -48,7 +48,8 @@ class OffloadConfig:
 
     resident_blocks_per_seq: None (off) or N >= 1 blocks kept in memory per sequence.
     swap: "disk" or "memory"; swap_dir: None = `<cache_dir>/swap`; swap_limit_bytes: None =
-    unbounded (a swap write past the limit raises TierWriteError; swapped data is never dropped).
+    unbounded, else the most bytes this cache's swap holds, over every block group together (a
+    swap write past it raises TierWriteError; swapped data is never dropped).
     prefix_store: "none", "disk" or "redis"; prefix_dir: None = `<cache_dir>/prefix`;
     prefix_limit_bytes: the disk store's size (LRU eviction).
     redis_url, redis_prefix, redis_timeout_s, redis_retry_after_s, redis_ttl_s: the Redis tier.

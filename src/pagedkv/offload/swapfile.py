@@ -17,8 +17,9 @@ error. Private to one process (the key -> slot map lives in memory).
 from __future__ import annotations
 
 import errno
-import re
 import os
+import re
+import threading
 from pathlib import Path
 from typing import Optional, Union
 
@@ -45,6 +46,7 @@ class SwapFileTier(Tier):
             raise ConfigError(f"swap directory {str(self.root)!r} is not usable: {exc}") from None
         self.name = f"swap file {self.path}"
         self.limit_bytes = limit_bytes
+        self.shared: list["SwapFileTier"] = [self]  # the files limit_bytes is over (one cache)
         self.slot_bytes: Optional[int] = None
         self._slots: dict[str, tuple[int, int]] = {}  # key -> (slot, value length)
         self._free: list[int] = []
@@ -110,11 +112,14 @@ class SwapFileTier(Tier):
                                      f"{self.slot_bytes}-byte slots")
             if self._free:
                 return self._free.pop()
-            if self.limit_bytes is not None and (self._next + 1) * self.slot_bytes > self.limit_bytes:
+            grown = sum(f._next * (f.slot_bytes or 0) for f in self.shared)
+            if self.limit_bytes is not None and grown + self.slot_bytes > self.limit_bytes:
+                others = "" if len(self.shared) == 1 else \
+                    f" (with the other {len(self.shared) - 1} swap files of this cache)"
                 raise TierWriteError(
-                    f"{self.name} is full: {self._next} slots of {self.slot_bytes} bytes, "
-                    f"limit_bytes={self.limit_bytes} (swap data is never evicted)"
-                )
+                    f"{self.name}{others} is full: {grown} bytes in slots, one more slot of "
+                    f"{self.slot_bytes} bytes would pass limit_bytes={self.limit_bytes} (swap data "
+                    "is never evicted)")
             self._next += 1
             return self._next - 1
 
@@ -178,12 +183,16 @@ def _count_ranges(tier: Tier, out: list, length: int) -> None:
 class GroupedSwapFiles(Tier):
     """The disk swap tier of a cache with several block groups: one `SwapFileTier` per group
     under `root/g<N>` (a group's records all have one size, another group's another), chosen by
-    the group a record key names (`SwapSpace.key_of`). limit_bytes applies to each file."""
+    the group a record key names (`SwapSpace.key_of`). limit_bytes is over all files together
+    (the bytes their slots take), as it is for one file and for the memory swap tier."""
 
     def __init__(self, root: Union[str, os.PathLike], limit_bytes: Optional[int], groups: int):
         super().__init__()
         self.root = Path(root).expanduser()
         self.files = [SwapFileTier(self.root / f"g{g}", limit_bytes) for g in range(groups)]
+        self._put_lock = threading.Lock()  # a put checks the sum over the files, then grows one
+        for f in self.files:
+            f.shared = self.files
         self.name = f"swap files under {self.root}"
 
     def _file(self, key: str) -> SwapFileTier:
@@ -209,7 +218,8 @@ class GroupedSwapFiles(Tier):
         return out
 
     def _put(self, key: str, value: bytes, if_absent: bool) -> bool:
-        return self._file(key)._put(key, value, if_absent)
+        with self._put_lock:
+            return self._file(key)._put(key, value, if_absent)
 
     def _delete(self, key: str) -> None:
         self._file(key)._delete(key)
