@@ -192,3 +192,51 @@ def test_tiers_with_a_recent_window(lm, tmp_path):
         out = model.generate(ids2, cache=fresh, **kw)
         fresh.close()
     assert out.tolist() == ref.tolist()
+
+
+def test_beams_and_crop_with_a_recent_window_group_and_tiers(lm, tmp_path):
+    """Beam search (reorder = fork + free, in every group, with swapped records shared) and crop
+    (pop, back into swapped blocks of the pages and within the tail group's crop limit) on a
+    cache with a recent window's block group, a resident cap of one block and a prefix store:
+    the same tokens as the cache without tiers, and a crop then `generate` again continues
+    exactly as the uncropped run did."""
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    tok, model = lm.tokenizer, lm.model
+    ids = _chat(tok, "What is a Python decorator?")
+    cfg = OffloadConfig(resident_blocks_per_seq=1, swap_dir=str(tmp_path / "swap"),
+                        prefix_store="disk", prefix_dir=str(tmp_path / "prefix"))
+    beams = dict(max_new_tokens=6, do_sample=False, num_beams=2, pad_token_id=tok.eos_token_id)
+    greedy = dict(max_new_tokens=10, do_sample=False, pad_token_id=tok.eos_token_id)
+    with torch.inference_mode():
+        plain = model.generate(ids, cache=PagedKVCache(model, "turbo3", recent_window=16), **beams)
+        tiered = PagedKVCache(model, "turbo3", recent_window=16, offload=cfg)
+        out = model.generate(ids, cache=tiered, **beams)
+        assert out.tolist() == plain.tolist()
+        stats = tiered.offload_stats()
+        assert tiered.batch_rows == 2 and stats["swap"]["swap_outs"] > 0
+        assert stats["prefix"]["blocks_published"] > 0
+        tiered.core.check_invariants()
+        tiered.close()
+
+        runs = {}
+        for name, off in (("plain", None), ("tiered", cfg)):
+            cache = PagedKVCache(model, "turbo3", recent_window=16, offload=off)
+            full = model.generate(ids, cache=cache, **greedy)
+            if off is not None:
+                assert cache.offload_stats()["swapped_blocks"] > 0
+            k = cache.get_seq_length() - cache.crop_limit()  # as far back as the tail group allows
+            assert k >= 2
+            ins = 0 if off is None else cache.offload_stats()["swap"]["swap_ins"]
+            cache.crop(-k)
+            if off is not None:  # the new last block of the pages was swapped: read back
+                assert cache.offload_stats()["swap"]["swap_ins"] > ins
+            assert cache.get_seq_length() == full.shape[1] - 1 - k
+            cache.core.check_invariants()
+            again = model.generate(full[:, :cache.get_seq_length()], cache=cache,
+                                   **dict(greedy, max_new_tokens=k + 1))
+            runs[name] = (full.tolist(), again.tolist())
+            cache.close()
+    assert runs["tiered"] == runs["plain"]
+    full, again = runs["plain"]
+    assert again == full  # crop + generate continues as the uncropped run did

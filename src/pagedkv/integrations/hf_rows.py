@@ -251,8 +251,11 @@ class RowStorage:
             cur = self.core.length(sid)
             if cur > n:
                 rids = self.core.check_pop(sid, cur - n)
-                back = self.core.pop(sid, cur - n)
+                # a new last block that was swapped out (in any group) is read back: fetched
+                # before the pop changes anything, written into the block the pop brought back
+                sections = None if all(r is None for r in rids) else self.tiers.pop_fetch(rids)
+                backs = self.core.pop(sid, cur - n)
                 self._apply_sizes()
-                if back[0] is not None:  # the new last block was swapped out: read it back
-                    self.tiers.restore(rids[0], back[0])
+                if sections is not None:
+                    self.tiers.pop_restore(backs, sections)
         self._rows_changed()

@@ -106,9 +106,6 @@ class CoreTiers:
             if b is not None:
                 write_block(self.members(g), b, sec)
 
-    def restore(self, g: int, rid: int, block: int) -> None:
-        self.swap[g].restore(self.core.groups[g], rid, block, self.members(g))
-
     def view(self, g: int, index: int, seq_ids: Sequence[Hashable], device, epoch=None
              ) -> Optional[tuple[PagedLayer, object]]:
         """(member `index` of group g with the batch's swapped blocks read back, its block

@@ -8,8 +8,8 @@ them (`PagedLayer`); they never see the cache, the model or the evaluation code.
   committed blocks out until at most `cap` stay resident (records written first, then the
   entries change: a failed write changes nothing). `view(...)`: the layer a batch attends to,
   its pools holding the resident blocks then the swapped ones read back (same bytes: attention
-  is bit-identical); `restore(...)`: a record read back into a pool block (pop into the
-  swapped region).
+  is bit-identical); `fetch(...)`: a record's bytes, read back before a pop into the swapped
+  region changes anything (the front door writes them into the block the pop brought back).
 - `PrefixPolicy.fetch(layers, chains)`: a group's stored blocks, for the block manager's
   `load_prefix` (which writes them into the pool as cached prefix blocks, where the admission
   finds them); `publish(seqs, seq_id, layers)`: store the newly full committed blocks.
@@ -35,7 +35,7 @@ from ..ops.batch import PagedLayer
 from .config import OffloadConfig
 from .prefix import PrefixStore
 from .store import open_prefix_store
-from .record import BlockLayout, write_block
+from .record import BlockLayout
 from .swap import SwapSpace
 from .swapfile import GroupedSwapFiles, SwapFileTier
 from .tiers import MemoryTier, SwapLost, Tier
@@ -164,11 +164,6 @@ class SwapPolicy:
             return self.swap.read_whole(self.layouts.of(layers), self.key(rid))
         except SwapLost as exc:
             raise self.lost(seqs, exc, None) from None
-
-    def restore(self, seqs: SequenceManager, rid: int, block: int,
-                layers: Sequence[PagedLayer]) -> None:
-        """Write record `rid` back into pool block `block` (SwapLost if it is not intact)."""
-        write_block(layers, block, self.fetch(seqs, rid, layers))
 
     def lost(self, seqs: SequenceManager, exc: SwapLost, layer: Optional[int]) -> SwapLost:
         """The SwapLost a caller sees: the sequences and token ranges whose K/V is gone."""
