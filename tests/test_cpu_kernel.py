@@ -56,6 +56,8 @@ SHAPES = [
     (("turbo3", "fp8"), 2, 2, 80, 16),  # head_dim not a multiple of 64 (rotation blocks 64 + 16)
     (("q8_0", "q4_0"), 8, 2, 128, 24),  # block size not a multiple of 16, group-32 scales, 8 kv heads
     (("turbo4", "turbo3"), 1, 4, 64, 128),  # blocks larger than the kernel's 64-token chunk
+    (("fp8", "turbo3"), 1, 3, 80, 16),  # 3-bit V rows whose last code group ends a 16-dim pass
+    (("turbo2", "turbo3"), 1, 1, 48, 16),  # rows shorter than one 64-dim K pass / 8-vector V pass
 ]
 
 

@@ -84,6 +84,21 @@ query, group scales by one FMA per 8 lanes: 0.87-0.90x the exact decode time for
 at 32k. Without VNNI the per-query cost per 32 dims (maddubs, maddwd, sub, convert, FMA) is not
 below the 4 FMAs it replaces, so only the K decode gets cheaper; the prefill tiles stay fp32.
 
+Where an AVX2 decode step's time goes (issue 14; turbo3, 32k, batch 1, 1 thread; `perf record -e
+cpu-clock` (this VM has no hardware counters) over the bench's decode loop, share of the kernel's
+samples): V accumulation 45%, K scores 40%, softmax + chunk loop 8.5%, scale decode 3.7%, row
+pointers (fill_chunk) 3.2%. Ablation builds timed A/B in one process (load 5, medians): scores
+skipped 0.72x, V skipped 0.73x, exp skipped 0.96x; the same work over block tables folded into 64
+blocks (L2-resident, no DRAM) 0.79x, so ~1/5 is memory, the rest instructions: per 8 values the
+3-bit decode took a scalar load, a shift, vmovd, vpbroadcastd, vpsrlvd, vpermps and a per-chunk
+tail branch, and the V pass of 3 queries x 32 dims spilled accumulators (~300 instructions per
+token and kv head, ~2.7 per cycle). Now a 2/3/4-bit code group is one 4-byte broadcast load
+(vbroadcastss from memory), vpsrlvd, vpermps (the row's last group loaded 4 - bits bytes early,
+its shift vector picked by index: no branch), a K row is decoded once per 64 dims into registers
+and dotted with each query in two FMA chains, E4M3 values take unpack + shift + and (was 6 ops):
+A/B in one process, main -> this, 32k b1, medians of 15: turbo3 0.80x, fp8k_turbo3v 0.81x the
+time (load 4.3-5.5). After it: K 45%, V 39%, softmax + loop 9%.
+
 Sparse V (threshold t > 0): a V row is skipped when exp(s - m_run) < t * Z_run for every query of
 the tile, where m_run / Z_run are the running max / denominator (sinks included). Since the final
 weight is at most exp(s - m_run) / Z_run, only positions whose final weight is < t are skipped;

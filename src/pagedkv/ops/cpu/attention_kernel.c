@@ -576,25 +576,25 @@ static inline __m512 softcap512(__m512 s, float cap) {
 PKV_INLINE int imin4(int a, int b) { return a < b ? a : b; }
 
 typedef struct {
-    __m256i shift;  /* lane j >> j * bits */
+    __m256i sh[2];   /* lane j >> j * bits; [1]: for a row's last 8 codes, loaded 4 - bits bytes early (lut8) */
     __m256 tlo, thi; /* table entries 0-7 and 8-15 */
 } lut_ctx;
 
 static void lut_ctx_init(lut_ctx *c, const pkv_side *sd) {
-    int32_t sh[8];
+    int32_t sh[8], st[8];
     int bits = sd->bits < 8 ? sd->bits : 4;
-    for (int j = 0; j < 8; j++) sh[j] = j * bits;
-    c->shift = _mm256_loadu_si256((const __m256i *)sh);
+    for (int j = 0; j < 8; j++) sh[j] = j * bits, st[j] = j * bits + 8 * (4 - bits);
+    c->sh[0] = _mm256_loadu_si256((const __m256i *)sh);
+    c->sh[1] = _mm256_loadu_si256((const __m256i *)st);
     c->tlo = _mm256_loadu_ps(sd->table);
     c->thi = _mm256_loadu_ps(sd->table + 8);
 }
 
-/* 8 E4M3 bytes -> fp32 values times 2^-8 (see e4m3x16) */
+/* 8 E4M3 bytes -> fp32 values times 2^-8 (see e4m3x16): byte b in the high half of a word (b << 8),
+   an arithmetic shift by 1 and bit 14 cleared give the fp16 bits (b & 0x80) << 8 | (b & 0x7f) << 7 */
 PKV_INLINE __m256 e4m3x8(__m128i bytes) {
-    __m128i w = _mm_cvtepu8_epi16(bytes);
-    __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
-    __m128i sgn = _mm_and_si128(_mm_slli_epi16(w, 8), _mm_set1_epi16((short)0x8000));
-    return _mm256_cvtph_ps(_mm_or_si128(mag, sgn));
+    __m128i w = _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes), 1);
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xbfff)));
 }
 
 PKV_INLINE uint32_t load_u32(const uint8_t *p) {
@@ -603,29 +603,38 @@ PKV_INLINE uint32_t load_u32(const uint8_t *p) {
     return w;
 }
 
-/* 8 values (elements 8c .. 8c+7 of a row, rd bytes of codes) for a compile-time (kind, bits) */
-PKV_INLINE __m256 decode8(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
-                          const uint8_t *drow, int c, int rd) {
+/* 8 values of a 2/3/4-bit table row (codes 8c .. 8c+7): one 4-byte broadcast load holding the 8
+   codes (no scalar register on the way), a variable shift per lane, vpermps as the table (4-bit:
+   two tables blended on bit 3). tail (0 or 1): these are the row's last 8 codes, whose 4-byte load
+   starts 4 - bits bytes early so that it ends at the row's last byte (never past the pool); the
+   shift vector is chosen by indexing, so a runtime tail costs no branch. */
+PKV_INLINE __m256 lut8(const int bits, int tail, const lut_ctx *lc, const uint8_t *drow, int c) {
+    const __m256i w = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(drow + bits * c - tail * (4 - bits))));
+    const __m256i v = _mm256_srlv_epi32(w, lc->sh[tail]);
+    const __m256 lo = _mm256_permutevar8x32_ps(lc->tlo, v);
+    if (bits != 4) return lo;  /* vpermps reads 3 bits: tables are replicated, upper bits harmless */
+    const __m256 hi = _mm256_permutevar8x32_ps(lc->thi, v);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+}
+
+/* decode8 told whether these are the row's last 8 values (tail: 0 or 1; only 2/3-bit codes use it) */
+PKV_INLINE __m256 decode8t(const int kind, const int bits, int tail, const pkv_side *sd, const lut_ctx *lc,
+                           const uint8_t *drow, int c) {
+    if (kind == EK_LUT && bits < 8) return lut8(bits, bits < 4 ? tail : 0, lc, drow, c);
     if (kind == EK_BF16) {
         __m128i h = _mm_loadu_si128((const __m128i *)(drow + 16 * c));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     if (kind == EK_E4M3) return e4m3x8(_mm_loadl_epi64((const __m128i *)(drow + 8 * c)));
     if (kind == EK_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(drow + 8 * c))));
-    if (bits == 8) {
-        __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(drow + 8 * c)));
-        return _mm256_i32gather_ps(sd->table, u, 4);
-    }
-    uint32_t w;
-    if (bits == 4) w = load_u32(drow + 4 * c);
-    else if (bits == 2) w = (uint32_t)drow[2 * c] | ((uint32_t)drow[2 * c + 1] << 8);
-    else /* 3: 3 bytes; the last chunk of a row reads the byte before instead of the one after */
-        w = 3 * c + 4 <= rd ? load_u32(drow + 3 * c) : load_u32(drow + 3 * c - 1) >> 8;
-    __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), lc->shift);
-    __m256 lo = _mm256_permutevar8x32_ps(lc->tlo, v);
-    if (bits != 4) return lo;  /* vpermps reads 3 bits: tables are replicated, upper bits harmless */
-    __m256 hi = _mm256_permutevar8x32_ps(lc->thi, v);
-    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+    __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(drow + 8 * c)));
+    return _mm256_i32gather_ps(sd->table, u, 4);
+}
+
+/* 8 values (elements 8c .. 8c+7 of a row, rd bytes of codes) for a compile-time (kind, bits) */
+PKV_INLINE __m256 decode8(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
+                          const uint8_t *drow, int c, int rd) {
+    return decode8t(kind, bits, bits * c + 4 > rd, sd, lc, drow, c);
 }
 
 /* Scales of every kv head of `nt` tokens into rows->scl, one per 16-element chunk (values' E4M3
@@ -726,8 +735,38 @@ static inline void transpose8(const float *in, int ld, float *out, int ostride) 
     }
 }
 
+/* One pass of scores_dot_t over NV (compile-time: 8 or 2) vectors c0 .. c0+NV-1 of a K row: the
+   vectors decoded and scaled once into registers, then dotted with each query in two FMA chains
+   and added to (first: written as) that query's partial vector dst[m * BSP * 8]. TL: the pass
+   holds the row's last vector (decode8t's tail). */
+PKV_INLINE void dot_pass(const int kind, const int bits, const int NV, int TL, const pkv_side *sd,
+                         const lut_ctx *lc, const uint8_t *drow, const float *scl, int c0, int M, int D,
+                         const float *qv, float *dst, int BSP, int first) {
+    __m256 k[8];
+    for (int z = 0; z < NV; z++) k[z] = decode8t(kind, bits, TL && z == NV - 1, sd, lc, drow, c0 + z);
+    if (scl)
+        for (int z = 0; z < NV; z += 2) {
+            const __m256 sv = _mm256_broadcast_ss(scl + ((c0 + z) >> 1));
+            k[z] = _mm256_mul_ps(k[z], sv);
+            k[z + 1] = _mm256_mul_ps(k[z + 1], sv);
+        }
+    for (int m = 0; m < M; m++) {
+        const float *q = qv + (int64_t)m * D + 8 * c0;
+        __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(q)), a1 = _mm256_mul_ps(k[1], _mm256_loadu_ps(q + 8));
+        for (int z = 2; z < NV; z += 2) {
+            a0 = _mm256_fmadd_ps(k[z], _mm256_loadu_ps(q + 8 * z), a0);
+            a1 = _mm256_fmadd_ps(k[z + 1], _mm256_loadu_ps(q + 8 * z + 8), a1);
+        }
+        __m256 acc = _mm256_add_ps(a0, a1);
+        float *d = dst + (int64_t)m * BSP * 8;
+        if (!first) acc = _mm256_add_ps(acc, _mm256_load_ps(d));
+        _mm256_store_ps(d, acc);
+    }
+}
+
 /* Raw scores S[m][i] = q_m . k_i (few query vectors): each K row decoded into registers once per
-   32 dims and dotted with every q; partial vectors [M][BSP][8] reduced 8 tokens at a time. */
+   64 dims (dot_pass) and dotted with every q; partial vectors [M][BSP][8] reduced 8 tokens at a
+   time. */
 PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
                              const pkv_rows *rw, int h, int nt, int H, int D, int M,
                              const float *qv, float *part, float *S, int BSP) {
@@ -737,40 +776,12 @@ PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd,
         prefetch_next(rw, i, hoff, rd);
         const uint8_t *drow = rw->data[i] + hoff;
         const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc : NULL;
+        float *dst = part + (int64_t)i * 8;
         int c0 = 0;
-        for (; c0 + 4 <= nc8; c0 += 4) {  /* 32 dims at a time */
-            __m256 k0 = decode8(kind, bits, sd, lc, drow, c0, rd), k1 = decode8(kind, bits, sd, lc, drow, c0 + 1, rd);
-            __m256 k2 = decode8(kind, bits, sd, lc, drow, c0 + 2, rd), k3 = decode8(kind, bits, sd, lc, drow, c0 + 3, rd);
-            if (scl) {
-                const __m256 s0 = _mm256_set1_ps(scl[c0 >> 1]), s1 = _mm256_set1_ps(scl[(c0 >> 1) + 1]);
-                k0 = _mm256_mul_ps(k0, s0); k1 = _mm256_mul_ps(k1, s0);
-                k2 = _mm256_mul_ps(k2, s1); k3 = _mm256_mul_ps(k3, s1);
-            }
-            for (int m = 0; m < M; m++) {
-                const float *q = qv + (int64_t)m * D + 8 * c0;
-                __m256 acc = _mm256_mul_ps(k0, _mm256_loadu_ps(q));
-                acc = _mm256_fmadd_ps(k1, _mm256_loadu_ps(q + 8), acc);
-                acc = _mm256_fmadd_ps(k2, _mm256_loadu_ps(q + 16), acc);
-                acc = _mm256_fmadd_ps(k3, _mm256_loadu_ps(q + 24), acc);
-                float *dst = part + ((int64_t)m * BSP + i) * 8;
-                if (c0) acc = _mm256_add_ps(acc, _mm256_load_ps(dst));
-                _mm256_store_ps(dst, acc);
-            }
-        }
-        for (; c0 < nc8; c0 += 2) {  /* the last 16 dims (D a multiple of 16) */
-            __m256 k0 = decode8(kind, bits, sd, lc, drow, c0, rd), k1 = decode8(kind, bits, sd, lc, drow, c0 + 1, rd);
-            if (scl) {
-                const __m256 s0 = _mm256_set1_ps(scl[c0 >> 1]);
-                k0 = _mm256_mul_ps(k0, s0); k1 = _mm256_mul_ps(k1, s0);
-            }
-            for (int m = 0; m < M; m++) {
-                const float *q = qv + (int64_t)m * D + 8 * c0;
-                __m256 acc = _mm256_fmadd_ps(k1, _mm256_loadu_ps(q + 8), _mm256_mul_ps(k0, _mm256_loadu_ps(q)));
-                float *dst = part + ((int64_t)m * BSP + i) * 8;
-                if (c0) acc = _mm256_add_ps(acc, _mm256_load_ps(dst));
-                _mm256_store_ps(dst, acc);
-            }
-        }
+        for (; c0 + 8 <= nc8; c0 += 8)
+            dot_pass(kind, bits, 8, c0 + 8 == nc8, sd, lc, drow, scl, c0, M, D, qv, dst, BSP, c0 == 0);
+        for (; c0 < nc8; c0 += 2)  /* 16 dims at a time (D a multiple of 16) */
+            dot_pass(kind, bits, 2, c0 + 2 == nc8, sd, lc, drow, scl, c0, M, D, qv, dst, BSP, c0 == 0);
     }
     for (int m = 0; m < M; m++) {
         float *pm = part + (int64_t)m * BSP * 8;
@@ -826,10 +837,10 @@ static void scores_tile(const float *rows, int BSP, int D, int M, const float *q
 #undef PKV_ST_FMA
 
 /* One pass of vacc_t over vectors c0 .. c0+CG-1 (CG compile-time, so the MM x CG accumulators
-   stay in registers). */
-PKV_INLINE void vacc_pass(const int kind, const int bits, const int MM, const int CG, const pkv_side *sd,
-                          const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H, int D, const float *P,
-                          int BSP, float *st_acc, const float *alpha, const uint8_t *need, int c0) {
+   stay in registers); TL: the pass holds the row's last vector (decode8t's tail). */
+PKV_INLINE void vacc_pass(const int kind, const int bits, const int MM, const int CG, int TL,
+                          const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H, int D,
+                          const float *P, int BSP, float *st_acc, const float *alpha, const uint8_t *need, int c0) {
     const int nc = D >> 4, rd = sd->row_data_bytes;
     const int64_t hoff = (int64_t)h * rd;
     __m256 acc[8][8];  /* fixed sizes (not VLAs): fully unrolled, they live in registers */
@@ -841,15 +852,12 @@ PKV_INLINE void vacc_pass(const int kind, const int bits, const int MM, const in
         if (c0 == 0) prefetch_next(rw, i, hoff, rd);
         if (need && !need[i]) continue;
         const uint8_t *drow = rw->data[i] + hoff;
-        __m256 v[8];
-        for (int z = 0; z < CG; z++) v[z] = decode8(kind, bits, sd, lc, drow, c0 + z, rd);
-        if (sd->group) {
-            const float *scl = rw->scl + ((int64_t)i * H + h) * nc + (c0 >> 1);
-            for (int z = 0; z < CG; z++) v[z] = _mm256_mul_ps(v[z], _mm256_broadcast_ss(scl + (z >> 1)));
-        }
-        for (int m = 0; m < MM; m++) {
-            const __m256 p = _mm256_broadcast_ss(P + (int64_t)m * BSP + i);
-            for (int z = 0; z < CG; z++) acc[m][z] = _mm256_fmadd_ps(p, v[z], acc[m][z]);
+        const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc + (c0 >> 1) : NULL;
+        for (int z = 0; z < CG; z++) {
+            __m256 v = decode8t(kind, bits, z == CG - 1 ? TL : 0, sd, lc, drow, c0 + z);
+            if (scl) v = _mm256_mul_ps(v, _mm256_broadcast_ss(scl + (z >> 1)));
+            for (int m = 0; m < MM; m++)
+                acc[m][z] = _mm256_fmadd_ps(_mm256_broadcast_ss(P + (int64_t)m * BSP + i), v, acc[m][z]);
         }
     }
     for (int m = 0; m < MM; m++)
@@ -864,13 +872,11 @@ PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_s
                        float *st_acc, const float *alpha, const uint8_t *need) {
     const int nc8 = D >> 3;
     const int CG = MM == 1 ? 8 : MM <= 3 ? 4 : 2;
+#define PKV_VP(G, T) vacc_pass(kind, bits, MM, G, T, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0)
     int c0 = 0;
-    for (; c0 + CG <= nc8; c0 += CG) {
-        if (CG == 8) vacc_pass(kind, bits, MM, 8, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0);
-        else if (CG == 4) vacc_pass(kind, bits, MM, 4, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0);
-        else vacc_pass(kind, bits, MM, 2, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0);
-    }
-    for (; c0 < nc8; c0 += 2) vacc_pass(kind, bits, MM, 2, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0);
+    for (; c0 + CG <= nc8; c0 += CG) PKV_VP(CG, c0 + CG == nc8);
+    for (; c0 < nc8; c0 += 2) PKV_VP(2, c0 + 2 == nc8);
+#undef PKV_VP
 }
 
 #define VACC_MAX_M 8
