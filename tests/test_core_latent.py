@@ -215,3 +215,37 @@ def test_bad_combinations_and_misuse_are_refused_before_any_change(model):
             _prefill(model, c2, [1, 2, 3])
     finally:
         enable(model)
+
+
+@torch.no_grad()
+def test_the_latent_drop_in_gets_the_tiers_prefix_hits_and_crop(model):
+    """`PagedLatentCache(..., offload=...)`: the same block manager, tiers and record members as
+    the engine: a resident cap of one block gives the uncapped tokens; `begin` shares a prompt's
+    whole blocks from memory and, in a fresh cache, from the prefix store (same tokens as a
+    cache that computed them); after a crop into a swapped block, `generate` gives the same
+    tokens again."""
+    ids1 = torch.tensor([_prompt(7, 14)])
+    ids2 = torch.tensor([ids1[0, :12].tolist() + _prompt(8, 4)])
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    gen = lambda ids, c, **k: model.generate(ids, attention_mask=torch.ones_like(ids), cache=c,
+                                             **dict(kw, **k))
+    plain = [gen(ids, PagedLatentCache(model, "turbo4", block_size=BS)) for ids in (ids1, ids2)]
+    store = MemoryTier()
+    off = OffloadConfig(resident_blocks_per_seq=1, swap="memory")
+    capped = PagedLatentCache(model, "turbo4", block_size=BS, offload=off, prefix_tier=store)
+    assert gen(ids1, capped).tolist() == plain[0].tolist()
+    assert capped.offload_stats()["swapped_blocks"] > 0
+    assert capped.begin(ids2) == 12  # three blocks from memory
+    assert gen(ids2, capped).tolist() == plain[1].tolist()
+    assert capped.offload_stats()["prefix"]["blocks_published"] > 0
+    ins = capped.offload_stats()["swap"]["swap_ins"]
+    capped.crop(-6)  # to 15 tokens: block 3, swapped out, is the new partly filled last one
+    assert capped.offload_stats()["swap"]["swap_ins"] > ins
+    assert capped.get_seq_length() == 15 < ids2.shape[1]  # holds a prefix of ids2 now
+    assert gen(ids2, capped).tolist() == plain[1].tolist()  # computes only ids2[:, 15:], then on
+    capped.core.check_invariants()
+    capped.close()
+
+    fresh = PagedLatentCache(model, "turbo4", block_size=BS, offload=OffloadConfig(), prefix_tier=store)
+    assert fresh.begin(ids2) == 12 and fresh.offload_stats()["prefix"]["blocks_loaded"] == 3
+    assert gen(ids2, fresh).tolist() == plain[1].tolist()

@@ -42,7 +42,8 @@ from ..formats import KVFormat
 from ..ops import AttentionParams
 from ..ops.latent import (LatentLayer, latent_decode_attention, latent_prefill_attention,
                           latent_store)
-from .transformers import PagedCacheLayer, PagedKVCache, _model_device, _transformers
+from .hf_common import _model_identity
+from .transformers import PagedCacheLayer, PagedKVCache, _model_device, _transformers, _watch_input_ids
 
 _ORIGINAL = "_pagedkv_original_forward"
 
@@ -90,14 +91,17 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
     kv_format: a format name / KVFormat or one per layer (the latent takes the more precise codec
     of the pair, see `pagedkv.cache.latent`). rope_format: None = auto (measured), "same", or a
     codec name. high_precision_layers / hp_format / block_size / max_tokens / device / backend /
-    checks: as `PagedKVCache` (backend: a `pagedkv.ops.latent` backend name).
+    checks: as `PagedKVCache` (backend: a `pagedkv.ops.latent` backend name). offload /
+    swap_tier / prefix_tier: the resident cap and the shared prefix store, as `PagedKVCache`
+    (`cache.begin(ids)` before `generate` takes the prefix hits; a layer's record is its latent
+    pool block, its stored transform the fp8 scales).
     """
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "bf16", *,
                  rope_format: Optional[str] = None, high_precision_layers: Union[None, int, str] = None,
                  hp_format: Union[str, KVFormat] = "q8_0", block_size: int = 16,
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
-                 checks: bool = True):
+                 checks: bool = True, offload=None, swap_tier=None, prefix_tier=None):
         config = getattr(model_or_config, "config", model_or_config)
         dims = mla_dims(config)
         if dims is None:
@@ -117,6 +121,7 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
             high_precision_layers=high_precision_layers, hp_format=hp_format, block_size=block_size,
             num_blocks=initial_blocks, latent=LatentLayout(dims[0], dims[1], rope_format),
             device=device or _model_device(model_or_config),
+            model_id=_model_identity(model_or_config) if offload is not None else "",
         )
         self.key_centring = False  # K/V-model quality options that do not apply to latents
         self.key_scaling = False
@@ -124,9 +129,14 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         self.backend = backend
         self.checks = bool(checks)
         self._make_groups(block_size, max_tokens)  # latent layers: one global block group
+        if offload is not None:
+            from .hf_tiers import DropInTiers
+
+            self.tiers = DropInTiers(self, offload, swap_tier, prefix_tier)
         layers = [LatentCacheLayer(self, spec) for spec in self.config.layers]
         _, cache_utils = _transformers()
         cache_utils.Cache.__init__(self, layers=layers)
+        _watch_input_ids(model_or_config)  # token ids key the blocks: prefix hits across calls
 
     def mla_store(self, layer_idx, latent, rope, attention_mask) -> None:
         layer: LatentCacheLayer = self.layers[layer_idx]
@@ -140,15 +150,15 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         layer: LatentCacheLayer = self.layers[layer_idx]
         b, t, h, lat = q_lat.shape
         dev = q_lat.device
-        tables = self.block_table_tensor(dev)
+        paged, tables = self.attention_inputs(layer, dev)  # swapped blocks read back
         seq_lens = torch.full((b,), layer.length, dtype=torch.int32, device=dev)
         kw = dict(backend=self.backend, checks=self.checks)
         if t == 1:
             return latent_decode_attention(q_lat[:, 0].contiguous(), q_rope[:, 0].contiguous(),
-                                           layer.paged, tables, seq_lens, params, **kw)[:, None]
+                                           paged, tables, seq_lens, params, **kw)[:, None]
         qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
         o = latent_prefill_attention(q_lat.reshape(b * t, h, lat).contiguous(),
-                                     q_rope.reshape(b * t, h, -1).contiguous(), layer.paged, tables,
+                                     q_rope.reshape(b * t, h, -1).contiguous(), paged, tables,
                                      seq_lens, qsl, params, **kw)
         return o.reshape(b, t, h, lat)
 
@@ -161,6 +171,25 @@ class LatentCacheLayer(PagedCacheLayer):
 
     def pool_bytes(self) -> int:
         return 0 if self.paged is None else self.paged.pool.numel() + 8
+
+    def transform(self) -> dict:
+        """The stored-bytes transform in the prefix store's fields: the fp8 scales (the latent
+        section's as k_scale, the rope section's as v_scale, as its record member says)."""
+        p = self.paged
+        return {"k_centre": None, "k_mult": None, "v_centre": None, "k_scale": p.latent_scale,
+                "v_scale": p.rope_scale}
+
+    def transform_shapes(self) -> dict:
+        return {"k_scale": (1,), "v_scale": (1,)}
+
+    def adopt(self, t: dict) -> None:
+        """Initialize from a stored transform (a shared prefix store's) instead of fitting one."""
+        p = self._make(self.group.num_blocks)
+        changes = {name: t[key].to(p.device, torch.float32)
+                   for name, key in (("latent_scale", "k_scale"), ("rope_scale", "v_scale"))
+                   if t.get(key) is not None}
+        self.paged = replace(p, **changes) if changes else p
+        self.is_initialized = True
 
     def lazy_initialization(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
         """Make the pool; fp8 tensor scales from the first chunk (`cache.latent.fit_latent_scales`,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from ..cache.groups import group_layout, group_tags
+from ..cache.storage import from_record_member, record_member
 from ..cache.transform_record import decode_transforms, encode_transforms
 from ..errors import ConfigError
 from ..offload.config import OffloadConfig
@@ -42,7 +43,9 @@ class DropInTiers(CoreTiers):
         view = c.groups[g]
         if any(c.layers[i].paged is not None for i in view.layers):
             c._apply_sizes()
-        return [c.layers[i].paged for i in view.layers] + [c.layers[i].tail for i in view.tails]
+        pages = [c.layers[i].paged for i in view.layers]
+        return [None if p is None else record_member(p) for p in pages] + \
+            [c.layers[i].tail for i in view.tails]
 
     # ---- commit -------------------------------------------------------------------------------
     def after_commit(self) -> None:
@@ -65,7 +68,9 @@ class DropInTiers(CoreTiers):
         index = (len(view.layers) + view.tails.index(layer.spec.index)) if tail else \
             view.layers.index(layer.spec.index)
         got = self.view(view.index, index, c._rows, device)
-        return (own, c.block_table_tensor(device, view)) if got is None else got
+        if got is None:
+            return own, c.block_table_tensor(device, view)
+        return from_record_member(own, got[0]), got[1]  # a latent layer: its pool read back
 
     # ---- prefix store -------------------------------------------------------------------------
     def _transform_key(self) -> str:
