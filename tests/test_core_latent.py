@@ -249,3 +249,29 @@ def test_the_latent_drop_in_gets_the_tiers_prefix_hits_and_crop(model):
     fresh = PagedLatentCache(model, "turbo4", block_size=BS, offload=OffloadConfig(), prefix_tier=store)
     assert fresh.begin(ids2) == 12 and fresh.offload_stats()["prefix"]["blocks_loaded"] == 3
     assert gen(ids2, fresh).tolist() == plain[1].tolist()
+
+
+@torch.no_grad()
+def test_latent_layers_in_a_sliding_group_release_blocks_and_change_no_output(model):
+    """Latent pools in a sliding block group (window 6 for layers 1 and 2; the model attends
+    with that window in those layers): window reclaim, growth and compaction act on the latent
+    pools; the outputs equal those of the same windows with every token kept
+    (`reclaim_sliding=False`, one group), bit for bit."""
+    windows = [None, 6, 6]
+    runs, held = {}, {}
+    for reclaim in (True, False):
+        c = PagedCache(latent_config(model, "turbo4", num_blocks=64, block_size=BS,
+                                     sliding_window=windows, reclaim_sliding=reclaim))
+        runs[reclaim] = _engine_run(model, c, [_prompt(9, 70), _prompt(10, 5)], steps=8)
+        groups = c.stats().groups
+        held[reclaim] = [g.blocks_used for g in groups]
+        if reclaim:
+            assert [g.window for g in groups] == [None, 6]
+            # the 70-token prefill grew the sliding pools past their 16 blocks; once the
+            # window released most of them the pools were compacted (blocks moved, then cut)
+            assert c.layers[1].num_blocks == groups[1].num_blocks < -(-70 // BS)
+            c.core.check_invariants()
+    for (t, lg), (pt, plg) in zip(runs[True], runs[False]):
+        assert t == pt and torch.equal(lg, plg)
+    # each sequence keeps its last 6 positions (+ the block being written) in the sliding group
+    assert held[True][1] <= 2 * (-(-6 // BS) + 1) < held[False][0]
