@@ -180,13 +180,14 @@ def _require() -> LoadedKernel:
 
 def attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               query_start_loc: torch.Tensor, params: AttentionParams, *,
-              num_threads: Optional[int] = None, stats: Optional[dict] = None) -> torch.Tensor:
+              num_threads: Optional[int] = None, stats: Optional[dict] = None,
+              lse: Optional[torch.Tensor] = None, key_start: int = 0) -> torch.Tensor:
     """Packed-query attention (decode when every sequence has one query); see `run_attention`.
 
     Inputs are trusted (block ids, lengths and table widths are not re-checked here): call it with
     inputs that `pagedkv.ops.validate` accepts, or use the public ops with backend="cpu"."""
     return run_attention(_require(), q, layer, block_tables, seq_lens, query_start_loc, params,
-                         num_threads=num_threads, stats=stats)
+                         num_threads=num_threads, stats=stats, lse=lse, key_start=key_start)
 
 
 def stream_read_gbps(nbytes: int = 1 << 29, threads: int = 1, repeats: int = 5) -> float:

@@ -58,7 +58,8 @@ class _Args(ctypes.Structure):
                 ("block_tables", _p), ("seq_lens", _p), ("query_start", _p), ("window", _i32),
                 ("soft_cap", _f32), ("sinks", _p), ("sparse_thr", _f32), ("out_scale", _f32),
                 ("out", _p), ("num_threads", _i32), ("rows_per_tile", _i32), ("heads_per_task", _i32),
-                ("num_splits", _i32), ("stats", _p), ("int8_scores", _i32)]
+                ("num_splits", _i32), ("stats", _p), ("int8_scores", _i32), ("lse", _p),
+                ("key_start", _i32)]
 
 
 @dataclass(frozen=True)
@@ -138,16 +139,31 @@ def _i32c(x: torch.Tensor) -> torch.Tensor:
 
 def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, params: AttentionParams,
-                  *, num_threads: Optional[int] = None, stats: Optional[dict] = None) -> torch.Tensor:
+                  *, num_threads: Optional[int] = None, stats: Optional[dict] = None,
+                  lse: Optional[torch.Tensor] = None, key_start: int = 0) -> torch.Tensor:
     """Attention of packed queries q float [Tq, Hq, D] over the layer (decode: one per sequence).
 
     block_tables int32 [B, max_blocks]; seq_lens int32 [B]; query_start_loc int32 [B+1]
     (decode: arange(B+1)). Returns [Tq, Hq, D] in q's dtype. num_threads: None =
     torch.get_num_threads(). stats: if a dict, receives "v_rows_read" and "v_rows_skipped".
+    lse: None, or float32 [Tq, Hq] (contiguous, CPU) that receives each row's log-sum-exp,
+    log(sum_j e^{s_j} + e^{sink}) over the logits s_j of its softmax (-inf: no key, no sink), so
+    that calls over disjoint keys merge exactly (ops/recent_decode.py). key_start: keys j <
+    key_start are not read (every sequence; with a sliding window, the later of the two bounds).
     """
     if layer.k_pool.stride(1) != 1 or layer.v_pool.stride(1) != 1:
         raise InvalidInput("the CPU kernel needs pools with contiguous rows (stride 1 along bytes)")
+    if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+                            or tuple(lse.shape) != tuple(q.shape[:2]) or not lse.is_contiguous()
+                            or lse.device.type != "cpu"):
+        raise InvalidInput(f"lse must be a contiguous float32 CPU tensor [Tq, Hq] = {list(q.shape[:2])}, got "
+                           f"{getattr(lse, 'dtype', type(lse).__name__)} {list(getattr(lse, 'shape', []))}")
+    if isinstance(key_start, bool) or not isinstance(key_start, int) or key_start < 0:
+        raise InvalidInput(f"key_start must be an integer >= 0, got {key_start!r}")
     if layer.v_centre is not None and params.sinks is not None:
+        if lse is not None:
+            raise InvalidInput("lse= is not available with sink logits and a value centre (that case "
+                               "runs the reference ops)")
         return _reference_attention(q, layer, block_tables, seq_lens, query_start_loc, params)
     tq, hq, hd = q.shape
     h = layer.num_kv_heads
@@ -191,6 +207,10 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     a.num_splits = 0
     a.stats = counters.data_ptr()
     a.int8_scores = int(bool(params.int8_scores))
+    if lse is None and key_start and layer.v_centre is not None:
+        lse = torch.empty(tq, hq, dtype=torch.float32)  # which rows see a key (the value centre's weight)
+    a.lse = lse.data_ptr() if lse is not None else None
+    a.key_start = int(key_start)
     rc = kernel.lib.pkv_attention(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
     if rc == -1:
         raise MemoryError("pagedkv CPU attention kernel: out of memory for its working set")
@@ -208,7 +228,10 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
         del bias
         out = torch.matmul(out, wht.rotation_matrix(hd, out.device), out=qk)
     if layer.v_centre is not None:
-        transform.add_value_centre(layer, out, transform.rows_weight_sum(lens, qsl, hq, out.device))
+        weight = transform.rows_weight_sum(lens, qsl, hq, out.device)
+        if key_start:  # a row whose keys all lie before key_start has no weight
+            weight = weight * torch.isfinite(lse)
+        transform.add_value_centre(layer, out, weight)
     return out.to(q.dtype)
 
 

@@ -44,7 +44,7 @@
 #define PKV_SIMD 1
 #endif
 
-#define PKV_ABI_VERSION 4
+#define PKV_ABI_VERSION 5
 #define SMALL_M 8
 
 
@@ -85,6 +85,8 @@ typedef struct {
     int32_t num_splits;           /* block ranges per (seq, head group, tile) */
     int64_t *stats;               /* [2] or NULL: V rows decoded, V rows skipped (sparse) */
     int32_t int8_scores;          /* 1: approximate integer q.k where implemented (attention_i8.h) */
+    float *lse;                   /* [Tq, Hq] or NULL: log-sum-exp of each row's logits (+ its sink) */
+    int32_t key_start;            /* keys j < key_start are not read (0 = all) */
 } pkv_args;
 
 /* Rows of one chunk: row i of kv head h has its codes at data[i] + h * row_data_bytes; with
@@ -1360,7 +1362,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) sc.pos[r * G + g] = L - qlen + t->r0 + r;
     const int pos_lo = L - qlen + t->r0, pos_hi = L - qlen + t->r1 - 1;
-    int jmin = a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0;
+    int jmin = imax(a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0, a->key_start);
     int jmax = pos_hi; /* inclusive */
 
 #ifdef PKV_SIMD
@@ -1488,7 +1490,7 @@ int pkv_attention(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
             for (int r0 = 0; r0 < qlen; r0 += a->rows_per_tile) {
                 int r1 = imin(qlen, r0 + a->rows_per_tile);
                 int pos_lo = L - qlen + r0, pos_hi = L - qlen + r1 - 1;
-                int jmin = a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0;
+                int jmin = imax(a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0, a->key_start);
                 int b0 = jmin / BS, b1 = pos_hi >= 0 ? pos_hi / BS + 1 : b0;
                 if (b1 < b0) b1 = b0;
                 int nb = b1 - b0;
@@ -1531,6 +1533,8 @@ int pkv_attention(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
                 }
                 float *o = a->out + ((size_t)(qs + t0->r0 + r) * Hq + qh) * D;
                 for (int d = 0; d < D; d++) o[d] = 0.0f;
+                float *lse = a->lse ? a->lse + (size_t)(qs + t0->r0 + r) * Hq + qh : NULL;
+                if (lse) *lse = -INFINITY;
                 if (mx == -INFINITY) continue;
                 float z = a->sinks ? expf(a->sinks[qh] - mx) : 0.0f;
                 for (int s = 0; s < nsplit; s++) {
@@ -1540,6 +1544,7 @@ int pkv_attention(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
                     z += p[1] * w;
                     for (int d = 0; d < D; d++) o[d] += w * p[2 + d];
                 }
+                if (lse && z > 0) *lse = mx + logf(z);
                 float f = z > 0 ? a->out_scale * (vs->group ? 1.0f : value_mult(vs)) / z : 0.0f;
                 for (int d = 0; d < D; d++) o[d] *= f;
             }
