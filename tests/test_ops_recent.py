@@ -148,3 +148,116 @@ def test_fast_path_is_taken_only_where_it_applies(monkeypatch):
         recent_prefill_attention(*args, params, recent=8)
     recent_prefill_attention(*args, AttentionParams(scale=0.1), recent=8, reference=True)
     assert not calls
+
+
+# -- decode split: the C kernel over the pages, torch over the tail (ops/recent_decode.py) ----------
+from pagedkv.ops import cpu  # noqa: E402
+from pagedkv.ops import recent_decode  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not cpu.available(), reason="the C attention kernel is not built here")
+WINDOW_CODECS = [name for name, c in CODECS.items() if not c.traits.tensor_scaled]  # what a tail may use
+DECODE_LENS = (300, 5, 200, 1, 97, 0)  # several contexts, one token, a padding row
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = recent_decode.split_decode
+    from pagedkv.ops import recent as rec
+
+    monkeypatch.setattr(rec, "split_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _close(got, want):
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() < 2e-5 * max(1.0, float(want.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("tail", WINDOW_CODECS)
+def test_split_decode_is_the_reference_for_every_tail_codec(tail, monkeypatch):
+    calls = _spy(monkeypatch)
+    kw = dict(seq_lens=DECODE_LENS, num_kv_heads=2, group=3, seed=3)
+    main = make_case(CODECS["turbo3"], CODECS["turbo3"], **kw)
+    hp = make_case(CODECS[tail], CODECS[tail], **kw)
+    params = AttentionParams(scale=0.125)
+    for recent, sinks in ((16, 0), (64, 16), (40, 3), (500, 0)):
+        args = (main.q_decode, main.layer, hp.layer, main.block_tables, main.seq_lens, params)
+        got = recent_decode_attention(*args, recent=recent, sinks=sinks)
+        want = recent_decode_attention(*args, recent=recent, sinks=sinks, reference=True)
+        _close(got, want)
+        assert torch.equal(got[-1], torch.zeros_like(got[-1]))  # the padding row
+    assert len(calls) == 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt, tail, extra", [
+    (("turbo3", "turbo2"), "q8_0", dict(transform=True)),  # rotated K and V, k_mult, both centres
+    (("q4_0", "turbo3"), "bf16", dict(centre=True, k_offset=3.0)),
+    (("fp8", "turbo4"), "q8_0", dict(k_scale=3.0, v_scale=0.5)),  # tensor-scaled K
+    (("turbo2g64", "fp8"), "f16", {}),  # a tail the kernel does not read: decoded in torch
+    (("bf16", "bf16"), "turbo5", dict(transform=True)),  # the same, with the transform
+])
+@pytest.mark.parametrize("setting", ["plain", "soft-cap", "sink logits"])
+@pytest.mark.parametrize("recent, sinks", [(16, 16), (64, 20), (1, 0), (7, 1)])
+def test_split_decode_is_the_reference(fmt, tail, extra, setting, recent, sinks, monkeypatch):
+    """GQA (3 query heads per kv head), sinks on and off a block boundary, contexts shorter than
+    S + R (every key in the tail) and longer; soft-cap and sink logits in every part."""
+    calls = _spy(monkeypatch)
+    kw = dict(seq_lens=DECODE_LENS, num_kv_heads=2, group=3, seed=13, **extra)
+    main, hp = make_case(CODECS[fmt[0]], CODECS[fmt[1]], **kw), make_case(CODECS[tail], CODECS[tail], **kw)
+    params = {"plain": AttentionParams(scale=0.125), "soft-cap": AttentionParams(scale=0.125, soft_cap=4.0),
+              "sink logits": AttentionParams(scale=0.125, sinks=torch.linspace(-2, 3, 6))}[setting]
+    args = (main.q_decode, main.layer, hp.layer, main.block_tables, main.seq_lens, params)
+    got = recent_decode_attention(*args, recent=recent, sinks=sinks)
+    want = recent_decode_attention(*args, recent=recent, sinks=sinks, reference=True)
+    _close(got, want)
+    taken = not (setting == "sink logits" and main.layer.v_centre is not None)  # the kernel's reference case
+    assert len(calls) == int(taken)
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_block, tail_block, sinks, recent", [(64, 16, 16, 64), (16, 32, 20, 64),
+                                                                   (128, 32, 0, 64), (32, 16, 40, 8)])
+def test_split_decode_with_the_tails_own_block_group(page_block, tail_block, sinks, recent, monkeypatch):
+    """vLLM's layout: the tail in its own block group (another block size, its own tables, blocks
+    outside the window released: their table entries point anywhere), sinks not on a page block
+    boundary (the kernel skips them by key_start); more sinks than recent tokens (the tail in
+    torch)."""
+    calls = _spy(monkeypatch)
+    lens = (700, 3, 129, 0)
+    kw = dict(seq_lens=lens, num_kv_heads=3, group=3, seed=21)
+    main = make_case(CODECS["turbo3"], CODECS["turbo3"], block_size=page_block, **kw)
+    hp = make_case(CODECS["q8_0"], CODECS["q8_0"], block_size=tail_block, **kw)
+    tables = hp.block_tables.clone()
+    for b, n in enumerate(lens):  # released blocks: neither sinks' nor the window's
+        keep = set(range(-(-sinks // tail_block))) | set(range(max(0, n - recent) // tail_block, -(-n // tail_block)))
+        for i in range(tables.shape[1]):
+            if i not in keep:
+                tables[b, i] = 0 if i % 2 else -1
+    params = AttentionParams(scale=0.125)
+    args = (main.q_decode, main.layer, hp.layer, main.block_tables, main.seq_lens, params)
+    kw = dict(recent=recent, sinks=sinks, tail_block_tables=tables)
+    want = recent_decode_attention(*args, **kw, reference=True)
+    _close(recent_decode_attention(*args, **kw), want)
+    # the drop-in decodes through the prefill op: one query per sequence, padding rows without one
+    qsl = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+    got = recent_prefill_attention(main.q_decode[:3], main.layer, hp.layer, main.block_tables, main.seq_lens,
+                                   qsl, params, **kw)
+    _close(got, want[:3])
+    assert len(calls) == 2
+
+
+@needs_kernel
+def test_split_decode_is_taken_only_where_it_applies(monkeypatch):
+    calls = _spy(monkeypatch)
+    main, hp = _pair(("turbo3", "turbo3"), "bf16")
+    dec = (main.q_decode, main.layer, hp.layer, main.block_tables, main.seq_lens)
+    for params in (AttentionParams(scale=0.1, sliding_window=16), AttentionParams(scale=0.1, sparse_v_threshold=1e-3)):
+        recent_decode_attention(*dec, params, recent=8)
+    recent_decode_attention(*dec, AttentionParams(scale=0.1), recent=8, reference=True)
+    recent_prefill_attention(main.q_prefill, main.layer, hp.layer, main.block_tables, main.seq_lens,
+                             main.query_start_loc, AttentionParams(scale=0.1), recent=8)  # several queries
+    assert not calls
+    recent_decode_attention(*dec, AttentionParams(scale=0.1), recent=8)
+    assert calls

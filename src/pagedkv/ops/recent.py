@@ -27,6 +27,10 @@ from the tail, concatenated, with a mask that counts every visible key once, fro
 reference reads it from. Same arithmetic up to fp32 rounding (tests/test_ops_recent.py); it skips
 the keys no query of the block sees (causal, window) and never forms the tail's logits beyond the
 band, where the reference forms two full [Hq, Tq, n] logit tensors.
+
+Decode (at most one query per sequence) on CPU runs a third path where it applies
+(`recent_decode.py`): the C kernel over the pages' keys, torch over the tail's few rows, merged
+by log-sum-exp, so a step no longer decodes the whole context in torch.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from ..codecs.catalogue import Codec, get_codec
 from ..errors import ConfigError, InvalidInput
 from . import transform
 from .batch import AttentionParams, PagedLayer
+from .recent_decode import original_basis, sink_blocks, split_applies, split_decode
 from .reference.attention import attention_logits, gather_rows, masked_softmax, varlen_query_chunks
-from .validate import check_prefill
+from .validate import check_decode, check_prefill
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,6 @@ def split_window_suffix(name: str) -> tuple[str, Optional[str]]:
     `+rR...` suffix -> (name, None)."""
     m = _WINDOW_SUFFIX.match(name.strip().lower())
     return (name, None) if m is None else (m["rest"], m["window"])
-
-
-def sink_blocks(sinks: int, block_size: int) -> int:
-    """Blocks covering the first `sinks` positions (kept by the tail for every sequence)."""
-    return -(-sinks // block_size)
 
 
 def stored_tail_tokens(seq_len: int, recent: int, block_size: int, sinks: int = 0) -> int:
@@ -159,7 +159,9 @@ def _rows(layer: PagedLayer, table: torch.Tensor, n: int, start: int, sinks: int
     return tuple(out)
 
 
-def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int, own_tables: bool) -> None:
+def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int, own_tables: bool, sinks: int) -> None:
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ConfigError(f"sinks must be an integer >= 0, got {sinks!r}")
     if not isinstance(tail, PagedLayer):
         raise ConfigError(f"tail must be a PagedLayer, got {type(tail).__name__}")
     same = (tail.num_kv_heads, tail.head_dim) == (layer.num_kv_heads, layer.head_dim)
@@ -172,18 +174,21 @@ def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int, own_tables: bo
         raise ConfigError(f"recent must be an integer >= 1, got {recent!r}")
 
 
-def _check_tail_tables(tail: PagedLayer, tables: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, recent: int,
-                       checks: bool, sinks: int = 0) -> None:
-    """The tail's own block tables (its block group): int32 [B, >= blocks of each sequence] on
-    the layer's device, ids in range for the blocks a query's window reads (and the sinks')."""
+def _tail_tables(tail: PagedLayer, tables: Optional[torch.Tensor], block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, recent: int,
+                 checks: bool, sinks: int = 0) -> torch.Tensor:
+    """The tables the tail is read through: `block_tables` when `tables` is None, else the tail's
+    own block tables (its block group), checked: int32 [B, >= blocks of each sequence] on the
+    layer's device, ids in range for the blocks a query's window reads (and the sinks')."""
+    if tables is None:
+        return block_tables
     if not isinstance(tables, torch.Tensor) or tables.dtype != torch.int32 or tables.dim() != 2 \
             or tables.shape[0] != block_tables.shape[0] or tables.device != block_tables.device:
         raise InvalidInput(f"tail_block_tables must be int32 [B={block_tables.shape[0]}, max_blocks] on "
                            f"{block_tables.device}, got {getattr(tables, 'dtype', type(tables).__name__)} "
                            f"{list(getattr(tables, 'shape', []))}")
     if not checks:
-        return
+        return tables
     bs = tail.block_size
     for b, (n, ql) in enumerate(zip(seq_lens.tolist(), (query_start_loc[1:] - query_start_loc[:-1]).tolist())):
         if not n:
@@ -197,6 +202,7 @@ def _check_tail_tables(tail: PagedLayer, tables: torch.Tensor, block_tables: tor
         if int(ids.min()) < 0 or int(ids.max()) >= tail.num_blocks:
             raise InvalidInput(f"tail_block_tables row {b} holds block ids outside [0, {tail.num_blocks}) "
                                f"for the window's blocks {first}..{last} (and the sinks' 0..{keep - 1})")
+    return tables
 
 
 @torch.no_grad()
@@ -211,14 +217,18 @@ def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLaye
     (its block size may then differ from the pages'; only the blocks covering each query's last `recent` positions are read, so the others may
     have been released; with `sinks`, the blocks covering the first `sinks` positions too, which
     are also read from the tail). reference: always the readable oracle (`attend_recent`), not
-    the fast path (module doc). Returns [Tq, Hq, D] in q's dtype."""
-    _check_tail(layer, tail, recent, tail_block_tables is not None)
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ConfigError(f"sinks must be an integer >= 0, got {sinks!r}")
+    the fast paths (module doc; decode, at most one query per sequence, runs `recent_decode`'s
+    split where it applies). Returns [Tq, Hq, D] in q's dtype."""
+    _check_tail(layer, tail, recent, tail_block_tables is not None, sinks)
     check_prefill(q, layer, block_tables, seq_lens, query_start_loc, params, checks)
-    tail_tables = block_tables if tail_block_tables is None else tail_block_tables
-    if tail_block_tables is not None:
-        _check_tail_tables(tail, tail_tables, block_tables, seq_lens, query_start_loc, recent, checks, sinks)
+    tail_tables = _tail_tables(tail, tail_block_tables, block_tables, seq_lens, query_start_loc, recent, checks, sinks)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if not reference and q.shape[0] and split_applies(layer, params) and bool((q_lens <= 1).all()):
+        # decode (at most one query per sequence, at n - 1): the C kernel over the pages' keys and
+        # the tail's few rows, merged by log-sum-exp (recent_decode.py)
+        rows = q_lens == 1
+        return split_decode(q, layer, tail, block_tables[rows], seq_lens[rows], tail_tables[rows], params,
+                            recent, sinks).to(q.dtype)
     fast = not reference and fast_path_applies(params)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, n, chunks in varlen_query_chunks(seq_lens, query_start_loc, q.shape[1], q.device):
@@ -242,23 +252,6 @@ QUERY_BLOCK = 128  # queries per fused softmax of the fast path
 def fast_path_applies(params: AttentionParams) -> bool:
     """The fast path computes plain softmax attention: no soft-cap, no sink logits, no sparse V."""
     return params.soft_cap is None and params.sinks is None and params.sparse_v_threshold == 0
-
-
-def original_basis(layer: PagedLayer, kv: tuple) -> tuple:
-    """(k, v) float32 [n, H, D] decoded in `layer`'s stored basis -> the keys and values attention
-    sees: un-rotated, plus the centres, keys divided by the key multiplier (stored k * m - c)."""
-    k, v = kv
-    if layer.k_codec.rotated:
-        k = wht.unrotate(k)
-    if layer.k_centre is not None:
-        k = k + layer.k_centre.to(k.device, torch.float32)
-    if layer.k_mult is not None:
-        k = k / layer.k_mult.to(k.device, torch.float32)
-    if layer.v_codec.rotated:
-        v = wht.unrotate(v)
-    if layer.v_centre is not None:
-        v = v + layer.v_centre.to(v.device, torch.float32)
-    return k, v
 
 
 def _attend_fast(q: torch.Tensor, kv: tuple, tail_kv: tuple, q_pos: torch.Tensor, params: AttentionParams,
@@ -303,6 +296,19 @@ def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer
     """`decode_attention` (q [B, Hq, D], one query per sequence at seq_lens[b] - 1; length-0
     rows give zeros) with the last `recent` keys read from `tail` (through `tail_block_tables`
     when given, see `recent_prefill_attention`)."""
+    if not reference and q.shape[0] and split_applies(layer, params):  # recent_decode.py
+        _check_tail(layer, tail, recent, tail_block_tables is not None, sinks)
+        check_decode(q, layer, block_tables, seq_lens, params, checks)
+        qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)  # a query per row (empty rows: skipped)
+        tail_tables = _tail_tables(tail, tail_block_tables, block_tables, seq_lens, qsl, recent, checks, sinks)
+        keep = seq_lens > 0
+        if bool(keep.all()):
+            return split_decode(q, layer, tail, block_tables, seq_lens, tail_tables, params, recent, sinks).to(q.dtype)
+        out = torch.zeros_like(q)
+        if bool(keep.any()):
+            out[keep] = split_decode(q[keep], layer, tail, block_tables[keep], seq_lens[keep], tail_tables[keep],
+                                     params, recent, sinks).to(q.dtype)
+        return out
     counts = (seq_lens > 0).to(torch.int32)
     qsl = torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     qsl[1:] = torch.cumsum(counts, 0)
