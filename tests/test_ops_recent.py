@@ -230,11 +230,21 @@ def test_split_decode_with_the_tails_own_block_group(page_block, tail_block, sin
     main = make_case(CODECS["turbo3"], CODECS["turbo3"], block_size=page_block, **kw)
     hp = make_case(CODECS["q8_0"], CODECS["q8_0"], block_size=tail_block, **kw)
     tables = hp.block_tables.clone()
+    spare = sorted(set(range(hp.layer.num_blocks)) - set(tables.flatten().tolist()))[0]
+    hp.layer.k_pool[spare] = 255  # a released block holds any bytes: NaN (bf16/f16 0xffff, scales too)
+    hp.layer.v_pool[spare] = 255
+    from pagedkv.codecs.layout import block_views
+
+    for b, n in enumerate(lens):  # the last block's unwritten slots hold any bytes too
+        if n % tail_block:
+            for pool in (hp.layer.k_pool, hp.layer.v_pool):
+                for view in block_views(hp.layer.k_codec, pool, tail_block, 3, 64):
+                    view[int(hp.block_tables[b, n // tail_block]), n % tail_block:] = 255
     for b, n in enumerate(lens):  # released blocks: neither sinks' nor the window's
         keep = set(range(-(-sinks // tail_block))) | set(range(max(0, n - recent) // tail_block, -(-n // tail_block)))
         for i in range(tables.shape[1]):
             if i not in keep:
-                tables[b, i] = 0 if i % 2 else -1
+                tables[b, i] = spare if i % 2 else -1
     params = AttentionParams(scale=0.125)
     args = (main.q_decode, main.layer, hp.layer, main.block_tables, main.seq_lens, params)
     kw = dict(recent=recent, sinks=sinks, tail_block_tables=tables)

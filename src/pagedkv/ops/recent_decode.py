@@ -95,7 +95,10 @@ def _tail_rows(tail: PagedLayer, tables: torch.Tensor, n: torch.Tensor, recent: 
         x = codec_ref.decode(codec, rows, rs, d, tensor_scale(codec, scale), rotated_basis=True)
         out.append(x.reshape(n.shape[0], -1, h, d))
     k, v = original_basis(tail, tuple(out))
-    return k, v, visible
+    # rows no query reads (released blocks, unwritten slots) may hold any bytes, NaN included:
+    # a weight of 0 times NaN is NaN, so they are zeroed (their logits are masked)
+    hide = ~visible[..., None, None]
+    return k.masked_fill(hide, 0.0), v.masked_fill(hide, 0.0), visible
 
 
 def _merge(parts: list) -> torch.Tensor:
