@@ -114,7 +114,8 @@ def test_lse_with_key_start_and_sinks(pair, key_start, setting):
 
 def test_lse_refused_where_the_kernel_hands_over_to_the_reference():
     """Sink logits with a value centre run the reference ops (the kernel does not report the
-    sinks' weight), which give no lse: asking for one is an error, not a silent NaN."""
+    sinks' weight), which give no lse and read every key: asking for lse or a key_start is an
+    error, not a silent NaN or a silently ignored bound."""
     from pagedkv.errors import InvalidInput
 
     case = make_case(CODECS["turbo3"], CODECS["turbo3"], seq_lens=(9,), transform=True, store_backend=None)
@@ -123,6 +124,8 @@ def test_lse_refused_where_the_kernel_hands_over_to_the_reference():
     with pytest.raises(InvalidInput, match="lse"):
         cpu.attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, qsl, params,
                       lse=torch.empty(1, 2))
+    with pytest.raises(InvalidInput, match="key_start=3"):  # the reference would read every key
+        cpu.attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, qsl, params, key_start=3)
 
 
 def test_bad_lse_and_key_start_are_refused_before_the_kernel_runs():

@@ -161,9 +161,10 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     if isinstance(key_start, bool) or not isinstance(key_start, int) or key_start < 0:
         raise InvalidInput(f"key_start must be an integer >= 0, got {key_start!r}")
     if layer.v_centre is not None and params.sinks is not None:
-        if lse is not None:
-            raise InvalidInput("lse= is not available with sink logits and a value centre (that case "
-                               "runs the reference ops)")
+        if lse is not None or key_start:
+            raise InvalidInput(f"lse= and key_start= are not available with sink logits and a value centre "
+                               f"(that case runs the reference ops), got lse={'a tensor' if lse is not None else None}, "
+                               f"key_start={key_start}")
         return _reference_attention(q, layer, block_tables, seq_lens, query_start_loc, params)
     tq, hq, hd = q.shape
     h = layer.num_kv_heads
