@@ -11,7 +11,6 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from ..alloc.swapstate import RELEASED
 from ..errors import ConfigError, InvalidInput
 from ..ops import api as ops
 from ..ops import recent
@@ -197,16 +196,11 @@ class DataPlane:
         else:
             pl, tables, _ = self.attention_view(layer, [seq_id])
             g = self.group_of(layer)
-        n, bs = self.seq_len(seq_id), self.block_size
-        pos = torch.arange(n, device=self.device)
-        slots = tables[0].long()[pos // bs] * bs + pos % bs
-        released = torch.tensor([e == RELEASED for e in self._group(g).table(seq_id)], dtype=torch.bool)
-        gone = released[pos.cpu() // bs].to(self.device)[:, None, None] if n else None
-        out = []
-        for side in ("k", "v"):
-            x = storage.gather_side(pl, side, slots)
-            out.append(x if gone is None else x.masked_fill(gone, float("nan")))
-        return out[0], out[1]
+        slots, released = storage.sequence_rows(tables[0], self._group(g).table(seq_id), self.seq_len(seq_id),
+                                                self.block_size, self.device)
+        k, v = (storage.gather_side(pl, side, slots).masked_fill(released[:, None, None], float("nan"))
+                for side in ("k", "v"))
+        return k, v
 
     def configure_layer(self, layer: int, *, k_scale: Optional[float] = None,
                         v_scale: Optional[float] = None,

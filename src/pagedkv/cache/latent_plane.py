@@ -29,7 +29,6 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ..alloc.swapstate import RELEASED
 from ..errors import ConfigError
 from ..ops.batch import AttentionParams
 from ..ops.latent import latent_decode_attention, latent_prefill_attention, latent_store
@@ -104,12 +103,8 @@ class LatentPlane:
         the block. For tests and oracles."""
         self._latent(layer)
         pl, tables, _ = self.attention_view(layer, [seq_id])
-        n, bs = self.seq_len(seq_id), self.block_size
-        pos = torch.arange(n, device=self.device)
-        slots = tables[0].long()[pos // bs] * bs + pos % bs
+        slots, released = storage.sequence_rows(tables[0], self._group(self.group_of(layer)).table(seq_id),
+                                                self.seq_len(seq_id), self.block_size, self.device)
         row = torch.cat([storage.gather_side(sec, "k", slots)[:, 0] for sec in pl.sections()], -1)
-        released = torch.tensor([e == RELEASED for e in self._group(self.group_of(layer)).table(seq_id)],
-                                dtype=torch.bool)
-        if n:
-            row = row.masked_fill(released[pos.cpu() // bs].to(self.device)[:, None], float("nan"))
+        row = row.masked_fill(released[:, None], float("nan"))
         return row[:, :pl.latent_dim], row[:, pl.latent_dim:]

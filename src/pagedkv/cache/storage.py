@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..alloc.swapstate import RELEASED
 from ..codecs import reference as codec_ref
 from ..codecs.catalogue import Codec, ScaleType
 from ..codecs.layout import block_views
@@ -136,6 +137,17 @@ def transform_namespace(fingerprint: bytes, layers) -> bytes:
 
 def _tensor_scale(pl_codec, scale: torch.Tensor) -> Optional[float]:
     return float(scale.item()) if pl_codec.scale_type is ScaleType.TENSOR_FP32 else None
+
+
+def sequence_rows(table_row: torch.Tensor, entries, n: int, block_size: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots of a sequence's n stored positions (int64 [n], from its block-table row) and
+    which of them sit in a block a sliding window released (bool [n]; `entries`: the group's
+    table entries of the sequence), for `gather_side`-style reads (tests, oracles)."""
+    pos = torch.arange(n, device=device)
+    slots = table_row.long()[pos // block_size] * block_size + pos % block_size
+    released = torch.tensor([e == RELEASED for e in entries], dtype=torch.bool)
+    return slots, released[pos.cpu() // block_size].to(device)
 
 
 def gather_side(pl: PagedLayer, side: str, slots: torch.Tensor) -> torch.Tensor:
