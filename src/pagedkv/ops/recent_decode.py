@@ -104,10 +104,11 @@ def _tail_rows(tail: PagedLayer, tables: torch.Tensor, n: torch.Tensor, recent: 
 def _merge(parts: list) -> torch.Tensor:
     """[(out float32 [B, Hq, D], lse float32 [B, Hq])] -> the softmax over the union of their
     keys (a part with lse -inf has no visible key and weight 0; every row has one somewhere)."""
-    lse = torch.stack([p[1] for p in parts])
-    w = torch.exp(lse - lse.amax(0))  # [P, B, Hq]
-    out = torch.einsum("pbh,pbhd->bhd", w, torch.stack([p[0] for p in parts]))
-    return out.div_(w.sum(0)[..., None])
+    w = torch.softmax(torch.stack([p[1] for p in parts]), 0)  # [P, B, Hq]: e^{l_i} / sum_j e^{l_j}
+    out = parts[0][0] * w[0, ..., None]
+    for i in range(1, len(parts)):
+        out.addcmul_(parts[i][0], w[i, ..., None])
+    return out
 
 
 def _kernel_part(q: torch.Tensor, layer: PagedLayer, tables: torch.Tensor, lens: torch.Tensor,
