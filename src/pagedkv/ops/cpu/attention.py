@@ -114,19 +114,22 @@ def _e4m3() -> torch.Tensor:
     return _E4M3
 
 
-def _side(codec: Codec, pool: torch.Tensor, layer: PagedLayer) -> tuple[_Side, SideDesc]:
-    d = side_desc(codec)
+_SIDE_STATIC: dict = {}  # (id(codec), H, D, block size) -> (codec, fields of _Side after the pool's)
+
+
+def _side(codec: Codec, pool: torch.Tensor, layer: PagedLayer) -> _Side:
+    """The kernel's description of one side of `layer`. Its codec-derived fields are computed once
+    per (codec, geometry) and kept (a call is then a struct fill: the per-call overhead adds up at
+    30 layers x every decode step, and it is serial when the kernel runs on several threads)."""
     h, hd, bs = layer.num_kv_heads, layer.head_dim, layer.block_size
-    s = _Side()
-    s.pool = pool.data_ptr()
-    s.block_stride = pool.stride(0)
-    s.scale_offset = codec.data_bytes(bs * h * hd)
-    s.bits, s.kind, s.group, s.scale_kind = d.bits, d.kind, d.group, d.scale_kind
-    s.row_data_bytes = codec.row_data_bytes(hd)
-    s.row_scale_bytes = codec.row_scale_bytes(hd)
-    s.table = d.table.data_ptr()
-    s.e4m3 = _e4m3().data_ptr()
-    return s, d
+    key = (id(codec), h, hd, bs)
+    hit = _SIDE_STATIC.get(key)
+    if hit is None or hit[0] is not codec:  # the codec is kept, so its id is never reused meanwhile
+        d = side_desc(codec)
+        hit = (codec, (codec.data_bytes(bs * h * hd), d.bits, d.kind, d.group, d.scale_kind,
+                       codec.row_data_bytes(hd), codec.row_scale_bytes(hd), d.table.data_ptr(), _e4m3().data_ptr()))
+        _SIDE_STATIC[key] = hit
+    return _Side(pool.data_ptr(), pool.stride(0), *hit[1])
 
 
 def _tensor_scale(codec: Codec, scale: torch.Tensor) -> float:
@@ -134,6 +137,8 @@ def _tensor_scale(codec: Codec, scale: torch.Tensor) -> float:
 
 
 def _i32c(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.int32 and x.is_contiguous():  # the usual case: skip two dispatcher calls
+        return x
     return x.to(torch.int32).contiguous()
 
 
@@ -171,8 +176,8 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     g = hq // h
     qf = transform.query_for_keys(layer, q)
     q_scale = params.scale * _tensor_scale(layer.k_codec, layer.k_scale)
-    # one query-sized buffer either way (scaled in place after the rotation's copy)
-    qk = wht.rotate(qf).mul_(q_scale) if layer.k_codec.rotated else (qf * q_scale).contiguous()
+    # one query-sized buffer either way (rotation and scale in one matmul)
+    qk = torch.matmul(qf, _scaled_rotation_t(hd, q_scale)) if layer.k_codec.rotated else (qf * q_scale).contiguous()
     bias = None
     if layer.k_centre is not None:
         c = layer.k_centre.float()
@@ -182,9 +187,9 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     lens = _i32c(seq_lens)
     qsl = _i32c(query_start_loc)
     out = torch.empty(tq, hq, hd, dtype=torch.float32)
-    counters = torch.zeros(2, dtype=torch.int64)
-    ks, _ = _side(layer.k_codec, layer.k_pool, layer)
-    vs, _ = _side(layer.v_codec, layer.v_pool, layer)
+    counters = torch.zeros(2, dtype=torch.int64) if stats is not None else None
+    ks = _side(layer.k_codec, layer.k_pool, layer)
+    vs = _side(layer.v_codec, layer.v_pool, layer)
 
     a = _Args()
     a.num_seqs = int(lens.shape[0])
@@ -200,13 +205,14 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     a.out_scale = _tensor_scale(layer.v_codec, layer.v_scale)
     a.out = out.data_ptr()
     a.num_threads = int(num_threads or torch.get_num_threads())
-    max_q = int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0
+    starts = qsl.tolist()  # a few ints: cheaper than tensor ops (their dispatch dominates here)
+    max_q = max((e - b for b, e in zip(starts, starts[1:])), default=0)
     if max_q <= 1:  # decode: every kv head of a block in one task (each cache line read once)
         a.rows_per_tile, a.heads_per_task = 1, h
     else:  # prefill: one kv head per task, ~64 query vectors share each decoded block
         a.rows_per_tile, a.heads_per_task = _prefill_rows(g), 1
     a.num_splits = 0
-    a.stats = counters.data_ptr()
+    a.stats = counters.data_ptr() if counters is not None else None
     a.int8_scores = int(bool(params.int8_scores))
     if lse is None and key_start and layer.v_centre is not None:
         lse = torch.empty(tq, hq, dtype=torch.float32)  # which rows see a key (the value centre's weight)
@@ -222,7 +228,7 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     if rc != 0:
         raise InvalidInput(f"pagedkv CPU attention kernel rejected the arguments (code {rc}): "
                            f"Hq={hq}, H={h}, head_dim={hd}, block_size={layer.block_size}")
-    if stats is not None:
+    if counters is not None:
         stats["v_rows_read"] = stats.get("v_rows_read", 0) + int(counters[0])
         stats["v_rows_skipped"] = stats.get("v_rows_skipped", 0) + int(counters[1])
     if layer.v_codec.rotated:  # into the query buffer, dead by now: no third [Tq, Hq, D] buffer
@@ -234,6 +240,21 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
             weight = weight * torch.isfinite(lse)
         transform.add_value_centre(layer, out, weight)
     return out.to(q.dtype)
+
+
+_ROT_SCALED: dict = {}  # (head_dim, scale) -> R^T * scale, float32 (a few entries: scale per layer at most)
+
+
+def _scaled_rotation_t(head_dim: int, scale: float) -> torch.Tensor:
+    """R^T * scale [D, D] (q @ it = wht.rotate(q) * scale up to rounding), cached: rotating and
+    scaling q is then one matmul per call."""
+    key = (head_dim, scale)
+    m = _ROT_SCALED.get(key)
+    if m is None:
+        if len(_ROT_SCALED) > 256:  # fp8 K tensor scales differ per layer; bound the cache anyway
+            _ROT_SCALED.clear()
+        m = _ROT_SCALED[key] = (wht.rotation_matrix(head_dim).T * scale).contiguous()
+    return m
 
 
 def _reference_attention(q, layer, block_tables, seq_lens, query_start_loc, params) -> torch.Tensor:
