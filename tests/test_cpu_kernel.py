@@ -58,6 +58,9 @@ SHAPES = [
     (("turbo4", "turbo3"), 1, 4, 64, 128),  # blocks larger than the kernel's 64-token chunk
     (("fp8", "turbo3"), 1, 3, 80, 16),  # 3-bit V rows whose last code group ends a 16-dim pass
     (("turbo2", "turbo3"), 1, 1, 48, 16),  # rows shorter than one 64-dim K pass / 8-vector V pass
+    (("fp8", "turbo3"), 1, 6, 80, 16),  # 6 query vectors: V weights as memory operands, 2-vector passes
+    (("turbo3", "turbo4"), 2, 7, 64, 16),  # 7 query vectors: 1-vector V passes
+    (("q4_0", "fp8"), 1, 5, 64, 16),  # 5 query vectors, group-32 K scales
 ]
 
 

@@ -610,13 +610,18 @@ PKV_INLINE uint32_t load_u32(const uint8_t *p) {
    two tables blended on bit 3). tail (0 or 1): these are the row's last 8 codes, whose 4-byte load
    starts 4 - bits bytes early so that it ends at the row's last byte (never past the pool); the
    shift vector is chosen by indexing, so a runtime tail costs no branch. */
-PKV_INLINE __m256 lut8(const int bits, int tail, const lut_ctx *lc, const uint8_t *drow, int c) {
+PKV_INLINE __m256 lut8_tab(const int bits, int tail, const lut_ctx *lc, __m256 tlo, __m256 thi,
+                           const uint8_t *drow, int c) {
     const __m256i w = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(drow + bits * c - tail * (4 - bits))));
     const __m256i v = _mm256_srlv_epi32(w, lc->sh[tail]);
-    const __m256 lo = _mm256_permutevar8x32_ps(lc->tlo, v);
+    const __m256 lo = _mm256_permutevar8x32_ps(tlo, v);
     if (bits != 4) return lo;  /* vpermps reads 3 bits: tables are replicated, upper bits harmless */
-    const __m256 hi = _mm256_permutevar8x32_ps(lc->thi, v);
+    const __m256 hi = _mm256_permutevar8x32_ps(thi, v);
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+}
+
+PKV_INLINE __m256 lut8(const int bits, int tail, const lut_ctx *lc, const uint8_t *drow, int c) {
+    return lut8_tab(bits, tail, lc, lc->tlo, lc->thi, drow, c);
 }
 
 /* decode8 told whether these are the row's last 8 values (tail: 0 or 1; only 2/3-bit codes use it) */
@@ -637,6 +642,27 @@ PKV_INLINE __m256 decode8t(const int kind, const int bits, int tail, const pkv_s
 PKV_INLINE __m256 decode8(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
                           const uint8_t *drow, int c, int rd) {
     return decode8t(kind, bits, bits * c + 4 > rd, sd, lc, drow, c);
+}
+
+/* Vectors c and c + 1 of a row (one 16-element scale group) times the group's scale *sp (NULL:
+   none). 2/3-bit tables: the scale multiplies the 8-entry table once, one vmulps per 16 values
+   instead of two (same product, same rounding). TL: c + 1 is the row's last vector. */
+PKV_INLINE void decode_pair(const int kind, const int bits, int TL, const pkv_side *sd, const lut_ctx *lc,
+                            const uint8_t *drow, int c, const float *sp, __m256 *v0, __m256 *v1) {
+    if (kind == EK_LUT && bits < 4) {
+        const __m256 t = sp ? _mm256_mul_ps(lc->tlo, _mm256_broadcast_ss(sp)) : lc->tlo;
+        *v0 = lut8_tab(bits, 0, lc, t, t, drow, c);
+        *v1 = lut8_tab(bits, TL, lc, t, t, drow, c + 1);
+        return;
+    }
+    __m256 a = decode8t(kind, bits, 0, sd, lc, drow, c), b = decode8t(kind, bits, TL, sd, lc, drow, c + 1);
+    if (sp) {
+        const __m256 sv = _mm256_broadcast_ss(sp);
+        a = _mm256_mul_ps(a, sv);
+        b = _mm256_mul_ps(b, sv);
+    }
+    *v0 = a;
+    *v1 = b;
 }
 
 /* Scales of every kv head of `nt` tokens into rows->scl, one per 16-element chunk (values' E4M3
@@ -745,13 +771,19 @@ PKV_INLINE void dot_pass(const int kind, const int bits, const int NV, int TL, c
                          const lut_ctx *lc, const uint8_t *drow, const float *scl, int c0, int M, int D,
                          const float *qv, float *dst, int BSP, int first) {
     __m256 k[8];
-    for (int z = 0; z < NV; z++) k[z] = decode8t(kind, bits, TL && z == NV - 1, sd, lc, drow, c0 + z);
-    if (scl)
-        for (int z = 0; z < NV; z += 2) {
-            const __m256 sv = _mm256_broadcast_ss(scl + ((c0 + z) >> 1));
-            k[z] = _mm256_mul_ps(k[z], sv);
-            k[z + 1] = _mm256_mul_ps(k[z + 1], sv);
-        }
+    if (kind == EK_LUT && bits < 4) {  /* the scale multiplies the table (decode_pair) */
+        for (int z = 0; z < NV; z += 2)
+            decode_pair(kind, bits, TL && z + 2 == NV, sd, lc, drow, c0 + z, scl ? scl + ((c0 + z) >> 1) : NULL,
+                        &k[z], &k[z + 1]);
+    } else {
+        for (int z = 0; z < NV; z++) k[z] = decode8t(kind, bits, TL && z == NV - 1, sd, lc, drow, c0 + z);
+        if (scl)
+            for (int z = 0; z < NV; z += 2) {
+                const __m256 sv = _mm256_broadcast_ss(scl + ((c0 + z) >> 1));
+                k[z] = _mm256_mul_ps(k[z], sv);
+                k[z + 1] = _mm256_mul_ps(k[z + 1], sv);
+            }
+    }
     for (int m = 0; m < M; m++) {
         const float *q = qv + (int64_t)m * D + 8 * c0;
         __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(q)), a1 = _mm256_mul_ps(k[1], _mm256_loadu_ps(q + 8));
@@ -838,12 +870,18 @@ static void scores_tile(const float *rows, int BSP, int D, int M, const float *q
 }
 #undef PKV_ST_FMA
 
+/* Weights as memory operands: MM x CG accumulators, MM broadcast weights, the value and the scale
+   would not fit the 16 ymm registers (gcc then spilled an accumulator, an FMA chain through the
+   stack: 3 queries x 4 vectors, the SmolLM2 shape); vacc_t pre-broadcasts the weights into P8. */
+#define PKV_MEMP(MM, CG) ((MM) * (CG) + (MM) + 3 > 16)
+
 /* One pass of vacc_t over vectors c0 .. c0+CG-1 (CG compile-time, so the MM x CG accumulators
    stay in registers); TL: the pass holds the row's last vector (decode8t's tail). */
 PKV_INLINE void vacc_pass(const int kind, const int bits, const int MM, const int CG, int TL,
                           const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H, int D,
-                          const float *P, int BSP, float *st_acc, const float *alpha, const uint8_t *need, int c0) {
-    const int nc = D >> 4, rd = sd->row_data_bytes;
+                          const float *P, const float *P8, int BSP, float *st_acc, const float *alpha,
+                          const uint8_t *need, int c0) {
+    const int nc = D >> 4, rd = sd->row_data_bytes, MEMP = PKV_MEMP(MM, CG);
     const int64_t hoff = (int64_t)h * rd;
     __m256 acc[8][8];  /* fixed sizes (not VLAs): fully unrolled, they live in registers */
     for (int m = 0; m < MM; m++) {
@@ -855,11 +893,24 @@ PKV_INLINE void vacc_pass(const int kind, const int bits, const int MM, const in
         if (need && !need[i]) continue;
         const uint8_t *drow = rw->data[i] + hoff;
         const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc + (c0 >> 1) : NULL;
-        for (int z = 0; z < CG; z++) {
-            __m256 v = decode8t(kind, bits, z == CG - 1 ? TL : 0, sd, lc, drow, c0 + z);
-            if (scl) v = _mm256_mul_ps(v, _mm256_broadcast_ss(scl + (z >> 1)));
-            for (int m = 0; m < MM; m++)
-                acc[m][z] = _mm256_fmadd_ps(_mm256_broadcast_ss(P + (int64_t)m * BSP + i), v, acc[m][z]);
+        const float *pp = P8 + (int64_t)i * MM * 8;
+        __m256 pr[8];
+        if (!MEMP)
+            for (int m = 0; m < MM; m++) pr[m] = _mm256_broadcast_ss(P + (int64_t)m * BSP + i);
+        for (int z = 0; z < CG; z += 2) {
+            __m256 v[2];
+            if (CG == 1) {  /* one vector per pass (many queries): c0 may be odd */
+                v[0] = decode8t(kind, bits, TL, sd, lc, drow, c0);
+                if (scl) v[0] = _mm256_mul_ps(v[0], _mm256_broadcast_ss(scl));
+            } else {
+                decode_pair(kind, bits, z + 2 == CG ? TL : 0, sd, lc, drow, c0 + z, scl ? scl + (z >> 1) : NULL,
+                            &v[0], &v[1]);
+            }
+            for (int y = 0; y < (CG == 1 ? 1 : 2); y++) {
+                if (MEMP) __asm__("" : "+r"(pp));  /* reload (a memory operand), do not keep in registers */
+                for (int m = 0; m < MM; m++)
+                    acc[m][z + y] = _mm256_fmadd_ps(MEMP ? _mm256_load_ps(pp + 8 * m) : pr[m], v[y], acc[m][z + y]);
+            }
         }
     }
     for (int m = 0; m < MM; m++)
@@ -868,13 +919,16 @@ PKV_INLINE void vacc_pass(const int kind, const int bits, const int MM, const in
 
 /* acc[m] = alpha[m] * acc[m] + sum_i P[m][i] v_i for MM (compile-time) query vectors: V decoded
    into registers CG vectors (of 8) at a time into MM x CG register accumulators; a 2-vector tail
-   when CG does not divide D / 8 (D is a multiple of 16). */
+   when CG does not divide D / 8 (D is a multiple of 16). P8: scratch of [nt][MM][8] floats. */
 PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_side *sd, const lut_ctx *lc,
-                       const pkv_rows *rw, int h, int nt, int H, int D, const float *P, int BSP,
+                       const pkv_rows *rw, int h, int nt, int H, int D, const float *P, float *P8, int BSP,
                        float *st_acc, const float *alpha, const uint8_t *need) {
     const int nc8 = D >> 3;
-    const int CG = MM == 1 ? 8 : MM <= 3 ? 4 : 2;
-#define PKV_VP(G, T) vacc_pass(kind, bits, MM, G, T, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need, c0)
+    const int CG = MM == 1 ? 8 : MM <= 3 ? 4 : MM <= 6 ? 2 : 1;
+    if (PKV_MEMP(MM, CG) || PKV_MEMP(MM, 2))
+        for (int i = 0; i < nt; i++)
+            for (int m = 0; m < MM; m++) _mm256_store_ps(P8 + ((int64_t)i * MM + m) * 8, _mm256_broadcast_ss(P + (int64_t)m * BSP + i));
+#define PKV_VP(G, T) vacc_pass(kind, bits, MM, G, T, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need, c0)
     int c0 = 0;
     for (; c0 + CG <= nc8; c0 += CG) PKV_VP(CG, c0 + CG == nc8);
     for (; c0 < nc8; c0 += 2) PKV_VP(2, c0 + 2 == nc8);
@@ -883,17 +937,18 @@ PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_s
 
 #define VACC_MAX_M 8
 static void vacc_fused(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H, int D,
-                       int M, const float *P, int BSP, float *st_acc, const float *alpha, const uint8_t *need) {
+                       int M, const float *P, float *P8, int BSP, float *st_acc, const float *alpha,
+                       const uint8_t *need) {
 #define PKV_CALL_V(K, B)                                                                          \
     switch (M) {                                                                                  \
-    case 1: vacc_t(K, B, 1, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
-    case 2: vacc_t(K, B, 2, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
-    case 3: vacc_t(K, B, 3, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
-    case 4: vacc_t(K, B, 4, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
-    case 5: vacc_t(K, B, 5, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
-    case 6: vacc_t(K, B, 6, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
-    case 7: vacc_t(K, B, 7, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;         \
-    default: vacc_t(K, B, 8, sd, lc, rw, h, nt, H, D, P, BSP, st_acc, alpha, need); break;        \
+    case 1: vacc_t(K, B, 1, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need); break;     \
+    case 2: vacc_t(K, B, 2, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need); break;     \
+    case 3: vacc_t(K, B, 3, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need); break;     \
+    case 4: vacc_t(K, B, 4, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need); break;     \
+    case 5: vacc_t(K, B, 5, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need); break;     \
+    case 6: vacc_t(K, B, 6, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need); break;     \
+    case 7: vacc_t(K, B, 7, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need); break;     \
+    default: vacc_t(K, B, 8, sd, lc, rw, h, nt, H, D, P, P8, BSP, st_acc, alpha, need); break;    \
     }
     PKV_DISPATCH(sd, PKV_CALL_V)
 #undef PKV_CALL_V
@@ -1060,7 +1115,12 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         for (int i = nt; i < BSP; i++) memset(rows + (int64_t)i * D, 0, sizeof(float) * D);
         scores_tile(rows, BSP, D, M, qv, sc->kt, S);
     }
-    {
+    /* a whole chunk that every query sees, with no bias and no cap (decode, but for the context's
+       last chunk): the scores are the logits already; skip the pass */
+    int pmin = pos[0], pmax = pos[0];
+    for (int m = 1; m < M; m++) pmin = imin(pmin, pos[m]), pmax = imax(pmax, pos[m]);
+    const int all_seen = nt == BSP && pmin >= jhi - 1 && (W <= 0 || jlo > pmax - W);
+    if (!all_seen || bias || a->soft_cap > 0) {
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         for (int m = 0; m < M; m++) {
             for (int g = 0; g < BSP / 8; g++) {
@@ -1199,7 +1259,7 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
     decode_rows(vs, vlc, vr, h, nt, H, D, rows, thr > 0 ? sc->need : NULL);
 #elif defined(PKV_AVX2)
     if (M <= VACC_MAX_M) {  /* few query vectors: V decoded into registers, accumulators too */
-        vacc_fused(vs, vlc, vr, h, nt, H, D, M, S, BSP, st_acc, alpha, thr > 0 ? sc->need : NULL);
+        vacc_fused(vs, vlc, vr, h, nt, H, D, M, S, sc->kt, BSP, st_acc, alpha, thr > 0 ? sc->need : NULL);
         return;
     }
     decode_rows(vs, vlc, vr, h, nt, H, D, rows, thr > 0 ? sc->need : NULL);
