@@ -145,7 +145,8 @@ def _i32c(x: torch.Tensor) -> torch.Tensor:
 def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, params: AttentionParams,
                   *, num_threads: Optional[int] = None, stats: Optional[dict] = None,
-                  lse: Optional[torch.Tensor] = None, key_start: int = 0) -> torch.Tensor:
+                  lse: Optional[torch.Tensor] = None, key_start: int = 0,
+                  prefill_tile: bool = True) -> torch.Tensor:
     """Attention of packed queries q float [Tq, Hq, D] over the layer (decode: one per sequence).
 
     block_tables int32 [B, max_blocks]; seq_lens int32 [B]; query_start_loc int32 [B+1]
@@ -155,6 +156,8 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     log(sum_j e^{s_j} + e^{sink}) over the logits s_j of its softmax (-inf: no key, no sink), so
     that calls over disjoint keys merge exactly (ops/recent_decode.py). key_start: keys j <
     key_start are not read (every sequence; with a sliding window, the later of the two bounds).
+    prefill_tile: False runs prefill on the general kernel even where the prefill tile covers it
+    (`_prefill_tile`; for A/B measurements and tests).
     """
     if layer.k_pool.stride(1) != 1 or layer.v_pool.stride(1) != 1:
         raise InvalidInput("the CPU kernel needs pools with contiguous rows (stride 1 along bytes)")
@@ -218,7 +221,10 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
         lse = torch.empty(tq, hq, dtype=torch.float32)  # which rows see a key (the value centre's weight)
     a.lse = lse.data_ptr() if lse is not None else None
     a.key_start = int(key_start)
-    rc = kernel.lib.pkv_attention(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
+    entry = kernel.lib.pkv_attention
+    if max_q > 1 and _prefill_tile(kernel, params, prefill_tile):
+        entry, a.rows_per_tile = _prefill_entry(kernel), _prefill_task_rows(g)
+    rc = entry(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
     if rc == -1:
         raise MemoryError("pagedkv CPU attention kernel: out of memory for its working set")
     if rc in (-3, -4):
@@ -280,3 +286,30 @@ def _prefill_rows(group: int) -> int:
     while rows > 1 and (rows * group) % 6:
         rows -= 1
     return rows if (rows * group) % 6 == 0 else max(1, PREFILL_QUERY_VECTORS // group)
+
+
+PREFILL_TILE_VECTORS = 384
+
+
+def _prefill_task_rows(group: int) -> int:
+    """Query rows per task of the prefill tile (prefill_kernel.h): ~PREFILL_TILE_VECTORS query
+    vectors share each decoded K/V chunk (their state, ~200 KB, stays in L2), a multiple of 2 rows
+    so that micro-blocks of 6 vectors rarely straddle rows of a GQA group of 3."""
+    return max(2, PREFILL_TILE_VECTORS // group) // 2 * 2
+
+
+def _prefill_tile(kernel, params: AttentionParams, enabled: bool) -> bool:
+    """Whether the prefill tile (pkv_prefill, AVX2 builds) takes this call: exact scores and no
+    sparse V (those stay on the general kernel's prefill path)."""
+    return enabled and not params.int8_scores and not params.sparse_v_threshold and _prefill_entry(kernel) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_entry(kernel):
+    """The C entry point pkv_prefill with its argument types (None: a build without the tile)."""
+    fn = getattr(kernel.lib, "pkv_prefill", None)
+    if fn is None or not kernel.lib.pkv_prefill_available():
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Side), ctypes.POINTER(_Side)]
+    return fn

@@ -834,12 +834,9 @@ static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
 #include "attention_i8.h"
 
 /* Scores of many query vectors against a decoded K tile rows[BSP][D]: transposed to
-   kt[BSP/8][D][8], then 6 queries x 16 tokens of accumulators per pass (broadcast-FMA, named
-   variables: 12 accumulators give the FMA latency slack; a short last pass repeats query 0). */
-#define PKV_ST_FMA(z, a, b)                                                                        \
-    w = _mm256_broadcast_ss(qz[z] + d);                                                            \
-    a = _mm256_fmadd_ps(w, x, a);                                                                  \
-    b = _mm256_fmadd_ps(w, y, b);
+   kt[BSP/8][D][8], then 6 queries x 16 tokens of register accumulators per pass (pf_scores, the
+   prefill tile's micro-kernel in prefill_kernel.h; a short last pass repeats query 0). */
+static void pf_scores(const float *kt, int BSP, int D, const float *const *qz, float *S, int nz);
 static void scores_tile(const float *rows, int BSP, int D, int M, const float *qv, float *kt, float *S) {
     const int ng8 = BSP >> 3;
     for (int g = 0; g < ng8; g++)
@@ -849,26 +846,9 @@ static void scores_tile(const float *rows, int BSP, int D, int M, const float *q
         const int mm = imin4(6, M - m0);
         const float *qz[6];
         for (int z = 0; z < 6; z++) qz[z] = qv + (int64_t)(m0 + (z < mm ? z : 0)) * D;
-        for (int g = 0; g < ng8; g += 2) {
-            const int two = g + 1 < ng8;
-            const float *ka = kt + (int64_t)g * D * 8, *kb = two ? ka + (int64_t)D * 8 : ka;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
-            for (int d = 0; d < D; d++) {
-                const __m256 x = _mm256_load_ps(ka + 8 * d), y = _mm256_load_ps(kb + 8 * d);
-                __m256 w;
-                PKV_ST_FMA(0, a0, b0) PKV_ST_FMA(1, a1, b1) PKV_ST_FMA(2, a2, b2)
-                PKV_ST_FMA(3, a3, b3) PKV_ST_FMA(4, a4, b4) PKV_ST_FMA(5, a5, b5)
-            }
-            const __m256 av[6] = {a0, a1, a2, a3, a4, a5}, bv[6] = {b0, b1, b2, b3, b4, b5};
-            for (int z = 0; z < mm; z++) {
-                _mm256_store_ps(S + (int64_t)(m0 + z) * BSP + 8 * g, av[z]);
-                if (two) _mm256_store_ps(S + (int64_t)(m0 + z) * BSP + 8 * g + 8, bv[z]);
-            }
-        }
+        pf_scores(kt, BSP, D, qz, S + (int64_t)m0 * BSP, mm);
     }
 }
-#undef PKV_ST_FMA
 
 /* Weights as memory operands: MM x CG accumulators, MM broadcast weights, the value and the scale
    would not fit the 16 ymm registers (gcc then spilled an accumulator, an FMA chain through the
@@ -1655,3 +1635,5 @@ double pkv_stream_sum(const float *p, int64_t n, int32_t threads) {
     }
     return total;
 }
+
+#include "prefill_kernel.h" /* chunked-prefill tile (AVX2): pkv_prefill */

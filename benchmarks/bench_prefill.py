@@ -1,0 +1,50 @@
+"""Chunked prefill on CPU: the prefill tile vs the general kernel, each against torch SDPA over bf16.
+
+One process, one thread, the embedded model's shape (9 q heads, 3 kv heads, head_dim 64, block
+size 16; ms per 30-layer step). Per (format, shape) `pagedkv.bench.attention.prefill_row` times
+the C kernel interleaved with torch SDPA over a contiguous bf16 cache with the same bottom-right
+causal mask (thread CPU time, medians), once with the prefill tile (`pkv_prefill`, the default)
+and once on the general kernel (`run_attention(prefill_tile=False)`); the 1-minute load is
+printed beside every row. Shapes: "CONTEXT:QUERIES" (q_len queries at the end of the context).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill.py [--formats turbo3,turbo4,fp8k_turbo3v]
+        [--shapes 4096:512,16384:2048] [--repeats 3] [--no-general]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from pagedkv.bench.attention import prefill_row
+from pagedkv.bench.config import BenchShape
+from pagedkv.formats import parse_format
+from pagedkv.ops import cpu
+from pagedkv.ops.cpu.attention import run_attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", default="turbo3,turbo4,fp8k_turbo3v")
+    ap.add_argument("--shapes", default="4096:512,16384:2048", help="CONTEXT:QUERIES, comma separated")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats (prefill_row takes 2-3)")
+    ap.add_argument("--no-general", action="store_true", help="skip the general kernel's prefill")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    shape = BenchShape(repeats=args.repeats)
+    kernel = cpu._require()
+    paths = [("tile", True)] + ([] if args.no_general else [("general", False)])
+    for spec in args.shapes.split(","):
+        context, q_len = (int(x) for x in spec.split(":"))
+        for fmt in args.formats.split(","):
+            for label, tile in paths:
+                fn = functools.partial(run_attention, kernel, prefill_tile=tile)
+                r = prefill_row(parse_format(fmt), shape, context, q_len, fn)
+                print(f"{q_len} after {context - q_len}: {fmt:>13} {label:>7} {r['ms']:8.0f} ms vs sdpa "
+                      f"{r['baseline_ms']:8.0f} ms ratio {r['ratio']:.2f} (1 thread, load {r['load']:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

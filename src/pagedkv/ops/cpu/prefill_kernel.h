@@ -1,0 +1,352 @@
+/* Chunked-prefill tile for the AVX2 build (issue 14 item 3): entry point pkv_prefill, included
+ * at the end of attention_kernel.c (it reuses that file's decode, exp and chunk helpers).
+ *
+ * Why a separate path: the general kernel (run_task / chunk_head) gives a prefill task ~96 query
+ * vectors; each task decodes every K/V row of its context again (~11% of the time at 512 queries
+ * after 3.5k), masks every score tile and rescales its softmax state in passes over all 96
+ * vectors. Here a task is (sequence, kv head, up to PF_VECTORS query vectors, i.e. every query
+ * row of a typical chunk): each 64-token chunk of K/V rows is decoded ONCE into an fp32 panel (K
+ * transposed to [8 keys][D][8]), then swept by micro-blocks of PF_MR (6) query vectors while it
+ * stays in L1/L2:
+ *   scores  6 queries x 16 keys of register accumulators (broadcast-FMA over D);
+ *   softmax per micro-block (online: max, rescale factor, exp, sum) on the 6 x 64 tile while it
+ *           is in L1; a tile that no query of the micro-block sees is skipped (the causal tail,
+ *           the sliding window's head), a tile that every query sees fully is not masked;
+ *   values  6 queries x 16 dims of register accumulators over the chunk's keys.
+ * Exact: fp32 throughout (the same decode, exp256 and softcap256 as the general kernel), so the
+ * result equals the reference within fp32 rounding. Not covered (the caller routes these to
+ * pkv_attention): sparse V thresholds, the approximate integer scores, non-AVX2 builds. */
+
+#ifdef PKV_AVX2
+#define PF_MR 6
+#define PF_CHUNK 64 /* tokens per decoded chunk (several blocks when block_size < 64) */
+
+int pkv_prefill_available(void) { return 1; }
+
+/* Query positions a micro-block sees in keys [jlo, jhi): 0 none, 1 some (mask), 2 all. */
+static inline int pf_visibility(int plo, int phi, int W, int kstart, int jlo, int jhi) {
+    const int lo_first = imax(kstart, W > 0 ? plo - W + 1 : 0), lo_last = imax(kstart, W > 0 ? phi - W + 1 : 0);
+    if (jlo > phi || jhi - 1 < lo_first) return 0;
+    return (jhi - 1 <= plo && jlo >= lo_last) ? 2 : 1;
+}
+
+/* S[z][BSP] = q_z . k_i (z < nz) for the 6 query vectors qz and the decoded, transposed K panel
+   kt[BSP/8][D][8] (BSP a multiple of 16): 12 accumulators in named variables (an indexed array
+   was kept on the stack by gcc), 2 K loads + 6 broadcasts per dim. Also the general kernel's
+   prefill scores (scores_tile). */
+#define PF_SFMA(z, a, b)                                                                           \
+    w = _mm256_broadcast_ss(qz[z] + d);                                                            \
+    a = _mm256_fmadd_ps(w, x, a);                                                                  \
+    b = _mm256_fmadd_ps(w, y, b);
+#define PF_SSTORE(z, a, b)                                                                         \
+    if (z < nz) {                                                                                  \
+        _mm256_store_ps(s + (int64_t)(z) * BSP, a);                                                \
+        _mm256_store_ps(s + (int64_t)(z) * BSP + 8, b);                                            \
+    }
+static void pf_scores(const float *kt, int BSP, int D, const float *const *qz, float *S, int nz) {
+    for (int g = 0; g < BSP / 8; g += 2) {
+        const float *ka = kt + (int64_t)g * D * 8, *kb = ka + (int64_t)D * 8;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+        for (int d = 0; d < D; d++) {
+            const __m256 x = _mm256_load_ps(ka + 8 * d), y = _mm256_load_ps(kb + 8 * d);
+            __m256 w;
+            PF_SFMA(0, a0, b0) PF_SFMA(1, a1, b1) PF_SFMA(2, a2, b2)
+            PF_SFMA(3, a3, b3) PF_SFMA(4, a4, b4) PF_SFMA(5, a5, b5)
+        }
+        float *s = S + 8 * g;
+        PF_SSTORE(0, a0, b0) PF_SSTORE(1, a1, b1) PF_SSTORE(2, a2, b2)
+        PF_SSTORE(3, a3, b3) PF_SSTORE(4, a4, b4) PF_SSTORE(5, a5, b5)
+    }
+}
+#undef PF_SFMA
+#undef PF_SSTORE
+
+/* acc_z = alpha_z acc_z + sum_i P[z][i] v_i for the 6 accumulator rows accz (V panel rows[nt][D]):
+   12 accumulators (6 queries x 16 dims) per pass. */
+#define PF_VLOAD(z, c0, c1)                                                                        \
+    const __m256 al##z = _mm256_set1_ps(alpha[z]);                                                 \
+    __m256 c0 = _mm256_mul_ps(_mm256_load_ps(accz[z] + dc), al##z);                                \
+    __m256 c1 = _mm256_mul_ps(_mm256_load_ps(accz[z] + dc + 8), al##z);
+#define PF_VFMA(z, c0, c1)                                                                         \
+    w = _mm256_broadcast_ss(P + (int64_t)(z) * BSP + i);                                           \
+    c0 = _mm256_fmadd_ps(w, x, c0);                                                                \
+    c1 = _mm256_fmadd_ps(w, y, c1);
+#define PF_VSTORE(z, c0, c1)                                                                       \
+    _mm256_store_ps(accz[z] + dc, c0);                                                             \
+    _mm256_store_ps(accz[z] + dc + 8, c1);
+static inline void pf_values(const float *rows, int nt, int D, const float *P, int BSP, float *const *accz,
+                             const float *alpha) {
+    for (int dc = 0; dc < D; dc += 16) {
+        PF_VLOAD(0, c00, c01) PF_VLOAD(1, c10, c11) PF_VLOAD(2, c20, c21)
+        PF_VLOAD(3, c30, c31) PF_VLOAD(4, c40, c41) PF_VLOAD(5, c50, c51)
+        for (int i = 0; i < nt; i++) {
+            const __m256 x = _mm256_load_ps(rows + (int64_t)i * D + dc), y = _mm256_load_ps(rows + (int64_t)i * D + dc + 8);
+            __m256 w;
+            PF_VFMA(0, c00, c01) PF_VFMA(1, c10, c11) PF_VFMA(2, c20, c21)
+            PF_VFMA(3, c30, c31) PF_VFMA(4, c40, c41) PF_VFMA(5, c50, c51)
+        }
+        PF_VSTORE(0, c00, c01) PF_VSTORE(1, c10, c11) PF_VSTORE(2, c20, c21)
+        PF_VSTORE(3, c30, c31) PF_VSTORE(4, c40, c41) PF_VSTORE(5, c50, c51)
+    }
+}
+#undef PF_VLOAD
+#undef PF_VFMA
+#undef PF_VSTORE
+
+static inline float pf_hmax(__m256 v) {
+    __m128 v4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    v4 = _mm_max_ps(v4, _mm_movehl_ps(v4, v4));
+    return _mm_cvtss_f32(_mm_max_ss(v4, _mm_shuffle_ps(v4, v4, 1)));
+}
+
+/* Bias, soft-cap and visibility mask of one micro-block's score rows (only what applies). */
+static void pf_adjust(const pkv_args *a, float *S, int BSP, int nz, const float *bias, const int *pos, int jlo,
+                      int jhi, int masked) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int z = 0; z < nz; z++)
+        for (int g = 0; g < BSP / 8; g++) {
+            float *sp = S + (int64_t)z * BSP + 8 * g;
+            __m256 s = _mm256_load_ps(sp);
+            if (bias) s = _mm256_add_ps(s, _mm256_set1_ps(bias[z]));
+            if (a->soft_cap > 0) s = softcap256(s, a->soft_cap);
+            if (masked) {  /* key j = jlo + 8g + lane: j < jhi, key_start <= j <= pos, j > pos - W */
+                const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(jlo + 8 * g));
+                __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(jhi), j),
+                                              _mm256_cmpgt_epi32(_mm256_set1_epi32(pos[z] + 1), j));
+                ok = _mm256_and_si256(ok, _mm256_cmpgt_epi32(j, _mm256_set1_epi32(a->key_start - 1)));
+                if (a->window > 0) ok = _mm256_and_si256(ok, _mm256_cmpgt_epi32(j, _mm256_set1_epi32(pos[z] - a->window)));
+                s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(ok));
+            }
+            _mm256_store_ps(sp, s);
+        }
+}
+
+/* Online softmax of one micro-block: S rows become p = exp(s - m_new) (0 where masked), alpha
+   the rescale factors of the accumulators; st_m / st_l updated. */
+static void pf_softmax(float *S, int BSP, int nz, int masked, float *st_m, float *st_l, float *alpha) {
+    for (int z = 0; z < nz; z++) {
+        float *sr = S + (int64_t)z * BSP;
+        __m256 vm = _mm256_set1_ps(st_m[z]);
+        for (int g = 0; g < BSP / 8; g++) vm = _mm256_max_ps(vm, _mm256_load_ps(sr + 8 * g));
+        const float mx = pf_hmax(vm);
+        if (mx == -INFINITY) {  /* nothing visible yet for this query vector */
+            alpha[z] = 1.0f;
+            memset(sr, 0, sizeof(float) * BSP);
+            continue;
+        }
+        alpha[z] = st_m[z] == -INFINITY ? 0.0f : (st_m[z] == mx ? 1.0f : expf(st_m[z] - mx));
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int g = 0; g < BSP / 8; g++) {
+            const __m256 s = _mm256_load_ps(sr + 8 * g);
+            __m256 p = exp256(_mm256_sub_ps(s, vmx));
+            if (masked) p = _mm256_and_ps(_mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ), p);
+            vsum = _mm256_add_ps(vsum, p);
+            _mm256_store_ps(sr + 8 * g, p);
+        }
+        float t8[8];
+        _mm256_storeu_ps(t8, vsum);
+        st_l[z] = st_l[z] * alpha[z] + (((t8[0] + t8[1]) + (t8[2] + t8[3])) + ((t8[4] + t8[5]) + (t8[6] + t8[7])));
+        st_m[z] = mx;
+    }
+}
+
+typedef struct {
+    int32_t b, h, r0, r1;
+} pf_task;
+
+/* Working memory of one task (M query vectors, chunks of BSP padded tokens). */
+typedef struct {
+    float *q, *bias, *m, *l, *acc, *krows, *kt, *vrows, *S;
+    int32_t *pos;
+    pkv_rows kr[2], vr[2];
+} pf_mem;
+
+static void pf_free(pf_mem *w) {
+    free(w->q); free(w->bias); free(w->m); free(w->l); free(w->acc); free(w->krows); free(w->kt);
+    free(w->vrows); free(w->S); free(w->pos);
+    for (int z = 0; z < 2; z++) {
+        free(w->kr[z].data); free(w->kr[z].sraw); free(w->kr[z].scl);
+        free(w->vr[z].data); free(w->vr[z].sraw); free(w->vr[z].scl);
+    }
+}
+
+static int pf_alloc(pf_mem *w, int M, int D, int H, int CH, int BSP) {
+    memset(w, 0, sizeof *w);
+    const int Mp = (M + PF_MR - 1) / PF_MR * PF_MR, nc = D / 16;
+    int ok = 1;
+    for (int z = 0; z < 2; z++) {
+        pkv_rows *r2[2] = {&w->kr[z], &w->vr[z]};
+        for (int y = 0; y < 2; y++) {
+            r2[y]->data = malloc(sizeof(void *) * CH);
+            r2[y]->sraw = malloc(sizeof(void *) * CH);
+            r2[y]->scl = xalloc(sizeof(float) * (size_t)CH * H * nc);
+            ok &= r2[y]->data && r2[y]->sraw && r2[y]->scl;
+        }
+    }
+    w->q = xalloc(sizeof(float) * (size_t)Mp * D);
+    w->bias = xalloc(sizeof(float) * (size_t)Mp);
+    w->m = xalloc(sizeof(float) * (size_t)Mp);
+    w->l = xalloc(sizeof(float) * (size_t)Mp);
+    w->acc = xalloc(sizeof(float) * (size_t)Mp * D);
+    w->krows = xalloc(sizeof(float) * (size_t)BSP * D);
+    w->kt = xalloc(sizeof(float) * (size_t)BSP * D);
+    w->vrows = xalloc(sizeof(float) * (size_t)BSP * D);
+    w->S = xalloc(sizeof(float) * (size_t)PF_MR * BSP);
+    w->pos = xalloc(sizeof(int32_t) * (size_t)Mp);
+    return ok && w->q && w->bias && w->m && w->l && w->acc && w->krows && w->kt && w->vrows && w->S && w->pos;
+}
+
+/* One chunk (tokens [jlo, jhi), nt of them, rows already decoded into w) against every micro-block. */
+static void pf_chunk(const pkv_args *a, pf_mem *w, int M, int G, int D, int BSP, int jlo, int jhi) {
+    const int nt = jhi - jlo;
+    float alpha[PF_MR];
+    for (int m0 = 0; m0 < M; m0 += PF_MR) {
+        const int nz = imin(PF_MR, M - m0);
+        const int vis = pf_visibility(w->pos[m0], w->pos[m0 + nz - 1], a->window, a->key_start, jlo, jhi);
+        if (vis == 0) continue;
+        const int masked = vis == 1 || nt < BSP;
+        const float *qz[PF_MR];
+        float *accz[PF_MR];
+        for (int z = 0; z < PF_MR; z++) {  /* a short last block repeats its first vector, unused */
+            const int m = m0 + (z < nz ? z : 0);
+            qz[z] = w->q + (int64_t)m * D;
+            accz[z] = w->acc + (int64_t)(z < nz ? m : M) * D;  /* row M: padding, never read */
+        }
+        pf_scores(w->kt, BSP, D, qz, w->S, PF_MR);
+        if (masked || a->bias || a->soft_cap > 0)
+            pf_adjust(a, w->S, BSP, nz, a->bias ? w->bias + m0 : NULL, w->pos + m0, jlo, jhi, masked);
+        pf_softmax(w->S, BSP, nz, masked, w->m + m0, w->l + m0, alpha);
+        for (int z = nz; z < PF_MR; z++) {  /* unused rows: nothing accumulated */
+            alpha[z] = 0.0f;
+            memset(w->S + (int64_t)z * BSP, 0, sizeof(float) * BSP);
+        }
+        pf_values(w->vrows, nt, D, w->S, BSP, accz, alpha);
+    }
+    (void)G;
+}
+
+static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, const pf_task *t, int64_t *nv) {
+    const int D = a->head_dim, H = a->num_kv_heads, Hq = a->num_q_heads, G = Hq / H, BS = a->block_size;
+    const int R = t->r1 - t->r0, M = R * G, h = t->h;
+    const int qs = a->query_start[t->b], qlen = a->query_start[t->b + 1] - qs, L = a->seq_lens[t->b];
+    const int NB = BS >= PF_CHUNK ? 1 : PF_CHUNK / BS, CH = NB * BS, BSP = (CH + 15) & ~15;
+    pf_mem w;
+    if (!pf_alloc(&w, M + 1, D, H, CH, BSP)) { pf_free(&w); return -1; }
+    const float fq = ks->group ? 1.0f : value_mult(ks);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const int m = r * G + g, tok = qs + t->r0 + r, qh = h * G + g;
+            const float *sq = a->q + ((size_t)tok * Hq + qh) * D;
+            for (int d = 0; d < D; d++) w.q[(int64_t)m * D + d] = sq[d] * fq;
+            w.bias[m] = a->bias ? a->bias[(size_t)tok * Hq + qh] : 0.0f;
+            w.m[m] = -INFINITY;
+            w.pos[m] = L - qlen + t->r0 + r;
+        }
+    const int pos_lo = L - qlen + t->r0, pos_hi = L - qlen + t->r1 - 1;
+    const int jmin = imax(a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0, a->key_start), jmax = pos_hi;
+    const int blk0 = jmin / BS, blk1 = pos_hi >= 0 ? imax(blk0, pos_hi / BS + 1) : blk0;
+    lut_ctx klc, vlc;
+    lut_ctx_init(&klc, ks);
+    lut_ctx_init(&vlc, vs);
+    const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x8040u);  /* DAZ and FTZ off: IEEE results whatever the caller set */
+    int cur = 0, jlo = 0, jhi = 0;
+    int nt = blk0 < blk1 ? fill_chunk(a, ks, vs, bt, blk0, blk1, NB, jmin, jmax, &jlo, &jhi, &w.kr[0], &w.vr[0]) : 0;
+    for (int lb = blk0; lb < blk1; lb += NB) {
+        int jlo2 = 0, jhi2 = 0;
+        const int nt2 = lb + NB < blk1 ? fill_chunk(a, ks, vs, bt, lb + NB, blk1, NB, jmin, jmax, &jlo2, &jhi2,
+                                                    &w.kr[cur ^ 1], &w.vr[cur ^ 1]) : 0;
+        pkv_rows *kr = &w.kr[cur], *vr = &w.vr[cur];
+        kr->pf_data = w.kr[cur ^ 1].data; kr->pf_sraw = w.kr[cur ^ 1].sraw; kr->pf_nt = nt2;
+        vr->pf_data = w.vr[cur ^ 1].data; vr->pf_sraw = w.vr[cur ^ 1].sraw; vr->pf_nt = nt2;
+        if (nt > 0) {
+            decode_scales(ks, kr, nt, H, D);
+            decode_scales(vs, vr, nt, H, D);
+            decode_rows(ks, &klc, kr, h, nt, H, D, w.krows, NULL);
+            decode_rows(vs, &vlc, vr, h, nt, H, D, w.vrows, NULL);
+            for (int i = nt; i < BSP; i++) {  /* padding keys: finite zeros (their p is 0) */
+                memset(w.krows + (int64_t)i * D, 0, sizeof(float) * D);
+                memset(w.vrows + (int64_t)i * D, 0, sizeof(float) * D);
+            }
+            for (int g = 0; g < BSP / 8; g++)
+                for (int c = 0; c < D / 8; c++)
+                    transpose8(w.krows + (int64_t)g * 8 * D + 8 * c, D, w.kt + ((int64_t)g * D + 8 * c) * 8, 8);
+            pf_chunk(a, &w, M, G, D, BSP, jlo, jhi);
+            *nv += nt;
+        }
+        nt = nt2; jlo = jlo2; jhi = jhi2; cur ^= 1;
+    }
+    _mm_setcsr(csr);
+    /* finish: sinks join the denominator, output normalised and scaled, log-sum-exp */
+    const float vmul = a->out_scale * (vs->group ? 1.0f : value_mult(vs));
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const int m = r * G + g, tok = qs + t->r0 + r, qh = h * G + g;
+            float *o = a->out + ((size_t)tok * Hq + qh) * D;
+            float *lse = a->lse ? a->lse + (size_t)tok * Hq + qh : NULL;
+            const float sm = a->sinks ? a->sinks[qh] : -INFINITY;
+            const float mx = w.m[m] > sm ? w.m[m] : sm;
+            if (lse) *lse = -INFINITY;
+            if (mx == -INFINITY) {
+                memset(o, 0, sizeof(float) * D);
+                continue;
+            }
+            float z = a->sinks ? expf(sm - mx) : 0.0f, wt = 0.0f;
+            if (w.m[m] != -INFINITY) {
+                wt = expf(w.m[m] - mx);
+                z += w.l[m] * wt;
+            }
+            if (lse && z > 0) *lse = mx + logf(z);
+            const float f = z > 0 ? vmul / z : 0.0f;
+            for (int d = 0; d < D; d++) o[d] = (wt * w.acc[(int64_t)m * D + d]) * f;
+        }
+    pf_free(&w);
+    return 0;
+}
+
+/* Prefill attention of packed varlen queries (see pkv_attention for the arguments; rows_per_tile
+ * = query rows per task here). Returns 0, -1 (out of memory), -2 (bad arguments or a case this
+ * tile does not cover: sparse V, integer scores), -3 / -4 (a K / V side the kernel does not read). */
+int pkv_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
+    const int B = a->num_seqs, H = a->num_kv_heads, Hq = a->num_q_heads, D = a->head_dim;
+    if (B < 0 || H <= 0 || Hq % H || D <= 0 || D % 16 || D > 1024 || a->block_size <= 0 || a->rows_per_tile <= 0 ||
+        a->sparse_thr > 0 || a->int8_scores)
+        return -2;
+    if (!side_ok(ks, D)) return -3;
+    if (!side_ok(vs, D)) return -4;
+    const int RT = a->rows_per_tile;
+    int64_t ntask = 0;
+    for (int b = 0; b < B; b++) ntask += (int64_t)H * ((a->query_start[b + 1] - a->query_start[b] + RT - 1) / RT);
+    pf_task *tasks = malloc(sizeof(pf_task) * (size_t)(ntask ? ntask : 1));
+    if (!tasks) return -1;
+    int64_t it = 0;
+    for (int b = 0; b < B; b++) {
+        const int qlen = a->query_start[b + 1] - a->query_start[b];
+        for (int r0 = 0; r0 < qlen; r0 += RT)
+            for (int h = 0; h < H; h++) {
+                pf_task *t = &tasks[it++];
+                t->b = b; t->h = h; t->r0 = r0; t->r1 = imin(qlen, r0 + RT);
+            }
+    }
+    int failed = 0;
+    int64_t nv = 0;
+    const int threads = a->num_threads > 0 ? a->num_threads : 1;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : nv) reduction(| : failed)
+#endif
+    for (int64_t i = 0; i < ntask; i++) failed |= pf_run(a, ks, vs, &tasks[i], &nv) != 0;
+    (void)threads;
+    if (a->stats) a->stats[0] += nv;
+    free(tasks);
+    return failed ? -1 : 0;
+}
+#else
+int pkv_prefill_available(void) { return 0; }
+int pkv_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
+    (void)a; (void)ks; (void)vs;
+    return -2;
+}
+#endif /* PKV_AVX2 */
