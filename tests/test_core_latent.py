@@ -15,9 +15,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import DeepseekV3ForCausalLM  # noqa: E402
 
-from helpers.mla import RoundingCache, mla_config  # noqa: E402
+from helpers.mla import RoundingCache, enabled_model  # noqa: E402
 from pagedkv.cache import CacheConfig, PagedCache  # noqa: E402
 from pagedkv.cache.latent import LatentLayout  # noqa: E402
 from pagedkv.errors import ConfigError, InvalidInput  # noqa: E402
@@ -28,13 +27,7 @@ from pagedkv.offload import MemoryTier, OffloadConfig  # noqa: E402
 BS = 4
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    m = DeepseekV3ForCausalLM(mla_config()).eval()
-    enable(m)
-    yield m
-    disable(m)
+model = pytest.fixture(scope="module", name="model")(enabled_model)
 
 
 def _prompt(seed: int, n: int) -> list[int]:

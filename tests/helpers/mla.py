@@ -29,3 +29,17 @@ class RoundingCache(DynamicCache):
 
 def random_ids(seed=1, batch=2, n=12) -> torch.Tensor:
     return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def enabled_model():
+    """For a module fixture (`model = pytest.fixture(scope="module")(enabled_model)`): the tiny
+    model (seed 0) with the absorbed MLA forward (`deepseek.enable`), disabled afterwards."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from pagedkv.integrations.deepseek import disable, enable
+
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(mla_config()).eval()
+    enable(m)
+    yield m
+    disable(m)

@@ -21,9 +21,20 @@ logits `scale * (q_lat . c + q_rope . k_rope)` (`pagedkv.ops.latent`), output
 `o_h = W_UV_h (sum_j p_j c_j)` (W_UV_h: the value rows), then `o_proj`. The absorption runs in
 the model's dtype (like transformers' own projections), the attention in fp32. With any other cache (or none) the original forward runs unchanged.
 
-Limitations: rows of a batch must have the same length (a padded mask raises InvalidInput);
-`torch.compile` is not supported; the cache refuses `update()` (only the patched forward may
-write it, so an unpatched model cannot silently attend to the new tokens only).
+Padded batches (left padding for `generate`, right padding for a plain forward, as
+`PagedKVCache`): the mask the attention module receives (transformers' prepared 4D causal mask
+for eager / sdpa, or a 2D `PaddingMask` under attn_implementation="pagedkv") says which columns
+are tokens (`padding.mask_columns`); pad columns are never stored, row r holds only its real
+tokens, packed, and its real queries attend to them (pad queries output zeros, which
+transformers discards); the fp8 scales are fitted to the first chunk's real tokens. Positions
+come from transformers (from the mask in `generate`). `get_seq_length()` counts columns, pads
+included; `row_lengths(columns)` gives each row's stored count.
+
+Limitations: a 4D mask must be exactly the causal mask of a padded batch (a custom mask
+function or a sliding-window mask raises InvalidInput; the past columns must be those the cache
+stored, as `generate` passes them); `torch.compile` is not supported; the cache refuses
+`update()` (only the patched forward may write it, so an unpatched model cannot silently attend
+to the new tokens only).
 """
 
 from __future__ import annotations
@@ -42,7 +53,9 @@ from ..formats import KVFormat
 from ..ops import AttentionParams
 from ..ops.latent import (LatentLayer, latent_decode_attention, latent_prefill_attention,
                           latent_store)
+from .hf_attention import _query_start_loc
 from .hf_common import _model_identity
+from .padding import mask_columns
 from .transformers import PagedCacheLayer, PagedKVCache, _model_device, _transformers, _watch_input_ids
 
 _ORIGINAL = "_pagedkv_original_forward"
@@ -64,7 +77,7 @@ def _text(config):
 
 class AbsorbedCache:
     """What the absorbed MLA forward (`enable`) asks of a cache; two front doors implement it:
-    the drop-in `PagedLatentCache` (a transformers Cache, rows of equal length) and the engine's
+    the drop-in `PagedLatentCache` (a transformers Cache, padded rows) and the engine's
     `deepseek_engine.EngineStep` (one forward over sequences of a `pagedkv.cache.PagedCache`)."""
 
     def mla_store(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor,
@@ -140,31 +153,72 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
 
     def mla_store(self, layer_idx, latent, rope, attention_mask) -> None:
         layer: LatentCacheLayer = self.layers[layer_idx]
-        layer.store_latent(latent, rope)
-        _check_mask(attention_mask, layer.length)
+        b, t, _ = latent.shape
+        valid = self._chunk_validity(attention_mask, b, t, layer.length)  # before any change
+        layer.store_latent(latent, rope, valid)
+
+    def _chunk_validity(self, attention_mask, batch: int, tq: int, start: int):
+        """Which of the chunk's tokens are real (bool [B, T] on cpu, None = all), from the mask
+        the attention module received (`padding.mask_columns`); its past columns must be those
+        the cache stored (as `generate` passes them), else InvalidInput before any change."""
+        cols = mask_columns(attention_mask, batch, tq, start + tq)
+        if self._rows and batch != len(self._rows):
+            self._ensure_rows(batch)  # raises: a batch of another size
+        stored = None if self._valid is None else self._valid[:, :start]
+        past = None if cols is None else cols[:, :start]
+        if (past is not None and not bool(past.all())) or stored is not None:
+            want = torch.ones(batch, start, dtype=torch.bool) if stored is None else stored
+            got = torch.ones(batch, start, dtype=torch.bool) if past is None else past
+            if not torch.equal(want, got):
+                raise InvalidInput(
+                    f"attention_mask marks {got.sum(1).tolist()} valid past tokens per row but the "
+                    f"cache stored {want.sum(1).tolist()} (or at other columns): pass the mask of "
+                    "every column seen so far (as generate does)")
+        if cols is None:
+            return None
+        chunk = cols[:, start:]
+        return None if bool(chunk.all()) else chunk
 
     def mla_window(self, layer_idx: int) -> Optional[int]:
         return self.layers[layer_idx].sliding_window
 
     def mla_attend(self, layer_idx, q_lat, q_rope, params) -> torch.Tensor:
+        """Each row's real queries attend to that row's stored tokens (bottom-right causal);
+        pad queries get zeros (transformers discards them)."""
         layer: LatentCacheLayer = self.layers[layer_idx]
         b, t, h, lat = q_lat.shape
         dev = q_lat.device
-        paged, tables = self.attention_inputs(layer, dev)  # swapped blocks read back
-        seq_lens = torch.full((b,), layer.length, dtype=torch.int32, device=dev)
+        valid = layer.chunk_valid
         kw = dict(backend=self.backend, checks=self.checks)
-        if t == 1:
-            return latent_decode_attention(q_lat[:, 0].contiguous(), q_rope[:, 0].contiguous(),
-                                           paged, tables, seq_lens, params, **kw)[:, None]
-        qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
-        o = latent_prefill_attention(q_lat.reshape(b * t, h, lat).contiguous(),
-                                     q_rope.reshape(b * t, h, -1).contiguous(), paged, tables,
-                                     seq_lens, qsl, params, **kw)
-        return o.reshape(b, t, h, lat)
+        seq_lens = self.seq_lens_tensor(layer.length, dev)
+        if valid is None:
+            q_rows, qr_rows = q_lat.reshape(b * t, h, lat), q_rope.reshape(b * t, h, -1)
+        else:
+            on = valid.to(dev)
+            q_rows, qr_rows = q_lat[on], q_rope[on]  # [N, H, *]: the real queries, row-major
+        if layer.paged is None or q_rows.shape[0] == 0:  # nothing stored yet: every token a pad
+            o = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
+        else:
+            paged, tables = self.attention_inputs(layer, dev)  # swapped blocks read back
+            if t == 1 and valid is None:
+                o = latent_decode_attention(q_rows.contiguous(), qr_rows.contiguous(), paged, tables,
+                                            seq_lens, params, **kw)
+            else:
+                qsl = _query_start_loc(b, t, None if valid is None else valid.sum(dim=1), dev)
+                o = latent_prefill_attention(q_rows.contiguous(), qr_rows.contiguous(), paged,
+                                             tables, seq_lens, qsl, params, **kw)
+        if valid is None:
+            return o.reshape(b, t, h, lat)
+        full = torch.zeros(b, t, h, lat, dtype=o.dtype, device=dev)
+        full[on] = o
+        return full
 
 
 class LatentCacheLayer(PagedCacheLayer):
-    """One model layer's paged latent (`paged`: the ops' LatentLayer, rebuilt when pools grow)."""
+    """One model layer's paged latent (`paged`: the ops' LatentLayer, rebuilt when pools grow;
+    `chunk_valid`: which tokens of the chunk being run are real, bool [B, T] or None = all)."""
+
+    chunk_valid: Optional[torch.Tensor] = None
 
     def __repr__(self):
         return f"LatentCacheLayer({self.spec.index}, {self.spec.latent.name}, len={self.length})"
@@ -205,40 +259,32 @@ class LatentCacheLayer(PagedCacheLayer):
             "pagedkv.integrations.deepseek.enable(model) before running the model with it"
         )
 
-    def store_latent(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
-        """Store the new tokens: latent float [B, T, L] (after kv_a_layernorm) and rope
-        float [B, T, R] (after RoPE); every row advances by T."""
+    def store_latent(self, latent: torch.Tensor, rope: torch.Tensor,
+                     valid: Optional[torch.Tensor] = None) -> None:
+        """Store the new tokens: latent float [B, T, L] (after kv_a_layernorm) and rope float
+        [B, T, R] (after RoPE); valid bool [B, T] (None = all): only real tokens are stored,
+        packed after the row's stored ones (pads never are); every row advances T columns. The
+        layer's first chunk with a real token fixes the fp8 scales from the real tokens."""
         b, t, _ = latent.shape
-        self.cache._ensure_rows(b)
-        if not self.is_initialized:
-            self.lazy_initialization(latent.detach().float(), rope.detach().float())
-        if t:
-            slots = self.cache._slots(self.length, t, self.paged.device)
-            latent_store(self.paged, latent.reshape(b * t, -1), rope.reshape(b * t, -1), slots,
-                         backend=self.cache.backend, checks=self.cache.checks)
-            self.length += t
+        cache = self.cache
+        cache._ensure_rows(b)
+        start = self.length
+        counts = [t] * b if valid is None else valid.sum(dim=1).tolist()
+        self.chunk_valid = valid
+        if sum(counts):
+            lat = latent.reshape(b * t, -1) if valid is None else latent[valid.to(latent.device)]
+            rp = rope.reshape(b * t, -1) if valid is None else rope[valid.to(rope.device)]
+            if not self.is_initialized:
+                self.lazy_initialization(lat.detach().float(), rp.detach().float())
+            slots = cache._slots_rows(cache.row_lengths(start), counts, self.paged.device,
+                                      self.group, valid)
+            latent_store(self.paged, lat, rp, slots, backend=cache.backend, checks=cache.checks)
+        cache._record(start, valid, b, t)
+        self.length += t
 
 
 # ---------------------------------------------------------------------------------------------
 # the absorbed attention forward
-
-
-def _check_mask(attention_mask, length: int) -> None:
-    """Refuse padded batches: the last query row must see every cached position."""
-    if getattr(attention_mask, "all_valid", True) is False:  # a "pagedkv" PaddingMask with pads
-        raise InvalidInput(
-            "the pagedkv latent cache does not support padded batches yet (the attention_mask has "
-            "zeros); run rows of equal length or one row at a time"
-        )
-    if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        return
-    last = attention_mask[:, :, -1, :length]
-    ok = bool(last.all()) if last.dtype == torch.bool else bool((last == 0).all())
-    if not ok:
-        raise InvalidInput(
-            "the pagedkv latent cache does not support padded batches yet (the attention mask hides "
-            "cached positions); run rows of equal length or one row at a time"
-        )
 
 
 def _absorbed_forward(self, hidden_states: torch.Tensor, position_embeddings=None,

@@ -107,3 +107,40 @@ def chunk_validity(mask, layer: "PagedCacheLayer", batch: int, tq: int) -> Optio
                 f"stored {stored}: pass the mask of every column seen so far (as generate does)"
             )
     return mask.chunk()
+
+
+def mask_columns(mask, batch: int, q_length: int, columns: int) -> Optional[torch.Tensor]:
+    """Which columns of each row are tokens, from the mask an attention module received for a
+    chunk of q_length queries over `columns` columns (past + new): bool [B, columns] on cpu, or
+    None when every column is a token. Takes a `PaddingMask` (its 2D mask), None, or the prepared
+    4D causal mask transformers builds for eager / sdpa ([B, 1 or H, q_length, columns]; bool:
+    True = attend, float: 0 = attend). A 4D mask is read off its last query row (which sees every
+    token column: no window applies) and must be exactly the causal mask over those columns:
+    anything else (a custom mask function, a sliding window) raises InvalidInput, as does a
+    mask of another shape."""
+    if mask is None:
+        return None
+    if isinstance(mask, PaddingMask):
+        cols = mask.mask
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        if mask.shape[0] != batch or mask.shape[2] != q_length or mask.shape[3] != columns:
+            raise InvalidInput(
+                f"attention mask has shape {list(mask.shape)}; expected [{batch}, 1, {q_length}, "
+                f"{columns}] (batch rows x new tokens x columns seen so far)")
+        seen = mask if mask.dtype == torch.bool else mask == 0
+        cols = seen[:, 0, -1]  # [B, columns]
+        pos = torch.arange(columns, device=mask.device)
+        causal = pos[None, :] <= pos[columns - q_length:, None]  # [q_length, columns]
+        if not bool((seen == (causal[None, None] & cols[:, None, None])).all()):
+            raise InvalidInput(
+                "the attention mask is not the causal mask of a padded batch (a custom mask "
+                "function or a sliding window?); the pagedkv latent cache applies causality "
+                "itself and takes only padding: pass a 2D attention_mask [batch, columns]")
+    else:
+        raise InvalidInput(f"attention_mask must be a 2D padding mask or transformers' prepared 4D "
+                           f"mask, got {type(mask).__name__} of shape {list(getattr(mask, 'shape', []))}")
+    if cols.shape != (batch, columns):
+        raise InvalidInput(f"attention_mask has shape {list(cols.shape)}; expected [{batch}, "
+                           f"{columns}] (batch rows x columns seen so far, the {q_length} new included)")
+    cols = cols.detach().to("cpu", torch.bool)
+    return None if bool(cols.all()) else cols
