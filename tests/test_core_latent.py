@@ -84,9 +84,14 @@ def _drop_in(model, fmt, tokens, prompt_len):
 
 
 @torch.no_grad()
-def _fresh(model, fmt, tokens):
-    """Logits of every position of `tokens` from a cache that computed all of them."""
+def _fresh(model, fmt, tokens, first=None):
+    """Logits of every position of `tokens` from a cache that computed all of them (after
+    fitting its fp8 scales to the prompt `first`, when given, whose blocks it then forgets)."""
     c = _cache(model, fmt)
+    if first is not None:
+        sid = _prefill(model, c, first)[0]
+        c.free(sid)
+        c.reset_prefix_cache()
     return _prefill(model, c, tokens)[2]
 
 
@@ -166,15 +171,50 @@ def test_resident_cap_changes_no_bit_and_the_prefix_store_serves_latent_blocks(m
     store = MemoryTier()
     a = _cache(model, fmt, prefix_tier=store)
     _prefill(model, a, prompts[0])
-    b = _cache(model, fmt, prefix_tier=store)
-    if fmt == "fp8":  # b's scales are not fitted yet: the store's records (a's scales) miss
-        _prefill(model, b, prompts[1])
-        assert b.tier_hit_tokens == 0
-        return
+    b = _cache(model, fmt, prefix_tier=store)  # b adopts a's fp8 scales (fp8) before its lookup
     _, hit, lg = _prefill(model, b, prompts[0][:12] + [1, 2])
     assert hit == 12 and b.tier_hit_tokens == 12  # loaded from the store, not computed
-    full = _fresh(model, fmt, prompts[0][:12] + [1, 2])
+    assert _scales(b) == _scales(a)
+    full = _fresh(model, fmt, prompts[0][:12] + [1, 2], first=prompts[0])
     torch.testing.assert_close(lg, full[12:], atol=1e-4 * float(full.abs().max()), rtol=0)
+
+
+def _scales(c: PagedCache) -> list:
+    return [(float(pl.latent_scale), float(pl.rope_scale)) for pl in c.layers]
+
+
+@torch.no_grad()
+def test_fp8_scales_travel_with_the_disk_store_and_conflicts_miss(model, tmp_path):
+    """A second cache on the disk store (the scales' record and the blocks, as a second process
+    reads them) adopts the publisher's fp8 scales: its hit gives what recomputing with those
+    scales gives. A cache that fitted its own scales first keeps them: the store misses."""
+    p, other = _prompt(11, 14), _prompt(12, 9)
+    off = OffloadConfig(prefix_store="disk", prefix_dir=str(tmp_path / "prefix"))
+    a, c = _cache(model, "fp8", offload=off), _cache(model, "fp8", offload=off)
+    # a and c run at once: both find nothing stored, both fit their own scales, a commits (and
+    # publishes its scales) first
+    new_a, new_c = a.add_sequence(p), c.add_sequence(other)
+    engine_forward(model, a, [new_a.seq_id], [p], new_a)
+    a.commit(new_a.seq_id)
+    engine_forward(model, c, [new_c.seq_id], [other], new_c)
+    c.commit(new_c.seq_id)
+    a.close()
+    b = _cache(model, "fp8", offload=off)
+    _, hit, lg = _prefill(model, b, p[:12] + [3, 4, 5])
+    assert hit == 12 and b.tier_hit_tokens == 12
+    assert _scales(b) == _scales(a)
+    full = _fresh(model, "fp8", p[:12] + [3, 4, 5], first=p)
+    torch.testing.assert_close(lg, full[12:], atol=1e-4 * float(full.abs().max()), rtol=0)
+    # recomputing with scales fitted to this prompt itself is only within the fp8 error
+    own = _fresh(model, "fp8", p[:12] + [3, 4, 5])
+    assert float((own[12:] - lg).abs().max()) > 0
+
+    mine = _scales(c)
+    assert mine != _scales(a)
+    _, hit, lg = _prefill(model, c, p[:12] + [3, 4, 5])
+    assert hit == 0 and c.tier_hit_tokens == 0 and _scales(c) == mine  # a clean miss
+    ref = _fresh(model, "fp8", p[:12] + [3, 4, 5], first=other)
+    torch.testing.assert_close(lg, ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
 
 
 @torch.no_grad()
@@ -268,3 +308,4 @@ def test_latent_layers_in_a_sliding_group_release_blocks_and_change_no_output(mo
         assert t == pt and torch.equal(lg, plg)
     # each sequence keeps its last 6 positions (+ the block being written) in the sliding group
     assert held[True][1] <= 2 * (-(-6 // BS) + 1) < held[False][0]
+

@@ -100,3 +100,27 @@ def fit_latent_scales(spec: LatentSpec, latent, rope, device) -> dict:
     if not spec.uniform and spec.rope_codec.traits.tensor_scaled:
         out["rope_scale"] = fp8_tensor_scale(rope.detach().float(), device)
     return out
+
+
+# A latent layer's stored-bytes transform in the prefix store's fields (`transform_record`):
+# the latent section's fp8 scale as k_scale, the rope section's as v_scale (as its record
+# member, `storage.record_member`, says); nothing else applies to latents.
+LATENT_TRANSFORM_SHAPES = {"k_scale": (1,), "v_scale": (1,)}
+
+
+def latent_transform(layer) -> dict:
+    """The transform of a `LatentLayer` (see LATENT_TRANSFORM_SHAPES)."""
+    return {"k_centre": None, "k_mult": None, "v_centre": None, "k_scale": layer.latent_scale,
+            "v_scale": layer.rope_scale}
+
+
+def with_latent_transform(layer, t: dict):
+    """`layer` (a `LatentLayer`) with the scales of a stored transform `t` (absent ones kept)."""
+    import dataclasses
+
+    import torch
+
+    changes = {name: t[key].to(layer.device, torch.float32)
+               for name, key in (("latent_scale", "k_scale"), ("rope_scale", "v_scale"))
+               if t.get(key) is not None}
+    return dataclasses.replace(layer, **changes) if changes else layer

@@ -27,7 +27,9 @@ from ..offload.config import OffloadConfig
 from ..offload.coretiers import CoreTiers
 from ..offload.policy import build_tiers
 from .groups import group_tags
+from .latent import LATENT_TRANSFORM_SHAPES
 from .storage import record_member
+from .transform_record import SharedTransform
 
 
 def _loadable(tokens, salt: Salt) -> Optional[list]:
@@ -48,7 +50,7 @@ def _loadable(tokens, salt: Salt) -> Optional[list]:
     return toks
 
 
-class CacheTiers(CoreTiers):
+class CacheTiers(CoreTiers, SharedTransform):
     """The policies of one engine cache (see the module doc). swap_tier / prefix_tier: tiers to
     use instead of those `offload` describes (tests, one tier shared by caches)."""
 
@@ -79,7 +81,19 @@ class CacheTiers(CoreTiers):
             return tokens, None
         if seq_id is not None and seq_id in seqs:
             return toks, None
+        if self.cache.adopts_latent_transform():  # latent fp8 scales: the store's, if it has them
+            got = self.stored_transform([dict(LATENT_TRANSFORM_SHAPES)] * len(self.cache.layers))
+            if got is not None:
+                self.cache.adopt_latent_transforms(got)
         return toks, self.load(toks, salt)[0]
+
+    def after_commit(self, ids: Sequence[Hashable]) -> None:
+        """Publish the latent layers' fp8 scales (once all are fixed), then the blocks."""
+        if self.prefix is not None:
+            transforms = self.cache.latent_transforms()
+            if transforms is not None:
+                self.publish_transform(transforms)
+        super().after_commit(ids)
 
     def member_index(self, g: int, kind: str, layer: int) -> int:
         return self.cache.groups.members[g].index((kind, layer))

@@ -9,6 +9,7 @@ blake2b-16 digest of all the above. Never pickle; a damaged record reads as None
 
 from __future__ import annotations
 
+import logging
 import struct
 from hashlib import blake2b
 from typing import Optional, Sequence
@@ -22,6 +23,7 @@ _HEAD = struct.Struct("<4sHH")
 _N = struct.Struct("<i")
 
 Transform = dict  # field name -> float32 tensor or None
+log = logging.getLogger(__name__)
 
 
 def encode_transforms(layers: Sequence[Transform]) -> bytes:
@@ -67,3 +69,43 @@ def decode_transforms(raw: Optional[bytes], shapes: Sequence[dict]) -> Optional[
             pos += 4 * k
         out.append(t)
     return out if pos == len(body) else None
+
+
+TRANSFORM_RECORD = "transform"  # the side record's name in a prefix store (`StoreKeys.aux_key`)
+
+
+class SharedTransform:
+    """The layers' transform as a side record of a shared prefix store (`store`: a
+    `pagedkv.offload.prefix.PrefixStore`), for the front doors that fit a transform themselves
+    (the transformers drop-ins' first-chunk statistics, the engine cache's latent fp8 scales).
+    The first cache to publish wins (`if_absent`): a cache that has fitted nothing yet adopts the
+    stored transform before looking up a prefix, so it reads (and writes) blocks relative to the
+    same transform. Block keys cover the record layout (scales included), so blocks written
+    under any other transform are plain misses."""
+
+    store = None  # set by the tiers
+    _transform_published = False
+
+    def publish_transform(self, layers: Sequence[Transform]) -> None:
+        """Publish `layers`' transforms once (never raises: a tier fault only logs)."""
+        if self._transform_published or self.store is None:
+            return
+        key = self.store.keys.aux_key(TRANSFORM_RECORD)
+        rec = self.store.keys.seal_bytes(key, encode_transforms(layers))
+        self._transform_published = True
+        try:
+            self.store.tier.put(key, rec, if_absent=True)
+        except Exception as exc:  # a tier fault never stops generation
+            log.warning("prefix store: the layers' transform was not published (%s)", exc)
+
+    def stored_transform(self, shapes: Sequence[dict]) -> Optional[list[Transform]]:
+        """The store's transforms for layers of `shapes` (per layer field -> shape), or None
+        (none stored, damaged, forged, or for another layout). Once adopted, this cache's
+        transform is the stored one: nothing left to publish."""
+        if self.store is None:
+            return None
+        key = self.store.keys.aux_key(TRANSFORM_RECORD)
+        got = decode_transforms(self.store.keys.open_bytes(self.store.tier.get(key), key), shapes)
+        if got is not None:
+            self._transform_published = True
+        return got

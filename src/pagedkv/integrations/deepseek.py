@@ -47,7 +47,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..cache.config import CacheConfig
-from ..cache.latent import LatentLayout, fit_latent_scales
+from ..cache.latent import (LATENT_TRANSFORM_SHAPES, LatentLayout, fit_latent_scales,
+                            latent_transform, with_latent_transform)
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..ops import AttentionParams
@@ -227,22 +228,16 @@ class LatentCacheLayer(PagedCacheLayer):
         return 0 if self.paged is None else self.paged.pool.numel() + 8
 
     def transform(self) -> dict:
-        """The stored-bytes transform in the prefix store's fields: the fp8 scales (the latent
-        section's as k_scale, the rope section's as v_scale, as its record member says)."""
-        p = self.paged
-        return {"k_centre": None, "k_mult": None, "v_centre": None, "k_scale": p.latent_scale,
-                "v_scale": p.rope_scale}
+        """The stored-bytes transform in the prefix store's fields (`cache.latent.latent_transform`:
+        the fp8 scales)."""
+        return latent_transform(self.paged)
 
     def transform_shapes(self) -> dict:
-        return {"k_scale": (1,), "v_scale": (1,)}
+        return dict(LATENT_TRANSFORM_SHAPES)
 
     def adopt(self, t: dict) -> None:
         """Initialize from a stored transform (a shared prefix store's) instead of fitting one."""
-        p = self._make(self.group.num_blocks)
-        changes = {name: t[key].to(p.device, torch.float32)
-                   for name, key in (("latent_scale", "k_scale"), ("rope_scale", "v_scale"))
-                   if t.get(key) is not None}
-        self.paged = replace(p, **changes) if changes else p
+        self.paged = with_latent_transform(self._make(self.group.num_blocks), t)
         self.is_initialized = True
 
     def lazy_initialization(self, latent: torch.Tensor, rope: torch.Tensor) -> None:

@@ -10,20 +10,16 @@ load the prompts' longest stored hits) and after rows change (delete records no 
 
 from __future__ import annotations
 
-import logging
-
 from ..cache.groups import group_layout, group_tags
 from ..cache.storage import from_record_member, record_member
-from ..cache.transform_record import decode_transforms, encode_transforms
+from ..cache.transform_record import SharedTransform
 from ..errors import ConfigError
 from ..offload.config import OffloadConfig
 from ..offload.coretiers import CoreTiers
 from ..offload.policy import build_tiers
 
-log = logging.getLogger(__name__)
 
-
-class DropInTiers(CoreTiers):
+class DropInTiers(CoreTiers, SharedTransform):
     def __init__(self, cache, offload: OffloadConfig, swap_tier=None, prefix_tier=None):
         if not isinstance(offload, OffloadConfig):
             raise ConfigError(f"offload must be a pagedkv.offload.OffloadConfig, got "
@@ -35,7 +31,6 @@ class DropInTiers(CoreTiers):
                          group_tags(group_layout(cache.config)))
         self.tier_hit_tokens = 0
         self.loaded_blocks = 0
-        self._transform_published = False
 
     def _members(self, g: int) -> list:
         """Group g's members (None for a layer not built yet), pools sized to its pool."""
@@ -50,7 +45,7 @@ class DropInTiers(CoreTiers):
     # ---- commit -------------------------------------------------------------------------------
     def after_commit(self) -> None:
         if self.prefix is not None and self.ready():
-            self._publish_transform()
+            self.publish_transform([layer.transform() for layer in self.cache.layers])
         super().after_commit(self.cache._rows)
         if self.swap is not None:
             self.cache._tables = {}
@@ -73,21 +68,6 @@ class DropInTiers(CoreTiers):
         return from_record_member(own, got[0]), got[1]  # a latent layer: its pool read back
 
     # ---- prefix store -------------------------------------------------------------------------
-    def _transform_key(self) -> str:
-        return self.store.keys.aux_key("transform")
-
-    def _publish_transform(self) -> None:
-        if self._transform_published:
-            return
-        key = self._transform_key()
-        rec = self.store.keys.seal_bytes(key, encode_transforms([layer.transform()
-                                                                 for layer in self.cache.layers]))
-        self._transform_published = True
-        try:
-            self.store.tier.put(key, rec, if_absent=True)
-        except Exception as exc:  # a tier fault never stops generation
-            log.warning("prefix store: the layers' transform was not published (%s)", exc)
-
     def before_begin(self, rows: list[list[int]]) -> None:
         """Adopt the store's transform when no layer has one yet; load each row's longest
         stored hit into the pools (cached), where the admission finds it."""
@@ -95,14 +75,11 @@ class DropInTiers(CoreTiers):
             return
         layers = self.cache.layers
         if not any(layer.is_initialized for layer in layers):
-            key = self._transform_key()
-            raw = self.store.keys.open_bytes(self.store.tier.get(key), key)
-            got = decode_transforms(raw, [layer.transform_shapes() for layer in layers])
+            got = self.stored_transform([layer.transform_shapes() for layer in layers])
             if got is None:
                 return
             for layer, t in zip(layers, got):
                 layer.adopt(t)
-            self._transform_published = True
         if not self.ready():
             return
         for r in rows:
