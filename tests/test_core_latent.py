@@ -309,3 +309,36 @@ def test_latent_layers_in_a_sliding_group_release_blocks_and_change_no_output(mo
     # each sequence keeps its last 6 positions (+ the block being written) in the sliding group
     assert held[True][1] <= 2 * (-(-6 // BS) + 1) < held[False][0]
 
+@torch.no_grad()
+def test_engine_forward_checks_enable_without_walking_the_modules(model):
+    """`engine_forward` checks the modules `enable` noted instead of walking the module tree on
+    every call; the error for a model not enabled stays, also after `disable`, and a model
+    enabled through a submodule is found (by one walk, then noted)."""
+    walks = []
+    real = type(model).modules
+
+    def walk(self=model):
+        walks.append(1)
+        return real(self)
+
+    prompt = _prompt(13, 6)
+    ref = _fresh(model, "bf16", prompt)
+    model.__dict__["modules"] = walk  # counts every model.modules() walk from here on
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(_fresh(model, "bf16", prompt), ref, atol=0, rtol=0)
+        assert walks == []
+        disable(model)
+        with pytest.raises(ConfigError, match="enable"):
+            _prefill(model, _cache(model), prompt)
+        enable(model.model)  # the decoder only: nothing noted on the causal-LM wrapper
+        walks.clear()
+        for _ in range(2):
+            torch.testing.assert_close(_fresh(model, "bf16", prompt), ref, atol=0, rtol=0)
+        assert len(walks) == 1
+        disable(model.model)  # the wrapper's note is stale now: the error again
+        with pytest.raises(ConfigError, match="enable"):
+            _prefill(model, _cache(model), prompt)
+    finally:
+        del model.__dict__["modules"]
+        enable(model)

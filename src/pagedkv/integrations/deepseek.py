@@ -60,6 +60,7 @@ from .padding import mask_columns
 from .transformers import PagedCacheLayer, PagedKVCache, _model_device, _transformers, _watch_input_ids
 
 _ORIGINAL = "_pagedkv_original_forward"
+_PATCHED = "_pagedkv_mla_patched"  # on the model `enable` ran on: the modules it patched
 
 
 def mla_dims(config) -> Optional[tuple[int, int]]:
@@ -337,18 +338,32 @@ def _is_mla(module) -> bool:
 
 def enable(model) -> int:
     """Patch every MLA attention module of `model` (idempotent); returns how many were patched.
-    Raises ConfigError when the model has none."""
-    n = 0
-    for module in model.modules():
-        if _is_mla(module):
-            if not hasattr(module, _ORIGINAL):
-                setattr(module, _ORIGINAL, module.forward)
-                module.forward = types.MethodType(_absorbed_forward, module)
-            n += 1
-    if n == 0:
+    Raises ConfigError when the model has none. The patched modules are noted on `model`
+    (`patched_modules`), so a check per forward does not walk the whole module tree."""
+    found = [module for module in model.modules() if _is_mla(module)]
+    if not found:
         raise ConfigError(f"{type(model).__name__} has no MLA attention modules (kv_a_proj_with_mqa, "
                           "kv_b_proj); use pagedkv.integrations.transformers for K/V models")
-    return n
+    for module in found:
+        if not hasattr(module, _ORIGINAL):
+            setattr(module, _ORIGINAL, module.forward)
+            module.forward = types.MethodType(_absorbed_forward, module)
+    model.__dict__[_PATCHED] = tuple(found)
+    return len(found)
+
+
+def patched_modules(model) -> tuple:
+    """The MLA attention modules of `model` that run the absorbed forward (empty: `enable` was
+    not run, or undone). Cheap after the first call: the modules `enable` noted on `model` are
+    checked (each still patched), the module tree is walked only when nothing is noted (e.g.
+    `enable` ran on a submodule; the result is noted then)."""
+    noted = model.__dict__.get(_PATCHED)
+    if noted is None:
+        noted = tuple(m for m in model.modules() if hasattr(m, _ORIGINAL))
+        if not noted:
+            return ()
+        model.__dict__[_PATCHED] = noted
+    return noted if all(hasattr(m, _ORIGINAL) for m in noted) else ()
 
 
 def disable(model) -> None:
@@ -357,3 +372,4 @@ def disable(model) -> None:
         if hasattr(module, _ORIGINAL):
             module.__dict__.pop("forward", None)
             delattr(module, _ORIGINAL)
+        module.__dict__.pop(_PATCHED, None)

@@ -32,7 +32,7 @@ import torch
 from ..cache.config import CacheConfig
 from ..cache.latent import LatentLayout
 from ..cache.tables import GroupSlots
-from .deepseek import _ORIGINAL, AbsorbedCache, _text, mla_dims
+from .deepseek import AbsorbedCache, _text, mla_dims, patched_modules
 from ..errors import ConfigError, InvalidInput
 
 
@@ -94,7 +94,7 @@ def engine_forward(model, cache, seq_ids: Sequence[Hashable], tokens: Sequence[S
     token ids, at its last len(tokens[b]) positions. Stores every layer's rows, attends, and
     returns the logits float [sum of lengths, vocab], packed in sequence order. The caller
     commits afterwards."""
-    if not any(hasattr(m, _ORIGINAL) for m in model.modules()):
+    if not patched_modules(model):
         raise ConfigError(f"{type(model).__name__} runs transformers' own attention: call "
                           "pagedkv.integrations.deepseek.enable(model) first")
     counts = [len(t) for t in tokens]
