@@ -23,6 +23,7 @@ from pagedkv.errors import ConfigError, InvalidInput  # noqa: E402
 from pagedkv.integrations.deepseek import PagedLatentCache, disable, enable  # noqa: E402
 from pagedkv.integrations.deepseek_engine import engine_forward, latent_config  # noqa: E402
 from pagedkv.offload import MemoryTier, OffloadConfig  # noqa: E402
+from pagedkv.ops import latent as latent_ops  # noqa: E402
 
 BS = 4
 
@@ -218,7 +219,7 @@ def test_fp8_scales_travel_with_the_disk_store_and_conflicts_miss(model, tmp_pat
 
 
 @torch.no_grad()
-def test_bad_combinations_and_misuse_are_refused_before_any_change(model):
+def test_bad_combinations_and_misuse_are_refused_before_any_change(model, monkeypatch):
     lat = LatentLayout(64, 32)
     kw = dict(num_layers=2, num_kv_heads=1, head_dim=96, num_blocks=8, block_size=BS, latent=lat)
     with pytest.raises(ConfigError, match="key_centring"):
@@ -238,6 +239,19 @@ def test_bad_combinations_and_misuse_are_refused_before_any_change(model):
         c.store_latent(0, torch.randn(5, 64), torch.randn(5, 31), new)
     assert all(torch.equal(a, pl.pool) for a, pl in zip(before, c.layers))
     assert float(c.layers[0].latent_scale) == 1.0
+    # the refusals fixed nothing: the first good store fits the scales a fresh cache fits, and
+    # encodes once (one store per pool section: latent, rope)
+    good = torch.randn(5, 64) * 3, torch.randn(5, 32)
+    fresh = PagedCache(CacheConfig(kv_format="fp8", **kw))
+    calls = []
+    real = latent_ops.api.store
+    monkeypatch.setattr(latent_ops.api, "store", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fresh.store_latent(0, *good, fresh.add_sequence([1, 2, 3, 4, 5]))
+    c.store_latent(0, *good, new)
+    monkeypatch.undo()
+    assert len(calls) == 4  # two first stores
+    assert float(c.layers[0].latent_scale) == float(fresh.layers[0].latent_scale) != 1.0
+    assert torch.equal(c.gather_latent(0, new.seq_id)[0], fresh.gather_latent(0, 0)[0])
     kv = PagedCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_blocks=8))
     with pytest.raises(ConfigError, match="K/V"):
         kv.store_latent(0, torch.randn(1, 64), torch.randn(1, 32), kv.add_sequence([1]))
@@ -308,6 +322,7 @@ def test_latent_layers_in_a_sliding_group_release_blocks_and_change_no_output(mo
         assert t == pt and torch.equal(lg, plg)
     # each sequence keeps its last 6 positions (+ the block being written) in the sliding group
     assert held[True][1] <= 2 * (-(-6 // BS) + 1) < held[False][0]
+
 
 @torch.no_grad()
 def test_engine_forward_checks_enable_without_walking_the_modules(model):

@@ -205,3 +205,20 @@ def test_every_mask_form_gives_the_same_outputs(model):
     for impl in ("sdpa", "pagedkv"):
         assert torch.equal(outs[impl].sequences, outs["eager"].sequences)
         assert all(torch.equal(a, b) for a, b in zip(outs[impl].logits, outs["eager"].logits))
+
+
+@torch.no_grad()
+def test_a_refused_first_chunk_fixes_no_fp8_scale(model):
+    """NaN rows are refused; the layer forgets the scales that chunk fixed, so the next chunk
+    fits its own: the outputs equal a fresh cache's."""
+    ids, mask = _batch(_prompts())
+    pos = _positions(mask)
+    cache = PagedLatentCache(model, "fp8", block_size=4)
+    with pytest.raises(InvalidInput, match="finite|NaN"):
+        cache.mla_store(0, torch.full((2, WIDTH, 64), float("nan")), torch.zeros(2, WIDTH, 32), mask)
+    assert not cache.layers[0].is_initialized and cache.layers[0].paged is None
+    got = model(ids, attention_mask=mask, position_ids=pos, cache=cache).logits
+    want = model(ids, attention_mask=mask, position_ids=pos,
+                 cache=PagedLatentCache(model, "fp8", block_size=4)).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5 * float(want[real].abs().max()), rtol=0)

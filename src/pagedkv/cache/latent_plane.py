@@ -37,7 +37,8 @@ import torch
 
 from ..errors import ConfigError
 from ..ops.batch import AttentionParams
-from ..ops.latent import latent_decode_attention, latent_prefill_attention, latent_store
+from ..ops.latent import (check_latent_store, latent_decode_attention, latent_prefill_attention,
+                          latent_store)
 from ..ops.latent_layer import LatentLayer
 from . import storage
 from .latent import fit_latent_scales, latent_transform, with_latent_transform
@@ -68,13 +69,14 @@ class LatentPlane:
         # blocks loaded from a prefix store before the first store were written with today's
         # scales (adopted from the store, or the defaults): then they stay
         fit = layer not in self._latent_fitted and not any(any(g.pool.keyed) for g in self.core.groups)
-        self._latent_fitted = self._latent_fitted | {layer}
-        if fit:  # validate against the layer as it is, then fix its scales, then write
-            latent_store(pl, latent, rope, torch.full_like(slots, -1), **op_kwargs)
+        if fit:  # check the input (nothing fitted on bad input), fix the scales, then write once
+            check_latent_store(pl, latent, rope, slots, op_kwargs.get("checks", True))
             changes = fit_latent_scales(pl.spec, latent, rope, pl.device)
             if changes:
                 pl = dataclasses.replace(pl, **changes)
                 self._set_latent_layers({layer: pl})
+            op_kwargs = dict(op_kwargs, checks=False)  # checked just now
+        self._latent_fitted = self._latent_fitted | {layer}
         latent_store(pl, latent, rope, slots, **op_kwargs)
 
     def _set_latent_layers(self, new: dict) -> None:

@@ -270,11 +270,17 @@ class LatentCacheLayer(PagedCacheLayer):
         if sum(counts):
             lat = latent.reshape(b * t, -1) if valid is None else latent[valid.to(latent.device)]
             rp = rope.reshape(b * t, -1) if valid is None else rope[valid.to(rope.device)]
-            if not self.is_initialized:
+            was_initialized = self.is_initialized
+            if not was_initialized:
                 self.lazy_initialization(lat.detach().float(), rp.detach().float())
-            slots = cache._slots_rows(cache.row_lengths(start), counts, self.paged.device,
-                                      self.group, valid)
-            latent_store(self.paged, lat, rp, slots, backend=cache.backend, checks=cache.checks)
+            try:
+                slots = cache._slots_rows(cache.row_lengths(start), counts, self.paged.device,
+                                          self.group, valid)
+                latent_store(self.paged, lat, rp, slots, backend=cache.backend, checks=cache.checks)
+            except Exception:  # refused (e.g. NaN rows): scales a failed first chunk fixed go too
+                if not was_initialized:
+                    self.paged, self.is_initialized = None, False
+                raise
         cache._record(start, valid, b, t)
         self.length += t
 

@@ -112,7 +112,8 @@ def chunk_validity(mask, layer: "PagedCacheLayer", batch: int, tq: int) -> Optio
 def mask_columns(mask, batch: int, q_length: int, columns: int) -> Optional[torch.Tensor]:
     """Which columns of each row are tokens, from the mask an attention module received for a
     chunk of q_length queries over `columns` columns (past + new): bool [B, columns] on cpu, or
-    None when every column is a token. Takes a `PaddingMask` (its 2D mask), None, or the prepared
+    None when every column is a token. Takes a `PaddingMask` (its 2D mask), a 2D integer / bool
+    attention_mask [B, columns] (1 = token), None, or the prepared
     4D causal mask transformers builds for eager / sdpa ([B, 1 or H, q_length, columns]; bool:
     True = attend, float: 0 = attend). A 4D mask is read off its last query row (which sees every
     token column: no window applies) and must be exactly the causal mask over those columns:
@@ -122,6 +123,8 @@ def mask_columns(mask, batch: int, q_length: int, columns: int) -> Optional[torc
         return None
     if isinstance(mask, PaddingMask):
         cols = mask.mask
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point():
+        cols = mask != 0  # a 2D attention_mask as users pass it (1 = token, 0 = pad)
     elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
         if mask.shape[0] != batch or mask.shape[2] != q_length or mask.shape[3] != columns:
             raise InvalidInput(
@@ -137,7 +140,7 @@ def mask_columns(mask, batch: int, q_length: int, columns: int) -> Optional[torc
                 "function or a sliding window?); the pagedkv latent cache applies causality "
                 "itself and takes only padding: pass a 2D attention_mask [batch, columns]")
     else:
-        raise InvalidInput(f"attention_mask must be a 2D padding mask or transformers' prepared 4D "
+        raise InvalidInput(f"attention_mask must be a 2D integer padding mask or transformers' prepared 4D "
                            f"mask, got {type(mask).__name__} of shape {list(getattr(mask, 'shape', []))}")
     if cols.shape != (batch, columns):
         raise InvalidInput(f"attention_mask has shape {list(cols.shape)}; expected [{batch}, "

@@ -102,13 +102,11 @@ def _query_view(secs, q_lat, q_rope, uniform: bool):
 
 
 # ---- store ----------------------------------------------------------------------------------------
-@torch.no_grad()
-def latent_store(layer: LatentLayer, latent: torch.Tensor, rope: torch.Tensor,
-                 slot_mapping: torch.Tensor, *, backend: LatentBackend = None,
-                 checks: bool = True) -> None:
-    """Encode new tokens' latent float [T, L] and rope float [T, R] (after RoPE) into their
-    slots (int64 [T], slot = block_id * block_size + offset, negative = skip). Raises
-    InvalidInput before any write."""
+def check_latent_store(layer: LatentLayer, latent: torch.Tensor, rope: torch.Tensor,
+                       slot_mapping: torch.Tensor, checks: bool = True) -> tuple:
+    """Every check `latent_store` makes (InvalidInput naming the argument), writing nothing:
+    for a caller that must know the input is good before it changes anything else (a first
+    store fixes fp8 scales from the rows). Returns (sections, their rows [T, 1, dims])."""
     secs = _check_layer(layer)
     if not isinstance(latent, torch.Tensor) or latent.dim() != 2:
         raise InvalidInput(f"latent must be a float [T, {layer.latent_dim}] tensor, got "
@@ -118,6 +116,17 @@ def latent_store(layer: LatentLayer, latent: torch.Tensor, rope: torch.Tensor,
     rows = tuple(r[:, None, :] for r in rows)
     for s, r in zip(secs, rows):
         validate.check_store(s, r, None, slot_mapping, checks)
+    return secs, rows
+
+
+@torch.no_grad()
+def latent_store(layer: LatentLayer, latent: torch.Tensor, rope: torch.Tensor,
+                 slot_mapping: torch.Tensor, *, backend: LatentBackend = None,
+                 checks: bool = True) -> None:
+    """Encode new tokens' latent float [T, L] and rope float [T, R] (after RoPE) into their
+    slots (int64 [T], slot = block_id * block_size + offset, negative = skip). Raises
+    InvalidInput before any write (`check_latent_store`)."""
+    secs, rows = check_latent_store(layer, latent, rope, slot_mapping, checks)
     be = None if backend == "chunked" else backend
     for s, r in zip(secs, rows):
         api.store(s, r, None, slot_mapping, backend=be, checks=False)
