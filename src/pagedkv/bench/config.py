@@ -26,6 +26,7 @@ class BenchShape:
     repeats: int = 5
     threads: int = 1
     memory_budget: int = 1 << 30  # bytes one contender may allocate (timed layers shrink to fit)
+    huge_pages: bool = True  # both sides' caches on 2 MiB pages where the OS allows (ops.hugepages)
     clock: str = "auto"  # "cpu": the calling thread's CPU time; "wall"; "auto": cpu when threads == 1
 
     def timer(self) -> Callable[[], float]:
