@@ -1548,46 +1548,53 @@ int pkv_attention(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
     if (!parts) { free(tasks); return -1; }
     int failed = 0;
     int64_t nv = 0, nskip = 0;
+    const int64_t nbase_tasks = ntask / (nsplit ? nsplit : 1);
+    /* one parallel region for the tasks and the merge (one thread wake-up per call, not two) */
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : nv, nskip) reduction(| : failed)
+#pragma omp parallel num_threads(threads)
 #endif
-    for (int64_t i = 0; i < ntask; i++)
-        failed |= run_task(a, ks, vs, &tasks[i], parts + tasks[i].part * (D + 2), &nv, &nskip) != 0;
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1) reduction(+ : nv, nskip) reduction(| : failed)
+#endif
+        for (int64_t i = 0; i < ntask; i++)
+            failed |= run_task(a, ks, vs, &tasks[i], parts + tasks[i].part * (D + 2), &nv, &nskip) != 0;
 
-    /* merge the splits of each (sequence, head group, tile) and write the output */
-    int64_t nbase_tasks = ntask / (nsplit ? nsplit : 1);
+        /* merge the splits of each (sequence, head group, tile) and write the output (after the
+           implicit barrier of the loop above: every partial is written) */
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static)
 #endif
-    for (int64_t ib = 0; ib < nbase_tasks; ib++) {
-        const pkv_task *t0 = &tasks[ib * nsplit];
-        const int R = t0->r1 - t0->r0, M = R * G, qs = a->query_start[t0->b];
-        for (int hh = 0; hh < hpt; hh++)
-            for (int m = 0; m < M; m++) {
-                int r = m / G, g = m % G, h = t0->hg * hpt + hh, qh = h * G + g;
-                int64_t row = (int64_t)hh * M + m;
-                float mx = a->sinks ? a->sinks[qh] : -INFINITY;
-                for (int s = 0; s < nsplit; s++) {
-                    float ms = parts[(t0[s].part + row) * (D + 2)];
-                    mx = ms > mx ? ms : mx;
+        for (int64_t ib = 0; ib < nbase_tasks; ib++) {
+            const pkv_task *t0 = &tasks[ib * nsplit];
+            const int R = t0->r1 - t0->r0, M = R * G, qs = a->query_start[t0->b];
+            for (int hh = 0; hh < hpt; hh++)
+                for (int m = 0; m < M; m++) {
+                    int r = m / G, g = m % G, h = t0->hg * hpt + hh, qh = h * G + g;
+                    int64_t row = (int64_t)hh * M + m;
+                    float mx = a->sinks ? a->sinks[qh] : -INFINITY;
+                    for (int s = 0; s < nsplit; s++) {
+                        float ms = parts[(t0[s].part + row) * (D + 2)];
+                        mx = ms > mx ? ms : mx;
+                    }
+                    float *o = a->out + ((size_t)(qs + t0->r0 + r) * Hq + qh) * D;
+                    for (int d = 0; d < D; d++) o[d] = 0.0f;
+                    float *lse = a->lse ? a->lse + (size_t)(qs + t0->r0 + r) * Hq + qh : NULL;
+                    if (lse) *lse = -INFINITY;
+                    if (mx == -INFINITY) continue;
+                    float z = a->sinks ? expf(a->sinks[qh] - mx) : 0.0f;
+                    for (int s = 0; s < nsplit; s++) {
+                        const float *p = parts + (t0[s].part + row) * (D + 2);
+                        if (p[0] == -INFINITY) continue;
+                        float w = expf(p[0] - mx);
+                        z += p[1] * w;
+                        for (int d = 0; d < D; d++) o[d] += w * p[2 + d];
+                    }
+                    if (lse && z > 0) *lse = mx + logf(z);
+                    float f = z > 0 ? a->out_scale * (vs->group ? 1.0f : value_mult(vs)) / z : 0.0f;
+                    for (int d = 0; d < D; d++) o[d] *= f;
                 }
-                float *o = a->out + ((size_t)(qs + t0->r0 + r) * Hq + qh) * D;
-                for (int d = 0; d < D; d++) o[d] = 0.0f;
-                float *lse = a->lse ? a->lse + (size_t)(qs + t0->r0 + r) * Hq + qh : NULL;
-                if (lse) *lse = -INFINITY;
-                if (mx == -INFINITY) continue;
-                float z = a->sinks ? expf(a->sinks[qh] - mx) : 0.0f;
-                for (int s = 0; s < nsplit; s++) {
-                    const float *p = parts + (t0[s].part + row) * (D + 2);
-                    if (p[0] == -INFINITY) continue;
-                    float w = expf(p[0] - mx);
-                    z += p[1] * w;
-                    for (int d = 0; d < D; d++) o[d] += w * p[2 + d];
-                }
-                if (lse && z > 0) *lse = mx + logf(z);
-                float f = z > 0 ? a->out_scale * (vs->group ? 1.0f : value_mult(vs)) / z : 0.0f;
-                for (int d = 0; d < D; d++) o[d] *= f;
-            }
+        }
     }
     if (a->stats) { a->stats[0] += nv; a->stats[1] += nskip; }
     free(parts);
