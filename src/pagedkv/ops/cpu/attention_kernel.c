@@ -1328,14 +1328,20 @@ static int fill_chunk(const pkv_args *a, const pkv_side *ks, const pkv_side *vs,
     *jlo = imax(lb * BS, jmin);
     *jhi = imin(lb1 * BS, jmax + 1);
     const int nt = *jhi - *jlo;
-    for (int i = 0; i < nt; i++) {
-        const int j = *jlo + i, pb = bt[j / BS], off = j % BS;
+    const int64_t kd = (int64_t)H * ks->row_data_bytes, ksb = (int64_t)H * ks->row_scale_bytes;
+    const int64_t vd = (int64_t)H * vs->row_data_bytes, vsb = (int64_t)H * vs->row_scale_bytes;
+    for (int i = 0; i < nt;) {  /* block by block: one table lookup and division per block */
+        const int j = *jlo + i, pb = bt[j / BS], off = j % BS, n = imin(BS - off, nt - i);
         const uint8_t *kb = ks->pool + (int64_t)pb * ks->block_stride;
         const uint8_t *vb = vs->pool + (int64_t)pb * vs->block_stride;
-        kr->data[i] = kb + (int64_t)off * H * ks->row_data_bytes;
-        kr->sraw[i] = kb + ks->scale_offset + (int64_t)off * H * ks->row_scale_bytes;
-        vr->data[i] = vb + (int64_t)off * H * vs->row_data_bytes;
-        vr->sraw[i] = vb + vs->scale_offset + (int64_t)off * H * vs->row_scale_bytes;
+        const uint8_t *k0 = kb + off * kd, *k1 = kb + ks->scale_offset + off * ksb;
+        const uint8_t *v0 = vb + off * vd, *v1 = vb + vs->scale_offset + off * vsb;
+        for (int u = 0; u < n; u++, i++) {
+            kr->data[i] = k0 + u * kd;
+            kr->sraw[i] = k1 + u * ksb;
+            vr->data[i] = v0 + u * vd;
+            vr->sraw[i] = v1 + u * vsb;
+        }
     }
     return nt > 0 ? nt : 0;
 }
