@@ -97,7 +97,11 @@ token and kv head, ~2.7 per cycle). Now a 2/3/4-bit code group is one 4-byte bro
 its shift vector picked by index: no branch), a K row is decoded once per 64 dims into registers
 and dotted with each query in two FMA chains, E4M3 values take unpack + shift + and (was 6 ops):
 A/B in one process, main -> this, 32k b1, medians of 15: turbo3 0.80x, fp8k_turbo3v 0.81x the
-time (load 4.3-5.5). After it: K 45%, V 39%, softmax + loop 9%.
+time (load 4.3-5.5). After it: K 45%, V 39%, softmax + loop 9%. Then (A/B in one process, 32k b1,
+load 3.8-4.1, 0.86-0.96x the time): the V pass for 3 query vectors no longer keeps an accumulator
+on the stack (weights pre-broadcast as FMA memory operands), 2/3-bit tables take the group scale
+once per 16 values, fully visible chunks skip the mask pass, row pointers are filled per block.
+Pools on 2 MiB pages (`ops.hugepages.advise`) take 0.90x the time at 32k batch 8 (TLB misses).
 
 Sparse V (threshold t > 0): a V row is skipped when exp(s - m_run) < t * Z_run for every query of
 the tile, where m_run / Z_run are the running max / denominator (sinks included). Since the final
