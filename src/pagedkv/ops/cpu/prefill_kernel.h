@@ -227,11 +227,56 @@ static void pf_chunk(const pkv_args *a, pf_mem *w, int M, int G, int D, int BSP,
     (void)G;
 }
 
+/* Output rows of a task from its softmax states (row i = r * G + g: running max m[i * ms], sum
+   l[i * ms], accumulator acc + i * as): sinks join the denominator, the output is normalised and
+   scaled (v tensor scale, E4M3 factor), the log-sum-exp written when asked for. */
+static void pf_finish(const pkv_args *a, const pkv_side *vs, const pf_task *t, const float *m, const float *l,
+                      const float *acc, int ms, int as) {
+    const int D = a->head_dim, Hq = a->num_q_heads, G = Hq / a->num_kv_heads, qs = a->query_start[t->b];
+    const float vmul = a->out_scale * (vs->group ? 1.0f : value_mult(vs));
+    for (int r = 0; r < t->r1 - t->r0; r++)
+        for (int g = 0; g < G; g++) {
+            const int i = r * G + g, tok = qs + t->r0 + r, qh = t->h * G + g;
+            const float mi = m[(int64_t)i * ms], sm = a->sinks ? a->sinks[qh] : -INFINITY;
+            float *o = a->out + ((size_t)tok * Hq + qh) * D;
+            float *lse = a->lse ? a->lse + (size_t)tok * Hq + qh : NULL;
+            const float mx = mi > sm ? mi : sm;
+            if (lse) *lse = -INFINITY;
+            if (mx == -INFINITY) {
+                memset(o, 0, sizeof(float) * D);
+                continue;
+            }
+            float z = a->sinks ? expf(sm - mx) : 0.0f, wt = 0.0f;
+            if (mi != -INFINITY) {
+                wt = expf(mi - mx);
+                z += l[(int64_t)i * ms] * wt;
+            }
+            if (lse && z > 0) *lse = mx + logf(z);
+            const float f = z > 0 ? vmul / z : 0.0f;
+            for (int d = 0; d < D; d++) o[d] = (wt * acc[(int64_t)i * as + d]) * f;
+        }
+}
+
 static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, const pf_task *t, int64_t *nv) {
     const int D = a->head_dim, H = a->num_kv_heads, Hq = a->num_q_heads, G = Hq / H, BS = a->block_size;
     const int R = t->r1 - t->r0, M = R * G, h = t->h;
     const int qs = a->query_start[t->b], qlen = a->query_start[t->b + 1] - qs, L = a->seq_lens[t->b];
     const int NB = BS >= PF_CHUNK ? 1 : PF_CHUNK / BS, CH = NB * BS, BSP = (CH + 15) & ~15;
+    const int pos_lo = L - qlen + t->r0, pos_hi = L - qlen + t->r1 - 1;
+    const int jmin = imax(a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0, a->key_start), jmax = pos_hi;
+    const int blk0 = jmin / BS, blk1 = pos_hi >= 0 ? imax(blk0, pos_hi / BS + 1) : blk0;
+    if (M <= SMALL_M) {  /* a few vectors (a batch's decode rows): the general kernel's register
+                            paths (scores_dot, vacc_fused) beat 6-vector tiles there */
+        pkv_args a1 = *a;
+        a1.heads_per_task = 1;
+        pkv_task t1 = {t->b, h, t->r0, t->r1, blk0, blk1, 0};
+        float *part = malloc(sizeof(float) * (size_t)M * (D + 2));
+        int64_t nskip = 0;
+        const int rc = part ? run_task(&a1, ks, vs, &t1, part, nv, &nskip) : -1;
+        if (rc == 0) pf_finish(a, vs, t, part, part + 1, part + 2, D + 2, D + 2);
+        free(part);
+        return rc;
+    }
     pf_mem w;
     if (!pf_alloc(&w, M + 1, D, H, CH, BSP)) { pf_free(&w); return -1; }
     const float fq = ks->group ? 1.0f : value_mult(ks);
@@ -244,9 +289,6 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
             w.m[m] = -INFINITY;
             w.pos[m] = L - qlen + t->r0 + r;
         }
-    const int pos_lo = L - qlen + t->r0, pos_hi = L - qlen + t->r1 - 1;
-    const int jmin = imax(a->window > 0 ? imax(0, pos_lo - a->window + 1) : 0, a->key_start), jmax = pos_hi;
-    const int blk0 = jmin / BS, blk1 = pos_hi >= 0 ? imax(blk0, pos_hi / BS + 1) : blk0;
     lut_ctx klc, vlc;
     lut_ctx_init(&klc, ks);
     lut_ctx_init(&vlc, vs);
@@ -280,29 +322,7 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
         nt = nt2; jlo = jlo2; jhi = jhi2; cur ^= 1;
     }
     _mm_setcsr(csr);
-    /* finish: sinks join the denominator, output normalised and scaled, log-sum-exp */
-    const float vmul = a->out_scale * (vs->group ? 1.0f : value_mult(vs));
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) {
-            const int m = r * G + g, tok = qs + t->r0 + r, qh = h * G + g;
-            float *o = a->out + ((size_t)tok * Hq + qh) * D;
-            float *lse = a->lse ? a->lse + (size_t)tok * Hq + qh : NULL;
-            const float sm = a->sinks ? a->sinks[qh] : -INFINITY;
-            const float mx = w.m[m] > sm ? w.m[m] : sm;
-            if (lse) *lse = -INFINITY;
-            if (mx == -INFINITY) {
-                memset(o, 0, sizeof(float) * D);
-                continue;
-            }
-            float z = a->sinks ? expf(sm - mx) : 0.0f, wt = 0.0f;
-            if (w.m[m] != -INFINITY) {
-                wt = expf(w.m[m] - mx);
-                z += w.l[m] * wt;
-            }
-            if (lse && z > 0) *lse = mx + logf(z);
-            const float f = z > 0 ? vmul / z : 0.0f;
-            for (int d = 0; d < D; d++) o[d] = (wt * w.acc[(int64_t)m * D + d]) * f;
-        }
+    pf_finish(a, vs, t, w.m, w.l, w.acc, 1, D);
     pf_free(&w);
     return 0;
 }
