@@ -248,19 +248,11 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     return out.to(q.dtype)
 
 
-_ROT_SCALED: dict = {}  # (head_dim, scale) -> R^T * scale, float32 (a few entries: scale per layer at most)
-
-
+@functools.lru_cache(maxsize=256)  # a few entries: fp8 K tensor scales differ per layer at most
 def _scaled_rotation_t(head_dim: int, scale: float) -> torch.Tensor:
-    """R^T * scale [D, D] (q @ it = wht.rotate(q) * scale up to rounding), cached: rotating and
-    scaling q is then one matmul per call."""
-    key = (head_dim, scale)
-    m = _ROT_SCALED.get(key)
-    if m is None:
-        if len(_ROT_SCALED) > 256:  # fp8 K tensor scales differ per layer; bound the cache anyway
-            _ROT_SCALED.clear()
-        m = _ROT_SCALED[key] = (wht.rotation_matrix(head_dim).T * scale).contiguous()
-    return m
+    """R^T * scale [D, D] float32 (q @ it = wht.rotate(q) * scale up to rounding), cached:
+    rotating and scaling q is then one matmul per call."""
+    return (wht.rotation_matrix(head_dim).T * scale).contiguous()
 
 
 def _reference_attention(q, layer, block_tables, seq_lens, query_start_loc, params) -> torch.Tensor:
