@@ -16,7 +16,9 @@ resort is a fresh private directory made by `tempfile.mkdtemp` (compiled anew in
 
 Variants, chosen by runtime CPU feature detection (`/proc/cpuinfo` flags, else torch's CPU
 capability):
-- "avx512": AVX-512 F/BW/VL/VBMI intrinsics (byte-permute decode, vpermps 16-entry tables);
+- "avx512": AVX-512 F/BW/VL/VBMI intrinsics (byte-permute decode, vpermps 16-entry tables),
+  plus VNNI (vpdpbusd) and BF16 (vdpbf16ps) where the CPU has them (`EXTENSION_FLAGS`: the
+  source tests `__AVX512VNNI__` / `__AVX512BF16__`);
 - "avx2":   the portable C path compiled with -mavx2 -mfma (compiler-vectorised);
 - "scalar": the portable C path, no ISA flags.
 OpenMP is used when the compiler accepts -fopenmp, else the kernel runs single-threaded.
@@ -53,6 +55,12 @@ STORE_ABI_VERSION = 1  # must match pkv_store_abi() in store_kernel.c
 VARIANT_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+# Optional extensions a variant compiles in when this CPU has them: (cpu flag, compiler flag).
+EXTENSION_FLAGS = {
+    "avx512": [("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16")],
+    "avx2": [],
     "scalar": [],
 }
 BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno"]
@@ -192,7 +200,9 @@ class LoadedKernel:
 
 
 def _flags(variant: str, openmp: bool) -> list:
-    return BASE_FLAGS + VARIANT_FLAGS[variant] + (["-fopenmp"] if openmp else [])
+    have = cpu_flags()
+    extensions = [flag for cpu_flag, flag in EXTENSION_FLAGS[variant] if cpu_flag in have]
+    return BASE_FLAGS + VARIANT_FLAGS[variant] + extensions + (["-fopenmp"] if openmp else [])
 
 
 def library_name(variant: str, cc: str, openmp: bool) -> str:
