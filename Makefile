@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup setup-test redis-server vllm-setup test-vllm gemma3-270m
+.PHONY: demo test setup setup-test redis-server vllm-setup test-vllm test-avx2-build gemma3-270m
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -74,6 +74,17 @@ vllm-setup: $(VVENV)/.deps $(VMODEL)/config.json
 test-vllm: vllm-setup
 	HF_HUB_OFFLINE=1 $(VBIN)/python -m pytest -q tests_vllm
 
+# On an AVX-512 machine the main suite runs the avx512 build of the C kernel, so the AVX2 build's own
+# fast paths (its integer scores, its prefill tile) would go untested there: the CPU kernel's tests
+# run a second time against the AVX2 build (conftest's --kernel-variant). Elsewhere nothing to do.
+CPU_KERNEL_TESTS := tests/test_cpu_kernel.py tests/test_cpu_int8.py tests/test_cpu_prefill.py \
+	tests/test_cpu_lse.py tests/test_cpu_store.py
+test-avx2-build: setup-test
+	@if [ "$$($(BIN)/python -c 'from pagedkv.ops.cpu.build import detect_variant; print(detect_variant())')" = avx512 ]; then \
+	  echo "the CPU kernel's tests against the AVX2 build ..."; \
+	  HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --kernel-variant avx2 $(CPU_KERNEL_TESTS); \
+	else echo "test-avx2-build: this CPU's best build is not avx512; the main suite covered it"; fi
+
 # The main suite runs on TEST_WORKERS processes (pytest-xdist; CI has 2 cores).
 TEST_WORKERS ?= 2
 # The vLLM environment is set up in the background while the main suite runs (its downloads and
@@ -82,6 +93,7 @@ test: setup-test redis-server
 	@echo "setting up the vLLM environment in the background (log: $(VENV)/vllm-setup.log) ..."
 	@$(MAKE) --no-print-directory vllm-setup > $(VENV)/vllm-setup.log 2>&1 & setup=$$!; \
 	  HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS); rc=$$?; \
+	  $(MAKE) --no-print-directory test-avx2-build || rc=1; \
 	  wait $$setup; setup_rc=$$?; tail -n 5 $(VENV)/vllm-setup.log; \
 	  if [ $$setup_rc != 0 ]; then echo "vllm-setup failed (rc $$setup_rc):"; tail -n 60 $(VENV)/vllm-setup.log; fi; \
 	  [ $$rc = 0 ] && [ $$setup_rc = 0 ]

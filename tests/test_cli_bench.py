@@ -77,3 +77,31 @@ def test_bench_attention_cli_tiny_json(capsys):
     assert main(["bench", "attention", "--formats", "turbo3,turbo3"]) == 2  # listed twice
     assert main(["bench", "attention", "--contexts", "0"]) == 2
     assert "--contexts" in capsys.readouterr().err
+
+
+def test_bench_attention_prefill_shapes_without_decode(capsys):
+    """--prefill-shapes gives one prefill row per (shape, format) with its context and query count;
+    --no-decode skips the decode grid; a bad shape is a one-line error naming it, exit 2."""
+    from pagedkv.ops import cpu
+
+    if not cpu.available():
+        pytest.skip("the fast CPU kernel is not built here")
+    rc = main(["bench", "attention", "--formats", "turbo3", "--prefill-shapes", "64:16,96:32", "--no-decode",
+               "--layers", "1", "--repeats", "1", "--no-memory", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["kind"], r["format"], r["context"], r["q_len"]) for r in rows] == [
+        ("prefill", "turbo3", 64, 16), ("prefill", "turbo3", 96, 32)]
+    assert all(r["ratio"] == pytest.approx(r["ms"] / r["baseline_ms"]) for r in rows)
+    for bad in ("4k", "512:4k", "4k:0", "4k:x"):
+        assert main(["bench", "attention", "--prefill-shapes", bad, "--no-decode"]) == 2
+        err = capsys.readouterr().err
+        assert "--prefill-shapes" in err and len(err.strip().splitlines()) == 1
+
+
+def test_prefill_shapes_parse():
+    from pagedkv.cli.bench.attention import parse_prefill_shapes
+
+    assert parse_prefill_shapes("4k:512,16k:2k") == [(4096, 512), (16384, 2048)]
+    assert parse_prefill_shapes(build_parser().parse_args(["bench", "attention"]).prefill_shapes) == list(
+        AttentionBench.prefill_shapes)

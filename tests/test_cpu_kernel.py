@@ -179,6 +179,7 @@ def test_portable_variants(variant):
     the default (private, cached) directory: a SIMD build costs ~20 s of CPU once."""
     if variant == "avx2" and kbuild.detect_variant() == "scalar":
         pytest.skip("no AVX2 here")
+    loaded = cpu.kernel_info()["variant"]  # the session's build (conftest's --kernel-variant, else the best)
     try:
         cpu.load(kbuild.KernelConfig(variant=variant))
         assert cpu.kernel_info()["variant"] == variant
@@ -191,7 +192,7 @@ def test_portable_variants(variant):
                                            (("bf16", "bf16"), None, 30.0, False)]]
         _check(cases)
     finally:
-        cpu.load()
+        cpu.load(kbuild.KernelConfig(variant=loaded))
 
 
 def test_no_compiler_is_a_clear_error(tmp_path):
@@ -221,7 +222,7 @@ def test_bench_attention_smoke():
     from pagedkv.bench import attention as ba
 
     shape = ba.BenchShape(layers=2, repeats=1)
-    res = ba.run(["turbo3", "fp8k_turbo3v"], [48], [1, 2], shape, prefill_shape=(64, 16),
+    res = ba.run(["turbo3", "fp8k_turbo3v"], [48], [1, 2], shape, prefill_shapes=((64, 16),),
                  bandwidth_bytes=1 << 22)
     assert {(r["format"], r["batch"]) for r in res.rows} == {
         (f, b) for f in ("turbo3", "fp8k_turbo3v") for b in (1, 2)}

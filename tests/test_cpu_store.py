@@ -286,12 +286,13 @@ def test_portable_variants_write_the_same_bytes(tmp_path, variant):
     """The portable C path (no SIMD intrinsics; compiler-vectorised with AVX2) is exact too."""
     if variant == "avx2" and kbuild.detect_variant() == "scalar":
         pytest.skip("no AVX2 here")
+    loaded = cpu.kernel_info()["variant"]  # the session's build (conftest's --kernel-variant, else the best)
     try:
         cpu.load(kbuild.KernelConfig(cache_dir=str(tmp_path), variant=variant))
         for name in ("turbo3", "turbo4", "turbo2", "nvfp4", "turbo8", "q4_0", "fp8"):
             run_case(CODECS[name], 64, t=24, seed=7)
     finally:
-        cpu.load()
+        cpu.load(kbuild.KernelConfig(variant=loaded))
 
 
 def test_tolerance_rejects_a_worse_scale_choice():

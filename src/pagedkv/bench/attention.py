@@ -338,15 +338,20 @@ class BenchResult:
 
 def run(formats: list[str], contexts: list[int], batches: list[int], shape: BenchShape, *,
         prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None,
-        prefill_shape: tuple = (4096, 512), bandwidth_bytes: int = 1 << 29,
-        int8_scores: bool = False, scaling_threads: Optional[int] = None) -> BenchResult:
+        prefill_shapes: tuple = ((4096, 512),), bandwidth_bytes: int = 1 << 29,
+        int8_scores: bool = False, scaling_threads: Optional[int] = None, decode: bool = True) -> BenchResult:
     """Run the benchmark grid; formats are KV format names (parsed here, the config edge).
     int8_scores: decode rows also with the approximate integer q.k. scaling_threads: also a
     thread-scaling row (1 vs that many threads, wall clock) per format, context and batch.
+    decode: False skips the decode grid (prefill, scaling and memory rows only).
 
-    prefill_shape: (context, query count) of the chunked-prefill rows; bandwidth_bytes: buffer
-    of the streaming-read probe (larger than the caches)."""
+    prefill_shapes: (context, query count) of each chunked-prefill row (q_len queries at the end
+    of the context); bandwidth_bytes: buffer of the streaming-read probe (larger than the caches)."""
     shape.check()
+    for ps in prefill_shapes:
+        if (not isinstance(ps, tuple) or len(ps) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in ps)
+                or not 1 <= ps[1] <= ps[0]):
+            raise ConfigError(f"a prefill shape is (context, queries) with 1 <= queries <= context, got {ps!r}")
     if scaling_threads is not None and (isinstance(scaling_threads, bool) or not isinstance(scaling_threads, int)
                                         or scaling_threads < 2):
         raise ConfigError(f"scaling threads must be an integer >= 2, got {scaling_threads!r}")
@@ -362,7 +367,7 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
     res = BenchResult(kernel=cpu.kernel_info())
     res.bandwidth_gbps = cpu.stream_read_gbps(bandwidth_bytes, threads=shape.threads)
     say = progress or (lambda s: None)
-    for batch in batches:
+    for batch in batches if decode else ():
         for context in contexts:
             for row in decode_grid_point(fmts, shape, context, batch, cpu.attention, int8_scores):
                 res.rows.append(row)
@@ -381,11 +386,12 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
                         f"load {s['load_before']:.1f}-{s['load']:.1f} on {s['cores']} cores")
         torch.set_num_threads(shape.threads)
     if prefill:
-        for fmt in fmts:
-            res.prefill.append(prefill_row(fmt, shape, prefill_shape[0], prefill_shape[1], cpu.attention))
-            p = res.prefill[-1]
-            say(f"prefill {fmt.name:>14}: {p['ms']:.0f} ms vs {p['baseline_ms']:.0f} ms ratio {p['ratio']:.2f}, "
-                f"{p['threads']} thread(s), load {p['load']:.1f}")
+        for context, q_len in prefill_shapes:
+            for fmt in fmts:
+                res.prefill.append(prefill_row(fmt, shape, context, q_len, cpu.attention))
+                p = res.prefill[-1]
+                say(f"prefill {fmt.name:>14} {q_len} after {context - q_len}: {p['ms']:.0f} ms vs "
+                    f"{p['baseline_ms']:.0f} ms ratio {p['ratio']:.2f}, {p['threads']} thread(s), load {p['load']:.1f}")
     if memory:
         for i, fmt in enumerate(fmts):
             res.memory.append(peak_memory_decode(fmt, shape, max(contexts), cpu.attention, with_reference=i == 0))

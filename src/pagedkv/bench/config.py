@@ -57,6 +57,7 @@ class AttentionBench:
     contexts: tuple = (1024, 4096, 16384, 32768)
     batches: tuple = (1, 8)
     prefill: bool = True
+    prefill_shapes: tuple = ((4096, 512),)  # (context, queries at its end) per chunked-prefill row
     memory: bool = True
 
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 from ...bench.config import AttentionBench, BenchConfig, BenchShape
 from ...errors import ConfigError
 from ..output import print_json, print_table
-from ..sizes import parse_counts, parse_names
+from ..sizes import parse_count, parse_counts, parse_names
 
 SHAPE, CPU, CUDA = BenchShape(), AttentionBench(), BenchConfig()
 
@@ -30,6 +30,24 @@ SHAPE, CPU, CUDA = BenchShape(), AttentionBench(), BenchConfig()
 def _csv(values) -> str:
     return ",".join(f"{v // 1024}k" if isinstance(v, int) and v >= 1024 and v % 1024 == 0 else str(v)
                     for v in values)
+
+
+def _shapes(shapes) -> str:
+    return ",".join(f"{_csv([c])}:{_csv([q])}" for c, q in shapes)
+
+
+def parse_prefill_shapes(text: str) -> list[tuple[int, int]]:
+    """"4k:512,16k:2k" -> [(4096, 512), (16384, 2048)]; ConfigError naming the bad item."""
+    shapes = []
+    for item in (text or "").split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 2:
+            raise ConfigError(f"--prefill-shapes: {item.strip()!r} is not CONTEXT:QUERIES (e.g. 4k:512)")
+        context, q_len = (parse_count(x.strip(), "--prefill-shapes") for x in parts)
+        if not 1 <= q_len <= context:
+            raise ConfigError(f"--prefill-shapes: {item.strip()!r} needs 1 <= QUERIES <= CONTEXT")
+        shapes.append((context, q_len))
+    return shapes
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -55,6 +73,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     cpu.add_argument("--repeats", type=int, default=SHAPE.repeats,
                      help=f"timed repeats; medians are reported (default {SHAPE.repeats})")
     cpu.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
+    cpu.add_argument("--prefill-shapes", default=_shapes(CPU.prefill_shapes), metavar="CONTEXT:QUERIES,...",
+                     help="chunked-prefill rows: QUERIES new tokens at the end of a CONTEXT-token sequence "
+                          f"(default {_shapes(CPU.prefill_shapes)}; the issue's pair: 4k:512,16k:2k)")
+    cpu.add_argument("--no-decode", action="store_true", help="skip the decode grid (prefill / scaling rows only)")
     cpu.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     cpu.add_argument("--int8-scores", action="store_true",
                      help="decode rows also with the approximate integer q.k (AttentionParams.int8_scores)")
@@ -80,13 +102,15 @@ def run(args) -> int:
     formats = parse_names(args.formats) if args.formats is not None else list(CPU.formats)
     contexts = parse_counts(args.contexts, "--contexts") if args.contexts is not None else list(CPU.contexts)
     batches = parse_counts(args.batch, "--batch") if args.batch is not None else list(CPU.batches)
+    prefill_shapes = parse_prefill_shapes(args.prefill_shapes)
     _check_memory(formats, contexts, batches, shape)
     from ...bench import attention as ba
 
     progress = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     res = ba.run(formats, contexts, batches, shape, prefill=CPU.prefill and not args.no_prefill,
                  memory=CPU.memory and not args.no_memory, progress=progress, int8_scores=args.int8_scores,
-                 scaling_threads=args.scaling_threads)
+                 scaling_threads=args.scaling_threads, prefill_shapes=tuple(prefill_shapes),
+                 decode=not args.no_decode)
 
     mem = {(m["format"], m["context"]): m for m in res.memory}
     rows = []
@@ -112,14 +136,16 @@ def run(args) -> int:
           f"measured streaming read {res.bandwidth_gbps:.1f} GB/s; shape {shape.layers} layers x "
           f"{shape.num_q_heads} q / {shape.num_kv_heads} kv heads x head_dim {shape.head_dim}; "
           f"ms per decode step over all layers (timed on a few distinct layers, scaled)")
-    print_table("decode attention (ratio = ms / fastest torch bf16 way)",
-                ["format", "scores", "context", "batch", "ms", "baseline_ms", "ratio", "gbps", "baseline"],
-                [[r["format"], r["scores"], r["context"], r["batch"], r["ms"], r["baseline_ms"], r["ratio"],
-                  r["gbps"], r["baseline"]] for r in res.rows])
+    if res.rows:
+        print_table("decode attention (ratio = ms / fastest torch bf16 way)",
+                    ["format", "scores", "context", "batch", "ms", "baseline_ms", "ratio", "gbps", "baseline"],
+                    [[r["format"], r["scores"], r["context"], r["batch"], r["ms"], r["baseline_ms"], r["ratio"],
+                      r["gbps"], r["baseline"]] for r in res.rows])
     if res.prefill:
-        print_table("chunked prefill (512 queries at the end of a 4096 context, batch 1) vs torch SDPA bf16",
-                    ["format", "ms", "baseline_ms", "ratio", "baseline"],
-                    [[p["format"], p["ms"], p["baseline_ms"], p["ratio"], p["baseline"]] for p in res.prefill])
+        print_table("chunked prefill (queries at the end of the context, batch 1) vs torch SDPA bf16",
+                    ["format", "context", "queries", "ms", "baseline_ms", "ratio", "baseline", "load"],
+                    [[p["format"], p["context"], p["q_len"], p["ms"], p["baseline_ms"], p["ratio"], p["baseline"],
+                      p["load"]] for p in res.prefill])
     if res.scaling:
         print_table("thread scaling of our kernel (speedup = ms at 1 thread / ms at N threads, wall clock)",
                     ["format", "context", "batch", "threads", "ms_1", "ms_n", "speedup", "load_before", "load"],
