@@ -1,7 +1,7 @@
 """The CPU kernel's chunked-prefill tile (`prefill_kernel.h`, `pkv_prefill`) against the reference.
 
-The tile takes prefill calls (more than one query in some sequence) on AVX2 builds when scores
-are exact and sparse V is off; it decodes each 64-token K/V chunk once for up to ~384 query
+The tile takes prefill calls (more than one query in some sequence) on AVX2 and AVX-512 builds
+when scores are exact and sparse V is off; it decodes each 64-token K/V chunk once for up to ~384 query
 vectors of a kv head and sweeps it with 6-vector micro-blocks, skipping chunks a micro-block
 does not see and masking only chunks it sees in part. The cases here are long enough for several
 row blocks per kv head (rows per task: 384 / GQA group), chunk boundaries, the causal tail and
@@ -31,7 +31,7 @@ def _tile_available() -> bool:
 
 
 needs_tile = pytest.mark.skipif(not cpu.available() or not _tile_available(),
-                                reason="this build has no prefill tile (AVX2 builds only)")
+                                reason="this build has no prefill tile (AVX2 and AVX-512 builds only)")
 
 
 @pytest.fixture

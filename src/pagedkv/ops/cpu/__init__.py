@@ -13,9 +13,9 @@ F/BW/VL/VBMI/BF16, a shared 2-core VM; `pagedkv bench attention`, 1 thread, the 
   blocks): the scales of the chunk are decoded once for all kv heads, then per kv head the K rows
   are decoded into registers and dotted with each query (partials reduced 16 tokens at a time by
   a shuffle tree), the softmax state is updated, and the V rows still needed are decoded into
-  registers and accumulated into register accumulators. Prefill on AVX2 builds runs the prefill
-  tile (`prefill_kernel.h`, `pkv_prefill`): each 64-token chunk decoded once for up to 384 query
-  vectors of a kv head, swept by 6-vector register tiles; sparse V and int8 scores keep the
+  registers and accumulated into register accumulators. Prefill on AVX2 and AVX-512 builds runs
+  the prefill tile (`prefill_kernel.h`, `pkv_prefill`): each 64-token chunk decoded once for up to
+  384 query vectors of a kv head, swept by 6-vector register tiles; sparse V and int8 scores keep the
   general kernel's prefill tiles (~96 query vectors per task, K decoded into a transposed tile).
 - Decoding (AVX-512): a 2/3/4-bit code is moved into its own 32-bit lane by one byte permute
   (vpermb) and a variable shift, then becomes a value through vpermps used as a 16-entry table

@@ -291,7 +291,7 @@ def _prefill_task_rows(group: int) -> int:
 
 
 def _prefill_tile(kernel, params: AttentionParams, enabled: bool) -> bool:
-    """Whether the prefill tile (pkv_prefill, AVX2 builds) takes this call: exact scores and no
+    """Whether the prefill tile (pkv_prefill, AVX2 and AVX-512 builds) takes this call: exact scores and no
     sparse V (those stay on the general kernel's prefill path)."""
     return enabled and not params.int8_scores and not params.sparse_v_threshold and _prefill_entry(kernel) is not None
 

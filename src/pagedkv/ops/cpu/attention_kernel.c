@@ -1649,4 +1649,4 @@ double pkv_stream_sum(const float *p, int64_t n, int32_t threads) {
     return total;
 }
 
-#include "prefill_kernel.h" /* chunked-prefill tile (AVX2): pkv_prefill */
+#include "prefill_kernel.h" /* chunked-prefill tile (AVX2, AVX-512): pkv_prefill */

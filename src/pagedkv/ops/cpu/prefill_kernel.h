@@ -1,23 +1,27 @@
-/* Chunked-prefill tile for the AVX2 build (issue 14 item 3): entry point pkv_prefill, included
- * at the end of attention_kernel.c (it reuses that file's decode, exp and chunk helpers).
+/* Chunked-prefill tile for the AVX2 and AVX-512 builds (issue 14 item 3): entry point
+ * pkv_prefill, included at the end of attention_kernel.c (it reuses that file's decode, exp and
+ * chunk helpers).
  *
  * Why a separate path: the general kernel (run_task / chunk_head) gives a prefill task ~96 query
  * vectors; each task decodes every K/V row of its context again (~11% of the time at 512 queries
  * after 3.5k), masks every score tile and rescales its softmax state in passes over all 96
  * vectors. Here a task is (sequence, kv head, up to PF_VECTORS query vectors, i.e. every query
  * row of a typical chunk): each 64-token chunk of K/V rows is decoded ONCE into an fp32 panel (K
- * transposed to [8 keys][D][8]), then swept by micro-blocks of PF_MR (6) query vectors while it
- * stays in L1/L2:
- *   scores  6 queries x 16 keys of register accumulators (broadcast-FMA over D);
+ * transposed to [keys / L][D][L], L the vector width: 8 on AVX2, 16 on AVX-512), then swept by
+ * micro-blocks of PF_MR (6) query vectors while it stays in L1/L2:
+ *   scores  AVX2: 6 queries x 16 keys of register accumulators (12 ymm), AVX-512: 6 queries x 64
+ *           keys (24 zmm), broadcast-FMA over D;
  *   softmax per micro-block (online: max, rescale factor, exp, sum) on the 6 x 64 tile while it
  *           is in L1; a tile that no query of the micro-block sees is skipped (the causal tail,
  *           the sliding window's head), a tile that every query sees fully is not masked;
- *   values  6 queries x 16 dims of register accumulators over the chunk's keys.
- * Exact: fp32 throughout (the same decode, exp256 and softcap256 as the general kernel), so the
- * result equals the reference within fp32 rounding. Not covered (the caller routes these to
- * pkv_attention): sparse V thresholds, the approximate integer scores, non-AVX2 builds. */
+ *   values  AVX2: 6 queries x 16 dims of register accumulators over the chunk's keys, AVX-512:
+ *           6 queries x 64 dims (24 zmm).
+ * Exact: fp32 throughout (the same decode, exp256 / exp512 and softcap256 / softcap512 as the
+ * general kernel), so the result equals the reference within fp32 rounding. Not covered (the
+ * caller routes these to pkv_attention): sparse V thresholds, the approximate integer scores,
+ * the portable (non-SIMD) build. */
 
-#ifdef PKV_AVX2
+#if defined(PKV_AVX2) || defined(PKV_AVX512)
 #define PF_MR 6
 #define PF_CHUNK 64 /* tokens per decoded chunk (several blocks when block_size < 64) */
 
@@ -28,6 +32,14 @@ static inline int pf_visibility(int plo, int phi, int W, int kstart, int jlo, in
     const int lo_first = imax(kstart, W > 0 ? plo - W + 1 : 0), lo_last = imax(kstart, W > 0 ? phi - W + 1 : 0);
     if (jlo > phi || jhi - 1 < lo_first) return 0;
     return (jhi - 1 <= plo && jlo >= lo_last) ? 2 : 1;
+}
+
+#ifdef PKV_AVX2
+/* K panel: decoded rows[BSP][D] transposed to kt[BSP/8][D][8]. */
+static void pf_panel(const float *rows, int BSP, int D, float *kt) {
+    for (int g = 0; g < BSP / 8; g++)
+        for (int c = 0; c < D / 8; c++)
+            transpose8(rows + (int64_t)g * 8 * D + 8 * c, D, kt + ((int64_t)g * D + 8 * c) * 8, 8);
 }
 
 /* S[z][BSP] = q_z . k_i (z < nz) for the 6 query vectors qz and the decoded, transposed K panel
@@ -151,6 +163,174 @@ static void pf_softmax(float *S, int BSP, int nz, int masked, float *st_m, float
         st_m[z] = mx;
     }
 }
+
+#else /* PKV_AVX512 */
+/* ---------------------------------------------------------------- AVX-512 (16 lanes, 32 zmm) */
+/* K panel: decoded rows[BSP][D] transposed to kt[BSP/16][D][16]. */
+static void pf_panel(const float *rows, int BSP, int D, float *kt) {
+    for (int g = 0; g < BSP / 16; g++)
+        for (int c = 0; c < D / 16; c++)
+            transpose16(rows + (int64_t)g * 16 * D + 16 * c, D, kt + ((int64_t)g * D + 16 * c) * 16, 16);
+}
+
+/* S[z][16 NK keys] = q_z . k for the 6 query vectors qz against NK (compile-time, 1..4) groups of
+   16 transposed keys (group j at kt + j * 16 D): 6 x NK accumulators in named variables (24 of
+   the 32 zmm at NK = 4), NK K loads + 6 broadcast-FMA operands per dim. */
+#define PF5_ROW(z)                                                                                 \
+    {                                                                                              \
+        const __m512 w = _mm512_set1_ps(q##z[d]);                                                  \
+        a##z##0 = _mm512_fmadd_ps(w, k0, a##z##0);                                                 \
+        if (NK > 1) a##z##1 = _mm512_fmadd_ps(w, k1, a##z##1);                                     \
+        if (NK > 2) a##z##2 = _mm512_fmadd_ps(w, k2, a##z##2);                                     \
+        if (NK > 3) a##z##3 = _mm512_fmadd_ps(w, k3, a##z##3);                                     \
+    }
+#define PF5_STORE(z)                                                                               \
+    if (z < nz) {                                                                                  \
+        float *sz = s + (int64_t)(z) * BSP;                                                        \
+        _mm512_store_ps(sz, a##z##0);                                                              \
+        if (NK > 1) _mm512_store_ps(sz + 16, a##z##1);                                             \
+        if (NK > 2) _mm512_store_ps(sz + 32, a##z##2);                                             \
+        if (NK > 3) _mm512_store_ps(sz + 48, a##z##3);                                             \
+    }
+PKV_INLINE void pf_scores_nk(const int NK, const float *kt, int D, const float *const *qz, float *s, int BSP,
+                             int nz) {
+    const float *q0 = qz[0], *q1 = qz[1], *q2 = qz[2], *q3 = qz[3], *q4 = qz[4], *q5 = qz[5];
+    const int64_t gs = (int64_t)D * 16;
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+    __m512 a20 = zero, a21 = zero, a22 = zero, a23 = zero, a30 = zero, a31 = zero, a32 = zero, a33 = zero;
+    __m512 a40 = zero, a41 = zero, a42 = zero, a43 = zero, a50 = zero, a51 = zero, a52 = zero, a53 = zero;
+    for (int d = 0; d < D; d++) {
+        const float *kd = kt + 16 * d;
+        const __m512 k0 = _mm512_load_ps(kd);
+        const __m512 k1 = NK > 1 ? _mm512_load_ps(kd + gs) : zero;
+        const __m512 k2 = NK > 2 ? _mm512_load_ps(kd + 2 * gs) : zero;
+        const __m512 k3 = NK > 3 ? _mm512_load_ps(kd + 3 * gs) : zero;
+        PF5_ROW(0) PF5_ROW(1) PF5_ROW(2) PF5_ROW(3) PF5_ROW(4) PF5_ROW(5)
+    }
+    PF5_STORE(0) PF5_STORE(1) PF5_STORE(2) PF5_STORE(3) PF5_STORE(4) PF5_STORE(5)
+    (void)a01; (void)a02; (void)a03; (void)a11; (void)a12; (void)a13; (void)a21; (void)a22; (void)a23;
+    (void)a31; (void)a32; (void)a33; (void)a41; (void)a42; (void)a43; (void)a51; (void)a52; (void)a53;
+}
+#undef PF5_ROW
+#undef PF5_STORE
+
+static void pf_scores(const float *kt, int BSP, int D, const float *const *qz, float *S, int nz) {
+    const int ng = BSP / 16;
+    int g = 0;
+    for (; g + 4 <= ng; g += 4) pf_scores_nk(4, kt + (int64_t)g * D * 16, D, qz, S + 16 * g, BSP, nz);
+    switch (ng - g) {
+    case 3: pf_scores_nk(3, kt + (int64_t)g * D * 16, D, qz, S + 16 * g, BSP, nz); break;
+    case 2: pf_scores_nk(2, kt + (int64_t)g * D * 16, D, qz, S + 16 * g, BSP, nz); break;
+    case 1: pf_scores_nk(1, kt + (int64_t)g * D * 16, D, qz, S + 16 * g, BSP, nz); break;
+    default: break;
+    }
+}
+
+/* acc_z[dc .. dc + 16 NC) = alpha_z acc_z + sum_i P[z][i] v_i for the 6 accumulator rows accz (V
+   panel rows[nt][D]; NC compile-time, 1..4): 6 x NC accumulators, NC V loads + 6 broadcast-FMA
+   operands per key. */
+#define PF5_VLOAD(z)                                                                               \
+    const __m512 al##z = _mm512_set1_ps(alpha[z]);                                                 \
+    __m512 c##z##0 = _mm512_mul_ps(_mm512_load_ps(accz[z] + dc), al##z);                           \
+    __m512 c##z##1 = NC > 1 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 16), al##z) : zero;      \
+    __m512 c##z##2 = NC > 2 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 32), al##z) : zero;      \
+    __m512 c##z##3 = NC > 3 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 48), al##z) : zero;
+#define PF5_VFMA(z)                                                                                \
+    {                                                                                              \
+        const __m512 w = _mm512_set1_ps(p##z[i]);                                                  \
+        c##z##0 = _mm512_fmadd_ps(w, v0, c##z##0);                                                 \
+        if (NC > 1) c##z##1 = _mm512_fmadd_ps(w, v1, c##z##1);                                     \
+        if (NC > 2) c##z##2 = _mm512_fmadd_ps(w, v2, c##z##2);                                     \
+        if (NC > 3) c##z##3 = _mm512_fmadd_ps(w, v3, c##z##3);                                     \
+    }
+#define PF5_VSTORE(z)                                                                              \
+    _mm512_store_ps(accz[z] + dc, c##z##0);                                                        \
+    if (NC > 1) _mm512_store_ps(accz[z] + dc + 16, c##z##1);                                       \
+    if (NC > 2) _mm512_store_ps(accz[z] + dc + 32, c##z##2);                                       \
+    if (NC > 3) _mm512_store_ps(accz[z] + dc + 48, c##z##3);
+PKV_INLINE void pf_values_nc(const int NC, const float *rows, int nt, int D, int dc, const float *P, int BSP,
+                             float *const *accz, const float *alpha) {
+    const __m512 zero = _mm512_setzero_ps();
+    const float *p0 = P, *p1 = P + BSP, *p2 = P + 2 * BSP, *p3 = P + 3 * BSP, *p4 = P + 4 * BSP, *p5 = P + 5 * BSP;
+    PF5_VLOAD(0) PF5_VLOAD(1) PF5_VLOAD(2) PF5_VLOAD(3) PF5_VLOAD(4) PF5_VLOAD(5)
+    for (int i = 0; i < nt; i++) {
+        const float *v = rows + (int64_t)i * D + dc;
+        const __m512 v0 = _mm512_load_ps(v);
+        const __m512 v1 = NC > 1 ? _mm512_load_ps(v + 16) : zero;
+        const __m512 v2 = NC > 2 ? _mm512_load_ps(v + 32) : zero;
+        const __m512 v3 = NC > 3 ? _mm512_load_ps(v + 48) : zero;
+        PF5_VFMA(0) PF5_VFMA(1) PF5_VFMA(2) PF5_VFMA(3) PF5_VFMA(4) PF5_VFMA(5)
+    }
+    PF5_VSTORE(0) PF5_VSTORE(1) PF5_VSTORE(2) PF5_VSTORE(3) PF5_VSTORE(4) PF5_VSTORE(5)
+}
+#undef PF5_VLOAD
+#undef PF5_VFMA
+#undef PF5_VSTORE
+
+static void pf_values(const float *rows, int nt, int D, const float *P, int BSP, float *const *accz,
+                      const float *alpha) {
+    int dc = 0;
+    for (; dc + 64 <= D; dc += 64) pf_values_nc(4, rows, nt, D, dc, P, BSP, accz, alpha);
+    switch ((D - dc) / 16) {
+    case 3: pf_values_nc(3, rows, nt, D, dc, P, BSP, accz, alpha); break;
+    case 2: pf_values_nc(2, rows, nt, D, dc, P, BSP, accz, alpha); break;
+    case 1: pf_values_nc(1, rows, nt, D, dc, P, BSP, accz, alpha); break;
+    default: break;
+    }
+}
+
+/* Bias, soft-cap and visibility mask of one micro-block's score rows (only what applies). */
+static void pf_adjust(const pkv_args *a, float *S, int BSP, int nz, const float *bias, const int *pos, int jlo,
+                      int jhi, int masked) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int z = 0; z < nz; z++)
+        for (int g = 0; g < BSP / 16; g++) {
+            float *sp = S + (int64_t)z * BSP + 16 * g;
+            __m512 s = _mm512_load_ps(sp);
+            if (bias) s = _mm512_add_ps(s, _mm512_set1_ps(bias[z]));
+            if (a->soft_cap > 0) s = softcap512(s, a->soft_cap);
+            if (masked) {  /* key j = jlo + 16g + lane: j < jhi, key_start <= j <= pos, j > pos - W */
+                const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(jlo + 16 * g));
+                __mmask16 ok = _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(jhi));
+                ok &= _mm512_cmple_epi32_mask(j, _mm512_set1_epi32(pos[z]));
+                ok &= _mm512_cmpge_epi32_mask(j, _mm512_set1_epi32(a->key_start));
+                if (a->window > 0) ok &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32(pos[z] - a->window));
+                s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok, s);
+            }
+            _mm512_store_ps(sp, s);
+        }
+}
+
+/* Online softmax of one micro-block: S rows become p = exp(s - m_new) (0 where masked), alpha
+   the rescale factors of the accumulators; st_m / st_l updated. */
+static void pf_softmax(float *S, int BSP, int nz, int masked, float *st_m, float *st_l, float *alpha) {
+    for (int z = 0; z < nz; z++) {
+        float *sr = S + (int64_t)z * BSP;
+        __m512 vm = _mm512_set1_ps(st_m[z]);
+        for (int g = 0; g < BSP / 16; g++) vm = _mm512_max_ps(vm, _mm512_load_ps(sr + 16 * g));
+        const float mx = _mm512_reduce_max_ps(vm);
+        if (mx == -INFINITY) {  /* nothing visible yet for this query vector */
+            alpha[z] = 1.0f;
+            memset(sr, 0, sizeof(float) * BSP);
+            continue;
+        }
+        alpha[z] = st_m[z] == -INFINITY ? 0.0f : (st_m[z] == mx ? 1.0f : expf(st_m[z] - mx));
+        const __m512 vmx = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int g = 0; g < BSP / 16; g++) {
+            const __m512 s = _mm512_load_ps(sr + 16 * g);
+            __m512 p = exp512(_mm512_sub_ps(s, vmx));
+            if (masked) p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p);
+            vsum = _mm512_add_ps(vsum, p);
+            _mm512_store_ps(sr + 16 * g, p);
+        }
+        st_l[z] = st_l[z] * alpha[z] + _mm512_reduce_add_ps(vsum);
+        st_m[z] = mx;
+    }
+}
+
+#endif
 
 typedef struct {
     int32_t b, h, r0, r1;
@@ -313,9 +493,7 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
                 memset(w.krows + (int64_t)i * D, 0, sizeof(float) * D);
                 memset(w.vrows + (int64_t)i * D, 0, sizeof(float) * D);
             }
-            for (int g = 0; g < BSP / 8; g++)
-                for (int c = 0; c < D / 8; c++)
-                    transpose8(w.krows + (int64_t)g * 8 * D + 8 * c, D, w.kt + ((int64_t)g * D + 8 * c) * 8, 8);
+            pf_panel(w.krows, BSP, D, w.kt);
             pf_chunk(a, &w, M, G, D, BSP, jlo, jhi);
             *nv += nt;
         }
@@ -369,4 +547,4 @@ int pkv_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
     (void)a; (void)ks; (void)vs;
     return -2;
 }
-#endif /* PKV_AVX2 */
+#endif /* PKV_AVX2 || PKV_AVX512 */
