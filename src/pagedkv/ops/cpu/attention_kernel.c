@@ -253,21 +253,29 @@ typedef struct {
     __m512i shift;  /* lane j >> (j*bits)%8 */
     __m512 table;   /* 16-entry table (codes < 16) */
     __mmask16 load_mask;
+    __m512i idx4[4]; /* decode64: vpermb index of chunk z of a 64-value pass held in one register
+                        (2/3/4-bit: idx + 2 * bits * z; E4M3: byte 16z + j into the high byte of word j) */
 } lut_ctx;
 
 static void lut_ctx_init(lut_ctx *c, const pkv_side *sd) {
-    uint8_t idx[64];
+    uint8_t idx[64], idx4[4][64];
     int32_t sh[16];
     int bits = sd->bits < 8 ? sd->bits : 4;
     for (int j = 0; j < 16; j++) {
         int b = (j * bits) / 8;
         for (int k = 0; k < 4; k++) idx[4 * j + k] = (uint8_t)((b + k) < 16 ? b + k : 15);
+        for (int z = 0; z < 4; z++)
+            for (int k = 0; k < 4; k++) idx4[z][4 * j + k] = (uint8_t)(2 * bits * z + b + k);
         sh[j] = (j * bits) % 8;
     }
+    if (sd->kind == EK_E4M3)  /* word j of chunk z <- (byte 16z + j) << 8 (the low byte zeroed by the mask) */
+        for (int z = 0; z < 4; z++)
+            for (int j = 0; j < 32; j++) idx4[z][2 * j] = 0, idx4[z][2 * j + 1] = (uint8_t)(16 * z + (j & 15));
     c->idx = _mm512_loadu_si512(idx);
     c->shift = _mm512_loadu_si512(sh);
     c->table = _mm512_loadu_ps(sd->table);
     c->load_mask = (__mmask16)((1u << (2 * bits)) - 1u);
+    for (int z = 0; z < 4; z++) c->idx4[z] = _mm512_loadu_si512(idx4[z]);
 }
 
 #define PKV_INLINE static inline __attribute__((always_inline))
@@ -307,36 +315,81 @@ PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, c
     return _mm512_permutexvar_ps(w, lc->table);
 }
 
+/* Chunks c0 .. c0+3 (64 values) of a row into v[0..3]: for 2/3/4-bit tables and E4M3 the pass's
+   code bytes are loaded once (one masked load of 8 * bits, or 64, bytes) and each chunk is a
+   vpermb from that register (then the shift and vpermps table of decode16, or E4M3's fp16 bits:
+   the permute leaves byte j in the high half of word j, an arithmetic shift and an and give
+   (b & 0x80) << 8 | (b & 0x7f) << 7): 3-4 ops per 16 values instead of 5-6. Other kinds: decode16. */
+PKV_INLINE void decode64(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
+                         const uint8_t *drow, int c0, __m512 v[4]) {
+    if (kind == EK_LUT && bits < 8) {
+        const __m512i x = _mm512_zextsi256_si512(
+            _mm256_maskz_loadu_epi8((__mmask32)((1ull << (8 * bits)) - 1u), drow + 2 * bits * c0));
+        for (int z = 0; z < 4; z++)
+            v[z] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi8(lc->idx4[z], x), lc->shift), lc->table);
+    } else if (kind == EK_E4M3) {
+        const __m512i x = _mm512_loadu_si512(drow + 16 * c0);
+        for (int z = 0; z < 4; z++) {
+            const __m256i w = _mm512_castsi512_si256(_mm512_maskz_permutexvar_epi8((__mmask64)0xAAAAAAAAAAAAAAAAull, lc->idx4[z], x));
+            const __m256i h = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xbfff));
+            v[z] = _mm512_cvtph_ps(h);
+        }
+    } else {
+        for (int z = 0; z < 4; z++) v[z] = decode16(kind, bits, sd, lc, drow, c0 + z);
+    }
+}
+
 /* Decode the scales of every kv head of `nt` tokens into rows->scl (vectorised per token). */
+PKV_INLINE __m512 scales16(const pkv_side *sd, const uint8_t *s, __mmask16 k) {
+    __m512 v;
+    if (sd->scale_kind == SC_E4M3) {
+        v = _mm512_mul_ps(e4m3x16(_mm_maskz_loadu_epi8(k, s)), _mm512_set1_ps(256.0f));
+    } else if (sd->scale_kind == SC_BF16) {
+        __m256i hbits = _mm256_maskz_loadu_epi16(k, s);
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16));
+    } else {
+        v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s));
+    }
+    if (sd->kind == EK_E4M3) v = _mm512_mul_ps(v, _mm512_set1_ps(value_mult(sd)));
+    return v;
+}
+
 static void decode_scales(const pkv_side *sd, pkv_rows *rows, int nt, int H, int D) {
     if (!sd->group) return;
     const int nc = D >> 4, ng = D / sd->group, per = nc / ng;
     const int n = per == 1 ? H * ng : ng;  /* entries decoded per vector pass */
-    float tmp[64];
-    for (int i = 0; i < nt; i++) {
-        for (int hh = 0; hh < (per == 1 ? 1 : H); hh++) {
-            const uint8_t *s = rows->sraw[i] + (int64_t)hh * sd->row_scale_bytes;
-            float *out = per == 1 ? rows->scl + (int64_t)i * H * nc : tmp;
-            for (int e = 0; e < n; e += 16) {
-                __mmask16 k = (__mmask16)(n - e >= 16 ? 0xffff : ((1u << (n - e)) - 1u));
-                __m512 v;
-                if (sd->scale_kind == SC_E4M3) {
-                    v = _mm512_mul_ps(e4m3x16(_mm_maskz_loadu_epi8(k, s + e)), _mm512_set1_ps(256.0f));
-                } else if (sd->scale_kind == SC_BF16) {
-                    __m256i hbits = _mm256_maskz_loadu_epi16(k, s + 2 * e);
-                    v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16));
-                } else {
-                    v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + 2 * e));
-                }
-                if (sd->kind == EK_E4M3) v = _mm512_mul_ps(v, _mm512_set1_ps(value_mult(sd)));
-                _mm512_mask_storeu_ps(out + e, k, v);
+    if (per == 1) {
+        /* tokens of one block have their scales back to back (n entries each), as their decoded
+           scales: each run of such tokens is one vectorised pass (16 scales at a time) */
+        const int eb = sd->scale_kind == SC_E4M3 ? 1 : 2;
+        for (int i = 0; i < nt;) {
+            int r = 1;
+            while (i + r < nt && rows->sraw[i + r] == rows->sraw[i] + (int64_t)r * n * eb) r++;
+            const uint8_t *s = rows->sraw[i];
+            float *dst = rows->scl + (int64_t)i * n;
+            const int tot = r * n;
+            int e = 0;
+            for (; e + 16 <= tot; e += 16) _mm512_storeu_ps(dst + e, scales16(sd, s + eb * e, (__mmask16)0xffff));
+            if (e < tot) {
+                const __mmask16 k = (__mmask16)((1u << (tot - e)) - 1u);
+                _mm512_mask_storeu_ps(dst + e, k, scales16(sd, s + eb * e, k));
             }
-            if (per != 1) {  /* one scale per `per` chunks: expand to one per chunk */
-                float *dst = rows->scl + ((int64_t)i * H + hh) * nc;
-                for (int c = 0; c < nc; c++) dst[c] = tmp[c / per];
-            }
+            i += r;
         }
+        return;
     }
+    float tmp[64];  /* one scale per `per` chunks: decoded per (token, head), expanded to one per chunk */
+    const int eb = sd->scale_kind == SC_E4M3 ? 1 : 2;
+    for (int i = 0; i < nt; i++)
+        for (int hh = 0; hh < H; hh++) {
+            const uint8_t *s = rows->sraw[i] + (int64_t)hh * sd->row_scale_bytes;
+            for (int e = 0; e < n; e += 16) {
+                const __mmask16 k = (__mmask16)(n - e >= 16 ? 0xffff : ((1u << (n - e)) - 1u));
+                _mm512_mask_storeu_ps(tmp + e, k, scales16(sd, s + eb * e, k));
+            }
+            float *dst = rows->scl + ((int64_t)i * H + hh) * nc;
+            for (int c = 0; c < nc; c++) dst[c] = tmp[c / per];
+        }
 }
 
 PKV_INLINE void decode_rows_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
@@ -415,35 +468,32 @@ PKV_INLINE __m512 hsum16(const float *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
-/* Raw scores S[m][i] = q_m . k_i for the nt rows of a chunk (few query vectors): each K row is
-   decoded into registers once and dotted with every q; partial vectors go to `part`
-   [M][BSP][16] and are reduced 16 tokens at a time. */
-PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
-                             const pkv_rows *rw, int h, int nt, int H, int D, int M,
+/* Raw scores S[m][i] = q_m . k_i for the nt rows of a chunk (MM, compile-time, query vectors):
+   each K row is decoded into registers once per 64 dims (decode64) and dotted with every q;
+   partial vectors go to `part` [MM][BSP][16] and are reduced 16 tokens at a time. */
+PKV_INLINE void scores_dot_t(const int kind, const int bits, const int MM, const pkv_side *sd, const lut_ctx *lc,
+                             const pkv_rows *rw, int h, int nt, int H, int D,
                              const float *qv, float *part, float *S, int BSP) {
+    const lut_ctx L = *lc;  /* a local copy: stores through `part` cannot alias it (kept in registers) */
+    lc = &L;
     const int nc = D >> 4;
     const int64_t hoff = (int64_t)h * sd->row_data_bytes;
-    static const float ones[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                   1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                   1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     for (int i = 0; i < nt; i++) {
         prefetch_next(rw, i, hoff, sd->row_data_bytes);
         const uint8_t *drow = rw->data[i] + hoff;
-        const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc : ones;
+        const float *scl = sd->group ? rw->scl + ((int64_t)i * H + h) * nc : NULL;
         int c0 = 0;
         for (; c0 + 4 <= nc; c0 += 4) {  /* 4 chunks (64 dims) at a time, fully unrolled */
-            __m512 k0 = decode16(kind, bits, sd, lc, drow, c0), k1 = decode16(kind, bits, sd, lc, drow, c0 + 1);
-            __m512 k2 = decode16(kind, bits, sd, lc, drow, c0 + 2), k3 = decode16(kind, bits, sd, lc, drow, c0 + 3);
-            if (sd->group) {
-                k0 = _mm512_mul_ps(k0, _mm512_set1_ps(scl[c0])); k1 = _mm512_mul_ps(k1, _mm512_set1_ps(scl[c0 + 1]));
-                k2 = _mm512_mul_ps(k2, _mm512_set1_ps(scl[c0 + 2])); k3 = _mm512_mul_ps(k3, _mm512_set1_ps(scl[c0 + 3]));
-            }
-            for (int m = 0; m < M; m++) {
+            __m512 k[4];
+            decode64(kind, bits, sd, lc, drow, c0, k);
+            if (scl)
+                for (int z = 0; z < 4; z++) k[z] = _mm512_mul_ps(k[z], _mm512_set1_ps(scl[c0 + z]));
+            for (int m = 0; m < MM; m++) {
                 const float *q = qv + (int64_t)m * D + 16 * c0;
-                __m512 acc = _mm512_mul_ps(k0, _mm512_loadu_ps(q));
-                acc = _mm512_fmadd_ps(k1, _mm512_loadu_ps(q + 16), acc);
-                acc = _mm512_fmadd_ps(k2, _mm512_loadu_ps(q + 32), acc);
-                acc = _mm512_fmadd_ps(k3, _mm512_loadu_ps(q + 48), acc);
+                __m512 a0 = _mm512_mul_ps(k[0], _mm512_loadu_ps(q)), a1 = _mm512_mul_ps(k[1], _mm512_loadu_ps(q + 16));
+                a0 = _mm512_fmadd_ps(k[2], _mm512_loadu_ps(q + 32), a0);
+                a1 = _mm512_fmadd_ps(k[3], _mm512_loadu_ps(q + 48), a1);
+                __m512 acc = _mm512_add_ps(a0, a1);
                 float *dst = part + ((int64_t)m * BSP + i) * 16;
                 if (c0) acc = _mm512_add_ps(acc, _mm512_load_ps(dst));
                 _mm512_store_ps(dst, acc);
@@ -451,8 +501,8 @@ PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd,
         }
         for (; c0 < nc; c0++) {  /* remaining chunks (head_dim not a multiple of 64) */
             __m512 k0 = decode16(kind, bits, sd, lc, drow, c0);
-            if (sd->group) k0 = _mm512_mul_ps(k0, _mm512_set1_ps(scl[c0]));
-            for (int m = 0; m < M; m++) {
+            if (scl) k0 = _mm512_mul_ps(k0, _mm512_set1_ps(scl[c0]));
+            for (int m = 0; m < MM; m++) {
                 __m512 acc = _mm512_mul_ps(k0, _mm512_loadu_ps(qv + (int64_t)m * D + 16 * c0));
                 float *dst = part + ((int64_t)m * BSP + i) * 16;
                 if (c0) acc = _mm512_add_ps(acc, _mm512_load_ps(dst));
@@ -460,7 +510,7 @@ PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd,
             }
         }
     }
-    for (int m = 0; m < M; m++) {
+    for (int m = 0; m < MM; m++) {
         float *pm = part + (int64_t)m * BSP * 16;
         for (int i = nt; i < BSP; i++) _mm512_store_ps(pm + 16 * i, _mm512_setzero_ps());
         for (int g = 0; g < BSP / 16; g++) _mm512_store_ps(S + (int64_t)m * BSP + 16 * g, hsum16(pm + 256 * g));
@@ -469,7 +519,25 @@ PKV_INLINE void scores_dot_t(const int kind, const int bits, const pkv_side *sd,
 
 static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw, int h, int nt, int H,
                        int D, int M, const float *qv, float *part, float *S, int BSP) {
-#define PKV_CALL_DOT(K, B) scores_dot_t(K, B, sd, lc, rw, h, nt, H, D, M, qv, part, S, BSP)
+#define PKV_CALL_DOT(K, B)                                                                        \
+    switch (M) {                                                                                  \
+    case 1: scores_dot_t(K, B, 1, sd, lc, rw, h, nt, H, D, qv, part, S, BSP); break;              \
+    case 2: scores_dot_t(K, B, 2, sd, lc, rw, h, nt, H, D, qv, part, S, BSP); break;              \
+    case 3: scores_dot_t(K, B, 3, sd, lc, rw, h, nt, H, D, qv, part, S, BSP); break;              \
+    case 4: scores_dot_t(K, B, 4, sd, lc, rw, h, nt, H, D, qv, part, S, BSP); break;              \
+    default:                                                                                      \
+        for (int m0 = 0; m0 < M; m0 += 4) {                                                       \
+            const int mm = imin(4, M - m0);                                                       \
+            float *pp = part + (int64_t)m0 * BSP * 16;                                            \
+            const float *qq = qv + (int64_t)m0 * D;                                               \
+            float *ss = S + (int64_t)m0 * BSP;                                                    \
+            if (mm == 4) scores_dot_t(K, B, 4, sd, lc, rw, h, nt, H, D, qq, pp, ss, BSP);        \
+            else if (mm == 3) scores_dot_t(K, B, 3, sd, lc, rw, h, nt, H, D, qq, pp, ss, BSP);   \
+            else if (mm == 2) scores_dot_t(K, B, 2, sd, lc, rw, h, nt, H, D, qq, pp, ss, BSP);   \
+            else scores_dot_t(K, B, 1, sd, lc, rw, h, nt, H, D, qq, pp, ss, BSP);                \
+        }                                                                                         \
+        break;                                                                                    \
+    }
     PKV_DISPATCH(sd, PKV_CALL_DOT)
 #undef PKV_CALL_DOT
 }
@@ -479,6 +547,8 @@ static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
 PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_side *sd, const lut_ctx *lc,
                        const pkv_rows *rw, int h, int nt, int H, int D, const float *P, int BSP,
                        float *st_acc, const float *alpha, const uint8_t *need) {
+    const lut_ctx L = *lc;  /* a local copy, kept in registers (see scores_dot_t) */
+    lc = &L;
     const int nc = D >> 4;
     const int64_t hoff = (int64_t)h * sd->row_data_bytes;
     const int CG = MM <= 4 ? 4 : 2;  /* chunks per pass: MM x CG accumulators stay in registers */
@@ -494,7 +564,9 @@ PKV_INLINE void vacc_t(const int kind, const int bits, const int MM, const pkv_s
             if (need && !need[i]) continue;
             const uint8_t *drow = rw->data[i] + hoff;
             __m512 v[4];
-            for (int z = 0; z < CG; z++) v[z] = decode16(kind, bits, sd, lc, drow, c0 + z);
+            if (CG == 4) decode64(kind, bits, sd, lc, drow, c0, v);
+            else
+                for (int z = 0; z < CG; z++) v[z] = decode16(kind, bits, sd, lc, drow, c0 + z);
             if (sd->group) {
                 const float *scl = rw->scl + ((int64_t)i * H + h) * nc + c0;
                 for (int z = 0; z < CG; z++) v[z] = _mm512_mul_ps(v[z], _mm512_set1_ps(scl[z]));
@@ -1069,8 +1141,13 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
             }
         }
     }
+    /* a whole chunk that every query sees, with no bias and no cap (decode, but for the context's
+       last chunk): the scores are the logits already; skip the pass */
+    int pmin = pos[0], pmax = pos[0];
+    for (int m = 1; m < M; m++) pmin = imin(pmin, pos[m]), pmax = imax(pmax, pos[m]);
+    const int all_seen = nt == BSP && pmin >= jhi - 1 && (W <= 0 || jlo > pmax - W);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int m = 0; m < M; m++) {
+    for (int m = 0; m < (!all_seen || bias || a->soft_cap > 0 ? M : 0); m++) {
         for (int g = 0; g < ng; g++) {
             __m512 s = _mm512_load_ps(S + (int64_t)m * BSP + 16 * g);
             if (bias) s = _mm512_add_ps(s, _mm512_set1_ps(bias[m]));
