@@ -77,6 +77,10 @@ SETTINGS = [
     (("turbo2", "fp8"), dict(block_size=128, head_dim=48)),  # blocks larger than the 64-token chunk
     (("turbo8", "turbo3"), dict(head_dim=256, group=2, num_kv_heads=2, transform=True)),
     (("fp8", "q4_0"), dict(group=1, seq_lens=(400, 0, 65), q_lens=(399, 0, 64))),  # 2 row blocks of 384 / 15
+    # AVX-512 remainders (4 x 16 keys, 4 x 16 dims per register tile): chunks of 80 tokens (64 + 16
+    # keys) with 32 dims; chunks of 96 (64 + 32 keys) with 112 dims (64 + 48)
+    (("turbo4", "fp8"), dict(block_size=80, head_dim=32, group=2)),
+    (("fp8", "nvfp4"), dict(block_size=96, head_dim=112, sliding_window=100)),
 ]
 
 
