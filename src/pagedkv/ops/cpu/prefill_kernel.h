@@ -105,6 +105,8 @@ static inline void pf_values(const float *rows, int nt, int D, const float *P, i
 #undef PF_VLOAD
 #undef PF_VFMA
 #undef PF_VSTORE
+#define PF_LW 1 /* floats of a row's denominator state (AVX-512: one per lane) */
+static void pf_fold_l(float *l, int n) { (void)l; (void)n; }
 
 static inline float pf_hmax(__m256 v) {
     __m128 v4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -303,13 +305,25 @@ static void pf_adjust(const pkv_args *a, float *S, int BSP, int nz, const float 
 }
 
 /* Online softmax of one micro-block: S rows become p = exp(s - m_new) (0 where masked), alpha
-   the rescale factors of the accumulators; st_m / st_l updated. */
+   the rescale factors of the accumulators; st_m / st_l updated. The denominators are kept per lane
+   (st_l: 16 partial sums per row, added up by pf_run at the end), and the running max is only
+   recomputed (a horizontal max) when some score of the row exceeds it: a lane-wise compare, the
+   usual case once a row has seen a few chunks. Both give the same p as the textbook update (the
+   max is the same number); only the denominator's summation order differs. */
 static void pf_softmax(float *S, int BSP, int nz, int masked, float *st_m, float *st_l, float *alpha) {
+    const int ng = BSP / 16;
     for (int z = 0; z < nz; z++) {
         float *sr = S + (int64_t)z * BSP;
-        __m512 vm = _mm512_set1_ps(st_m[z]);
-        for (int g = 0; g < BSP / 16; g++) vm = _mm512_max_ps(vm, _mm512_load_ps(sr + 16 * g));
-        const float mx = _mm512_reduce_max_ps(vm);
+        float *lz = st_l + (int64_t)z * 16;
+        const __m512 vold = _mm512_set1_ps(st_m[z]);
+        __mmask16 up = 0;
+        for (int g = 0; g < ng; g++) up |= _mm512_cmp_ps_mask(_mm512_load_ps(sr + 16 * g), vold, _CMP_GT_OQ);
+        float mx = st_m[z];
+        if (up) {  /* a score above the running max: the new max */
+            __m512 vm = vold;
+            for (int g = 0; g < ng; g++) vm = _mm512_max_ps(vm, _mm512_load_ps(sr + 16 * g));
+            mx = _mm512_reduce_max_ps(vm);
+        }
         if (mx == -INFINITY) {  /* nothing visible yet for this query vector */
             alpha[z] = 1.0f;
             memset(sr, 0, sizeof(float) * BSP);
@@ -318,18 +332,23 @@ static void pf_softmax(float *S, int BSP, int nz, int masked, float *st_m, float
         alpha[z] = st_m[z] == -INFINITY ? 0.0f : (st_m[z] == mx ? 1.0f : expf(st_m[z] - mx));
         const __m512 vmx = _mm512_set1_ps(mx);
         __m512 vsum = _mm512_setzero_ps();
-        for (int g = 0; g < BSP / 16; g++) {
+        for (int g = 0; g < ng; g++) {
             const __m512 s = _mm512_load_ps(sr + 16 * g);
             __m512 p = exp512(_mm512_sub_ps(s, vmx));
             if (masked) p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p);
             vsum = _mm512_add_ps(vsum, p);
             _mm512_store_ps(sr + 16 * g, p);
         }
-        st_l[z] = st_l[z] * alpha[z] + _mm512_reduce_add_ps(vsum);
+        _mm512_store_ps(lz, _mm512_fmadd_ps(_mm512_load_ps(lz), _mm512_set1_ps(alpha[z]), vsum));
         st_m[z] = mx;
     }
 }
 
+/* Per-lane denominators (PF_LW floats per row) -> one sum per row, in place: l[m] for m < n. */
+static void pf_fold_l(float *l, int n) {
+    for (int m = 0; m < n; m++) l[m] = _mm512_reduce_add_ps(_mm512_load_ps(l + (int64_t)m * 16));
+}
+#define PF_LW 16
 #endif
 
 typedef struct {
@@ -368,7 +387,7 @@ static int pf_alloc(pf_mem *w, int M, int D, int H, int CH, int BSP) {
     w->q = xalloc(sizeof(float) * (size_t)Mp * D);
     w->bias = xalloc(sizeof(float) * (size_t)Mp);
     w->m = xalloc(sizeof(float) * (size_t)Mp);
-    w->l = xalloc(sizeof(float) * (size_t)Mp);
+    w->l = xalloc(sizeof(float) * (size_t)Mp * PF_LW);
     w->acc = xalloc(sizeof(float) * (size_t)Mp * D);
     w->krows = xalloc(sizeof(float) * (size_t)BSP * D);
     w->kt = xalloc(sizeof(float) * (size_t)BSP * D);
@@ -397,7 +416,7 @@ static void pf_chunk(const pkv_args *a, pf_mem *w, int M, int G, int D, int BSP,
         pf_scores(w->kt, BSP, D, qz, w->S, PF_MR);
         if (masked || a->bias || a->soft_cap > 0)
             pf_adjust(a, w->S, BSP, nz, a->bias ? w->bias + m0 : NULL, w->pos + m0, jlo, jhi, masked);
-        pf_softmax(w->S, BSP, nz, masked, w->m + m0, w->l + m0, alpha);
+        pf_softmax(w->S, BSP, nz, masked, w->m + m0, w->l + (int64_t)m0 * PF_LW, alpha);
         for (int z = nz; z < PF_MR; z++) {  /* unused rows: nothing accumulated */
             alpha[z] = 0.0f;
             memset(w->S + (int64_t)z * BSP, 0, sizeof(float) * BSP);
@@ -500,6 +519,7 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
         nt = nt2; jlo = jlo2; jhi = jhi2; cur ^= 1;
     }
     _mm_setcsr(csr);
+    pf_fold_l(w.l, M);
     pf_finish(a, vs, t, w.m, w.l, w.acc, 1, D);
     pf_free(&w);
     return 0;
