@@ -117,11 +117,20 @@ def test_engine_loop_matches_the_drop_in_the_reference_ops_and_eager(model, fmt)
             finally:
                 enable(model)
             torch.testing.assert_close(lg, rounded.logits[0], atol=2e-3 * scale, rtol=0)
-    # the reference latent ops on the same pages: fp32 rounding only
-    ref = _engine_run(model, _cache(model, fmt), prompts, steps=4, backend="reference")
+    # the reference latent ops: fp32 rounding only while both caches hold the same pages. An fp32
+    # rounding difference upstream can move a stored value across a rounding boundary of the
+    # codec (one bf16 ulp flip in a deeper layer, seen on an AVX-512 build), after which the two
+    # runs differ by what a bf16 cache's rounding moves: the eager comparison's allowance above.
+    rc = _cache(model, fmt)
+    ref = _engine_run(model, rc, prompts, steps=4, backend="reference")
+    # (once a value flipped, the layers after it see inputs ~1e-4 apart, so a few more flip: 53
+    # of 16104 bytes there; a wrong store or attention would differ in most of them)
+    flipped = sum(int((a.pool != b.pool).sum()) for a, b in zip(c.layers, rc.layers))
+    written = sum(int((a.pool != 0).sum()) for a in c.layers)
+    assert flipped <= 0.01 * written, f"{flipped} of {written} stored bytes differ from the reference ops' store"
     for (toks, lg), (rtoks, rlg) in zip(runs, ref):
         assert toks == rtoks
-        torch.testing.assert_close(lg, rlg, atol=1e-4 * scale, rtol=0)
+        torch.testing.assert_close(lg, rlg, atol=(1e-4 if flipped == 0 else 2e-3) * scale, rtol=0)
 
 
 @torch.no_grad()
