@@ -39,7 +39,7 @@ if not cpu.available():
 
 def takes_integer_path(codec) -> bool:
     t = codec.traits
-    return (cpu.kernel_info().get("variant") == "avx2" and t.decode in (DecodeKind.TABLE, DecodeKind.INT_OFFSET)
+    return (cpu.kernel_info().get("variant") in ("avx2", "avx512") and t.decode in (DecodeKind.TABLE, DecodeKind.INT_OFFSET)
             and t.bits <= 4 and t.per_group_scale)
 
 
@@ -91,12 +91,23 @@ def v_norm_max(case) -> torch.Tensor:
 
 @pytest.mark.parametrize("k,v", all_pairs())
 def test_int8_scores_within_derived_bound(k, v):
+    check_int8_within_bound(k, v, 64)
+
+
+@pytest.mark.parametrize("k,head_dim", [("q4_0", 96), ("nvfp4", 32), ("q4_0", 128)])
+def test_int8_scores_head_dims_not_multiple_of_64(k, head_dim):
+    """The AVX-512 integer path works in 64-dim passes: a last 32 dims (96, 32) read 32 codes
+    against a zero-padded query; 128: two full passes."""
+    check_int8_within_bound(k, "bf16", head_dim)
+
+
+def check_int8_within_bound(k, v, head_dim):
     from pagedkv.ops.cpu.attention import ATTENTION_SUPPORT
 
     why = ATTENTION_SUPPORT.refusal(CODECS[k], store=False) or ATTENTION_SUPPORT.refusal(CODECS[v], store=False)
     if why is not None:  # the dispatcher hands such pairs to the reference ops
         pytest.skip(f"the CPU kernel does not read {k}/{v}: {why}")
-    cc = CheckCase(k, v, seq_lens=(45, 1, 70), num_kv_heads=2, group=3)
+    cc = CheckCase(k, v, seq_lens=(45, 1, 70), num_kv_heads=2, group=3, head_dim=head_dim)
     case = cc.build()
     exact_params = cc.params()
     approx_params = replace(exact_params, int8_scores=True)

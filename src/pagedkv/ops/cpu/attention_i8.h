@@ -1,5 +1,5 @@
-/* Approximate integer scores for the AVX2 decode path (included by attention_kernel.c inside its
- * AVX2 section; `AttentionParams.int8_scores`, off by default).
+/* Approximate integer scores for the SIMD decode paths (included by attention_kernel.c after its
+ * AVX2 / AVX-512 sections; `AttentionParams.int8_scores`, off by default).
  *
  * Only for K sides whose codes are 2/3/4-bit table lookups with per-group scales (turbo*, q4_0,
  * ...), head_dim a multiple of 32, few query vectors per task (decode). What changes:
@@ -7,29 +7,27 @@
  *   sq = max|q| / 127;
  * - the code levels become 7-bit integers: L = round(level / ls) + 64 in [1, 127] with
  *   ls = max|level| / 63 (ls = 1, exact, when the levels are integers within +-63);
- * - a K row's 32 codes become 32 bytes (a byte shuffle puts each code's 16-bit window in a word,
- *   a multiply by a power of two and a shift isolate it, a pack and a shuffle look the level up);
- *   vpmaddubsw (u8 levels x s8 query: pairs <= 2 * 127 * 127, no saturation) and vpmaddwd with
- *   ones give 8 int32 sums of 4 products (lanes 0-3: the first 16 dims, 4-7: the next 16); the
- *   offset 64 is taken out exactly (64 * the query's sum over the same 4 dims, precomputed);
- *   then one fp32 FMA per 8 lanes applies the group scales.
+ * - AVX2: a K row's 32 codes become 32 bytes (a byte shuffle puts each code's 16-bit window in a
+ *   word, a multiply by a power of two and a shift isolate it, a pack and a shuffle look the
+ *   level up); vpmaddubsw (u8 levels x s8 query: pairs <= 2 * 127 * 127, no saturation) and
+ *   vpmaddwd with ones give 8 int32 sums of 4 products (lanes 0-3: the first 16 dims, 4-7: the
+ *   next 16);
+ * - AVX-512: 64 codes become 64 bytes in three ops (vpermb moves the bytes holding codes 8Q ..
+ *   8Q+7 into qword Q, vpmultishiftqb puts code j's bits at the bottom of byte j, vpermb looks the
+ *   level up in a 64-entry replicated table); 16 tokens' level rows are transposed as dwords
+ *   (tokens in the lanes), and vpdpbusd (VNNI; without it vpmaddubsw + vpmaddwd) against 4 query
+ *   bytes broadcast adds 4 products to each token's lane: no horizontal sums;
+ * - the offset 64 is taken out exactly (the accumulator starts at -64 * the query's sum over the
+ *   same dims, precomputed); then one fp32 multiply / FMA per 8 / 16 lanes applies the group
+ *   scales.
  * Score error: |ds| <= (sq / 2) * sum_d |k_d| + (ls / 2) * sum_d |q_d| * scale_group(d)
  * (the query's rounding against the stored key, the level's rounding against the query); the
- * test derives its tolerance from this bound. Measured gain: see the commit message. */
+ * test derives its tolerance from this bound. Measured gains: ops/cpu/__init__.py (docstring). */
 
-typedef struct {
-    __m256i lut8;         /* 16-entry u8 level table (levels / ls + 64), both lanes */
-    __m256i idx_a, idx_b;  /* byte shuffles: word k of lane L <- the window of code 16L + k (+8 for b) */
-    __m256i mul_a, mul_b;  /* 2^(16 - bits - shift) per word */
-    __m128i tail;         /* dword mask of a chunk's 4 * bits bytes (the row's last chunk) */
-    float ls;             /* value of one level unit */
-    int ok;               /* 1: this side takes the integer path */
-} i8_ctx;
-
-static void i8_ctx_init(i8_ctx *c, const pkv_side *sd, int D) {
-    memset(c, 0, sizeof *c);
-    if (sd->kind != EK_LUT || sd->bits > 4 || !sd->group || D % 32) return;
-    const int bits = sd->bits;
+/* The 7-bit image of a side's levels: lut[e] = round(table[e] / ls) + 64 for the 64 first entries
+   of the replicated table, *ls the value of one unit. 0: this side has no integer path. */
+static int i8_levels(const pkv_side *sd, int D, float *ls, uint8_t lut[64]) {
+    if (sd->kind != EK_LUT || sd->bits > 4 || !sd->group || D % 32) return 0;
     float amax = 0.0f;
     int integral = 1;
     for (int e = 0; e < 16; e++) {
@@ -37,40 +35,19 @@ static void i8_ctx_init(i8_ctx *c, const pkv_side *sd, int D) {
         amax = v > amax ? v : amax;
         integral &= sd->table[e] == rintf(sd->table[e]);
     }
-    if (!(amax > 0.0f) || !isfinite(amax)) return;
-    c->ls = integral && amax <= 63.0f ? 1.0f : amax / 63.0f;
-    uint8_t lut[32], ia[32], ib[32];
-    int16_t ma[16], mb[16];
-    for (int e = 0; e < 16; e++) {
-        long v = lrintf(sd->table[e] / c->ls);
+    if (!(amax > 0.0f) || !isfinite(amax)) return 0;
+    *ls = integral && amax <= 63.0f ? 1.0f : amax / 63.0f;
+    for (int e = 0; e < 64; e++) {
+        long v = lrintf(sd->table[e] / *ls);
         v = v < -63 ? -63 : v > 63 ? 63 : v;
-        lut[e] = lut[16 + e] = (uint8_t)(v + 64);
+        lut[e] = (uint8_t)(v + 64);
     }
-    for (int L = 0; L < 2; L++)
-        for (int k = 0; k < 8; k++)
-            for (int half = 0; half < 2; half++) {
-                const int j = 16 * L + 8 * half + k, p = (bits * j) / 8, s = (bits * j) % 8;
-                uint8_t *ix = half ? ib : ia;
-                int16_t *mu = half ? mb : ma;
-                ix[16 * L + 2 * k] = (uint8_t)p;
-                ix[16 * L + 2 * k + 1] = s + bits > 8 ? (uint8_t)(p + 1) : 0x80;
-                mu[8 * L + k] = (int16_t)(1 << (16 - bits - s));
-            }
-    c->lut8 = _mm256_loadu_si256((const __m256i *)lut);
-    c->idx_a = _mm256_loadu_si256((const __m256i *)ia);
-    c->idx_b = _mm256_loadu_si256((const __m256i *)ib);
-    c->mul_a = _mm256_loadu_si256((const __m256i *)ma);
-    c->mul_b = _mm256_loadu_si256((const __m256i *)mb);
-    int32_t tm[4];
-    for (int w = 0; w < 4; w++) tm[w] = w < bits ? -1 : 0;
-    c->tail = _mm_loadu_si128((const __m128i *)tm);
-    c->ok = 1;
+    return 1;
 }
 
-/* Quantize the n query vectors q[n][D] into q8[n][D], qc[n][D/4] (64 * sum of each 4 dims) and
-   qmul[n] = sq * ls (the factor a raw integer score is multiplied by). */
-static void i8_prepare_queries(const i8_ctx *c, const float *q, int n, int D, int8_t *q8, int32_t *qc,
-                               float *qmul) {
+/* Quantize the n query vectors q[n][D] into q8[n][D], qc[n][D/4] (-64 * sum of each 4 dims: the
+   accumulator's start) and qmul[n] = sq * ls (the factor a raw integer score is multiplied by). */
+static void i8_prepare_queries(float ls, const float *q, int n, int D, int8_t *q8, int32_t *qc, float *qmul) {
     for (int m = 0; m < n; m++) {
         const float *x = q + (int64_t)m * D;
         float amax = 0.0f;
@@ -82,11 +59,48 @@ static void i8_prepare_queries(const i8_ctx *c, const float *q, int n, int D, in
             y[d] = (int8_t)(v < -127 ? -127 : v > 127 ? 127 : v);
         }
         for (int j = 0; j < D / 4; j++)
-            qc[(int64_t)m * (D / 4) + j] = 64 * (y[4 * j] + y[4 * j + 1] + y[4 * j + 2] + y[4 * j + 3]);
-        qmul[m] = sq * c->ls;
+            qc[(int64_t)m * (D / 4) + j] = -64 * (y[4 * j] + y[4 * j + 1] + y[4 * j + 2] + y[4 * j + 3]);
+        qmul[m] = sq * ls;
     }
 }
 
+#ifdef PKV_AVX2
+typedef struct {
+    __m256i lut8;         /* 16-entry u8 level table (levels / ls + 64), both lanes */
+    __m256i idx_a, idx_b;  /* byte shuffles: word k of lane L <- the window of code 16L + k (+8 for b) */
+    __m256i mul_a, mul_b;  /* 2^(16 - bits - shift) per word */
+    __m128i tail;         /* dword mask of a chunk's 4 * bits bytes (the row's last chunk) */
+    float ls;             /* value of one level unit */
+    int ok;               /* 1: this side takes the integer path */
+} i8_ctx;
+
+static void i8_ctx_init(i8_ctx *c, const pkv_side *sd, int D) {
+    memset(c, 0, sizeof *c);
+    uint8_t lut[64], ia[32], ib[32];
+    if (!i8_levels(sd, D, &c->ls, lut)) return;
+    const int bits = sd->bits;
+    int16_t ma[16], mb[16];
+    for (int L = 0; L < 2; L++)
+        for (int k = 0; k < 8; k++)
+            for (int half = 0; half < 2; half++) {
+                const int j = 16 * L + 8 * half + k, p = (bits * j) / 8, s = (bits * j) % 8;
+                uint8_t *ix = half ? ib : ia;
+                int16_t *mu = half ? mb : ma;
+                ix[16 * L + 2 * k] = (uint8_t)p;
+                ix[16 * L + 2 * k + 1] = s + bits > 8 ? (uint8_t)(p + 1) : 0x80;
+                mu[8 * L + k] = (int16_t)(1 << (16 - bits - s));
+            }
+    memcpy(lut + 16, lut, 16);
+    c->lut8 = _mm256_loadu_si256((const __m256i *)lut);
+    c->idx_a = _mm256_loadu_si256((const __m256i *)ia);
+    c->idx_b = _mm256_loadu_si256((const __m256i *)ib);
+    c->mul_a = _mm256_loadu_si256((const __m256i *)ma);
+    c->mul_b = _mm256_loadu_si256((const __m256i *)mb);
+    int32_t tm[4];
+    for (int w = 0; w < 4; w++) tm[w] = w < bits ? -1 : 0;
+    c->tail = _mm_loadu_si128((const __m128i *)tm);
+    c->ok = 1;
+}
 /* 32 codes (chunk c of a row of rd bytes) -> 32 u8 levels */
 PKV_INLINE __m256i i8_levels32(const int bits, const i8_ctx *c, const uint8_t *drow, int ch, int rd) {
     const int off = 4 * bits * ch;
@@ -121,8 +135,8 @@ PKV_INLINE void scores_i8_t(const int bits, const pkv_side *sd, const i8_ctx *c,
                 const int32_t *cm = qc + (int64_t)m * (D / 4) + 8 * ch;
                 __m256i t0 = _mm256_madd_epi16(_mm256_maddubs_epi16(k0, _mm256_loadu_si256((const __m256i *)qm)), ones);
                 __m256i t1 = _mm256_madd_epi16(_mm256_maddubs_epi16(k1, _mm256_loadu_si256((const __m256i *)(qm + 32))), ones);
-                t0 = _mm256_sub_epi32(t0, _mm256_loadu_si256((const __m256i *)cm));
-                t1 = _mm256_sub_epi32(t1, _mm256_loadu_si256((const __m256i *)(cm + 8)));
+                t0 = _mm256_add_epi32(t0, _mm256_loadu_si256((const __m256i *)cm));
+                t1 = _mm256_add_epi32(t1, _mm256_loadu_si256((const __m256i *)(cm + 8)));
                 __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1), s1, _mm256_mul_ps(_mm256_cvtepi32_ps(t0), s0));
                 float *dst = part + ((int64_t)m * BSP + i) * 8;
                 if (ch) acc = _mm256_add_ps(acc, _mm256_load_ps(dst));
@@ -135,7 +149,7 @@ PKV_INLINE void scores_i8_t(const int bits, const pkv_side *sd, const i8_ctx *c,
             for (int m = 0; m < M; m++) {
                 const __m256i qv = _mm256_loadu_si256((const __m256i *)(q8 + (int64_t)m * D + 32 * ch));
                 __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(k, qv), ones);
-                t = _mm256_sub_epi32(t, _mm256_loadu_si256((const __m256i *)(qc + (int64_t)m * (D / 4) + 8 * ch)));
+                t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)(qc + (int64_t)m * (D / 4) + 8 * ch)));
                 float *dst = part + ((int64_t)m * BSP + i) * 8;
                 const __m256 prev = ch ? _mm256_load_ps(dst) : _mm256_setzero_ps();
                 _mm256_store_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sv, prev));
@@ -158,3 +172,153 @@ static void scores_i8(const pkv_side *sd, const i8_ctx *c, const pkv_rows *rw, i
     default: scores_i8_t(4, sd, c, rw, h, nt, H, D, M, q8, qc, qmul, part, S, BSP); break;
     }
 }
+#endif /* PKV_AVX2 */
+
+#ifdef PKV_AVX512
+typedef struct {
+    __m512i spread;  /* vpermb: qword Q <- the code bytes bits * Q .. bits * Q + 7 (codes 8Q .. 8Q+7) */
+    __m512i mshift;  /* vpmultishiftqb: byte j of a qword <- its bits from bits * j */
+    __m512i lut;     /* 64-entry u8 level table (levels / ls + 64, replicated) */
+    __m512i rep4;    /* vpermps: lane l <- scale l / 4 (16 lanes = 4 groups of 16 dims) */
+    float ls;        /* value of one level unit */
+    int ok;          /* 1: this side takes the integer path */
+} i8_ctx;
+
+static void i8_ctx_init(i8_ctx *c, const pkv_side *sd, int D) {
+    memset(c, 0, sizeof *c);
+    uint8_t lut[64], sp[64], ms[64];
+    int32_t r4[16];
+    if (!i8_levels(sd, D, &c->ls, lut)) return;
+    const int bits = sd->bits;
+    for (int Q = 0; Q < 8; Q++)
+        for (int k = 0; k < 8; k++) {
+            sp[8 * Q + k] = (uint8_t)imin(bits * Q + k, 63);
+            ms[8 * Q + k] = (uint8_t)(bits * k);
+        }
+    for (int l = 0; l < 16; l++) r4[l] = l / 4;
+    c->lut = _mm512_loadu_si512(lut);
+    c->spread = _mm512_loadu_si512(sp);
+    c->mshift = _mm512_loadu_si512(ms);
+    c->rep4 = _mm512_loadu_si512(r4);
+    c->ok = 1;
+}
+
+/* 64 codes (dims 64p .. 64p+63 of a row; n <= 64 of them read, the rest of the bytes zero) -> 64
+   u8 levels: 8 * bits bytes loaded (n = 32: 4 * bits), three byte ops (see the file comment). */
+PKV_INLINE __m512i i8_levels64(const int bits, const i8_ctx *c, const uint8_t *drow, int p, int n) {
+    const __mmask32 k = (__mmask32)((1ull << (n / 8 * bits)) - 1u);
+    const __m512i x = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(k, drow + 8 * bits * p));
+    const __m512i y = _mm512_multishift_epi64_epi8(c->mshift, _mm512_permutexvar_epi8(c->spread, x));
+    return _mm512_permutexvar_epi8(y, c->lut);
+}
+
+/* acc + 16 sums of 4 products u8 a x s8 b */
+PKV_INLINE __m512i i8_dot(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* 16 vectors of 16 dwords transposed in registers: x[k] lane t <- x[t] lane k (transpose16's
+   shuffles on integer data). */
+PKV_INLINE void transpose16i(__m512i x[16]) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(x[i]);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; k < 4; k++) {
+            __m512 a = r[8 * i + k], b = r[8 * i + 4 + k];
+            t[8 * i + k] = _mm512_shuffle_f32x4(a, b, 0x88);
+            t[8 * i + 4 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
+        }
+    for (int k = 0; k < 8; k++) {
+        __m512 a = t[k], b = t[8 + k];
+        x[k] = _mm512_castps_si512(_mm512_shuffle_f32x4(a, b, 0x88));
+        x[8 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(a, b, 0xDD));
+    }
+}
+
+/* Raw scores S[m][i] ~ q_m . k_i of the nt rows of a chunk (MM query vectors, compile-time), 16
+   tokens at a time with the tokens in the lanes: the 16 rows' levels of a 64-dim pass (one
+   register each, i8_levels64) are transposed as dwords, so that register k holds dims 4k .. 4k+3
+   of every token; then per query one vpdpbusd per 4 dims against the query's 4 bytes broadcast
+   (an embedded broadcast) accumulates each token's score in its own lane: no horizontal sums.
+   Per 16-dim group the accumulator starts at the offset correction (-64 * the group's query
+   sum), and one fp32 FMA with the 16 tokens' group scales (a gather of the decoded scales)
+   adds it to the query's scores. A last 32 dims (D an odd multiple of 32) read 32 codes (the
+   other bytes zero) against the zero-padded query (stride D64 = D rounded up to 64). */
+PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, const i8_ctx *ic, const pkv_rows *rw,
+                            int h, int nt, int H, int D, const int8_t *q8, const int32_t *qc,
+                            const float *qmul, float *S, int BSP) {
+    const i8_ctx c = *ic;  /* a local copy, kept in registers (see scores_dot_t) */
+    const int np = (D + 63) >> 6, D64 = np * 64, nc = D >> 4, rd = sd->row_data_bytes;
+    const int64_t hoff = (int64_t)h * rd;
+    const __m512i tok = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(H * nc));
+    for (int g0 = 0; g0 < nt; g0 += 16) {
+        const int n16 = imin(16, nt - g0);
+        const __mmask16 tm = (__mmask16)(n16 == 16 ? 0xffff : (1u << n16) - 1u);
+        __m512 facc[4];
+        for (int m = 0; m < MM; m++) facc[m] = _mm512_setzero_ps();
+        for (int p = 0; p < np; p++) {
+            const int n = imin(64, D - 64 * p);
+            __m512i L[16];
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) {
+                if (t < n16) {
+                    if (p == 0) prefetch_next(rw, g0 + t, hoff, rd);
+                    L[t] = i8_levels64(bits, &c, rw->data[g0 + t] + hoff, p, n);
+                } else {
+                    L[t] = _mm512_setzero_si512();
+                }
+            }
+            transpose16i(L);
+            const float *sb = rw->scl + ((int64_t)g0 * H + h) * nc + 4 * p;
+            for (int z = 0; z < n / 16; z++) {
+                const __m512 sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), tm, tok, sb + z, 4);
+                for (int m = 0; m < MM; m++) {
+                    const int32_t *qw = (const int32_t *)(q8 + (int64_t)m * D64 + 64 * p) + 4 * z;
+                    const int32_t *cz = qc + (int64_t)m * (D64 / 4) + 16 * p + 4 * z;
+                    __m512i acc = _mm512_set1_epi32(cz[0] + cz[1] + cz[2] + cz[3]);
+                    for (int k = 0; k < 4; k++) acc = i8_dot(acc, L[4 * z + k], _mm512_set1_epi32(qw[k]));
+                    facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sv, facc[m]);
+                }
+            }
+        }
+        for (int m = 0; m < MM; m++) _mm512_store_ps(S + (int64_t)m * BSP + g0, _mm512_mul_ps(facc[m], _mm512_set1_ps(qmul[m])));
+    }
+}
+
+#define PKV_I8_M(B)                                                                                          \
+    for (int m0 = 0; m0 < M; m0 += 4) {                                                                      \
+        const int mm = imin(4, M - m0);                                                                      \
+        const int8_t *a8 = q8 + (int64_t)m0 * D64;                                                           \
+        const int32_t *ac = qc + (int64_t)m0 * (D64 / 4);                                                    \
+        float *ss = S + (int64_t)m0 * BSP;                                                                   \
+        if (mm == 4) scores_i8_t(B, 4, sd, c, rw, h, nt, H, D, a8, ac, qmul + m0, ss, BSP);                   \
+        else if (mm == 3) scores_i8_t(B, 3, sd, c, rw, h, nt, H, D, a8, ac, qmul + m0, ss, BSP);              \
+        else if (mm == 2) scores_i8_t(B, 2, sd, c, rw, h, nt, H, D, a8, ac, qmul + m0, ss, BSP);              \
+        else scores_i8_t(B, 1, sd, c, rw, h, nt, H, D, a8, ac, qmul + m0, ss, BSP);                           \
+    }
+static void scores_i8(const pkv_side *sd, const i8_ctx *c, const pkv_rows *rw, int h, int nt, int H, int D, int M,
+                      const int8_t *q8, const int32_t *qc, const float *qmul, float *S, int BSP) {
+    const int D64 = (D + 63) & ~63;
+    switch (sd->bits) {
+    case 2: PKV_I8_M(2) break;
+    case 3: PKV_I8_M(3) break;
+    default: PKV_I8_M(4) break;
+    }
+}
+#undef PKV_I8_M
+#endif /* PKV_AVX512 */

@@ -23,7 +23,7 @@
  * each code into a 32-bit lane, a variable shift, and vpermps as a 16-entry table lookup;
  * with AVX2 + FMA + F16C the same technique on 8 lanes (a broadcast word + variable shift per
  * 8 codes, vpermps as an 8-entry table, two for 4-bit codes); otherwise portable C.
- * Opt-in approximate integer scores for the AVX2 decode (args int8_scores): attention_i8.h.
+ * Opt-in approximate integer scores for the AVX2 and AVX-512 decode (args int8_scores): attention_i8.h.
  */
 #include <math.h>
 #include <stdint.h>
@@ -903,8 +903,6 @@ static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
 #undef PKV_CALL_DOT
 }
 
-#include "attention_i8.h"
-
 /* Scores of many query vectors against a decoded K tile rows[BSP][D]: transposed to
    kt[BSP/8][D][8], then 6 queries x 16 tokens of register accumulators per pass (pf_scores, the
    prefill tile's micro-kernel in prefill_kernel.h; a short last pass repeats query 0). */
@@ -1076,6 +1074,10 @@ static inline __m256 softcap256(__m256 s, float cap) {
 }
 #endif /* PKV_AVX2 */
 
+#ifdef PKV_SIMD
+#include "attention_i8.h"
+#endif
+
 /* ---------------------------------------------------------------- per-task state */
 typedef struct {
     float *m;    /* [Mt] running max (-inf: nothing seen) */
@@ -1103,7 +1105,7 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
 #ifdef PKV_SIMD
                        const lut_ctx *klc, const lut_ctx *vlc,
 #endif
-#ifdef PKV_AVX2
+#ifdef PKV_SIMD
                        const i8_ctx *ik,
 #endif
                        const pkv_rows *kr, const pkv_rows *vr, int h, int hh, int jlo, int jhi, int M,
@@ -1117,7 +1119,11 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
     float *rows = sc->rows, *S = sc->s;
 
 #ifdef PKV_AVX512
-    if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
+    if (sc->q8) {  /* approximate integer scores (M <= SMALL_M, checked by the caller) */
+        const int D64 = (D + 63) & ~63;
+        scores_i8(ks, ik, kr, h, nt, H, D, M, sc->q8 + (int64_t)hh * M * D64, sc->qc + (int64_t)hh * M * (D64 / 4),
+                  sc->qmul + (int64_t)hh * M, S, BSP);
+    } else if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
         scores_dot(ks, klc, kr, h, nt, H, D, M, qv, sc->kt, S, BSP);
     } else {  /* many: decode into a tile, transpose, broadcast-FMA every query against it */
         decode_rows(ks, klc, kr, h, nt, H, D, rows, NULL);
@@ -1493,15 +1499,22 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     lut_ctx_init(&klc, ks);
     lut_ctx_init(&vlc, vs);
 #endif
-#ifdef PKV_AVX2
+#ifdef PKV_SIMD
     i8_ctx ik;
     i8_ctx_init(&ik, ks, D);
     if (a->int8_scores && ik.ok && M <= SMALL_M) {
-        sc.q8 = xalloc((size_t)hpt * M * D);
-        sc.qc = xalloc(sizeof(int32_t) * (size_t)hpt * M * (D / 4));
+#ifdef PKV_AVX512
+        const int QD = (D + 63) & ~63;  /* each vector zero-padded to 64-dim passes */
+#else
+        const int QD = D;
+#endif
+        sc.q8 = xalloc((size_t)hpt * M * QD);
+        sc.qc = xalloc(sizeof(int32_t) * (size_t)hpt * M * (QD / 4));
         sc.qmul = xalloc(sizeof(float) * (size_t)hpt * M);
         if (!sc.q8 || !sc.qc || !sc.qmul) { rc = -1; goto done; }
-        i8_prepare_queries(&ik, sc.q, hpt * M, D, sc.q8, sc.qc, sc.qmul);
+        for (int m = 0; m < hpt * M; m++)
+            i8_prepare_queries(ik.ls, sc.q + (int64_t)m * D, 1, D, sc.q8 + (int64_t)m * QD, sc.qc + (int64_t)m * (QD / 4),
+                               sc.qmul + m);
     }
 #endif
     const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
@@ -1530,7 +1543,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
 #ifdef PKV_SIMD
                            &klc, &vlc,
 #endif
-#ifdef PKV_AVX2
+#ifdef PKV_SIMD
                            &ik,
 #endif
                            kr, vr, h, hh, jlo, jhi, M, sc.q + (size_t)hh * M * D,
