@@ -32,10 +32,8 @@ F/BW/VL/VBMI/BF16, a shared 2-core VM; `pagedkv bench attention`, 1 thread, the 
   first version 3.6 -> no integer division in the scale lookup + prefetch 2.3 -> dot path
   instead of transposes for few queries 2.1 -> 64-token chunks and scales decoded per token for
   all heads 1.64 -> V in registers 1.56.
-- int8 (VNNI) dot products against a quantized q were estimated at ~20% of the step here (they
-  would only shorten the K decode; V, softmax and the reduction stay), at the price of not
-  matching the fp32 reference, so the kernel stays exact fp32 (|out - reference| ~1e-6) by
-  default; the AVX2 build has an opt-in integer path (below).
+- The kernel is exact fp32 by default (|out - reference| ~1e-6); the AVX2 and AVX-512 builds
+  have an opt-in integer score path (`AttentionParams.int8_scores`, below).
 
 Measured ratios (ms / fastest torch way over a contiguous bf16 cache, which is always the plain
 bf16 matmul -> softmax -> matmul with the group folded; `pagedkv bench attention`):
@@ -104,6 +102,37 @@ load 3.8-4.1, 0.86-0.96x the time): the V pass for 3 query vectors no longer kee
 on the stack (weights pre-broadcast as FMA memory operands), 2/3-bit tables take the group scale
 once per 16 values, fully visible chunks skip the mask pass, row pointers are filled per block.
 Pools on 2 MiB pages (`ops.hugepages.advise`) take 0.90x the time at 32k batch 8 (TLB misses).
+
+AVX-512 on AMD EPYC Zen 5 (issue 14; AVX-512 F/BW/VL/VBMI/VBMI2, VNNI, BF16, a 2-core VM shared
+with other jobs, load 2-5 during these measurements). The avx512 decode path predated the AVX2
+work. Where a step's time went (turbo3, 32k b1, ablation builds A/B in one process, load 3.4):
+K scores 43%, V 24%, the rest (softmax, scale decode, row pointers, the Python call) 33%; the
+same work over block tables folded into 64 blocks (L2-resident) took the same time, so it is
+instruction-bound, not memory-bound. Changes (A/B against the previous build in one process,
+thread CPU time, 32k b1, medians):
+- exact path (15cbe14): a 64-value pass's code bytes are loaded once and each 16-value chunk is a
+  vpermb from that register (decode64; E4M3 by one masked vpermb into fp16 bits + shift + and,
+  was 6 ops), the query count a compile-time constant in scores_dot, lut_ctx copied to a local
+  (gcc reloaded its vectors after every partial-score store: vector types may alias), a block's
+  group scales decoded 16 at a time, the mask pass skipped for fully visible chunks: turbo3
+  0.81x, turbo4 0.77x, fp8k_turbo3v 0.87x the time (load 5.2);
+- integer scores (10b21e5, `int8_scores`, same quantization and bound as AVX2): 64 codes -> 64
+  u8 levels in three byte ops (vpermb, vpmultishiftqb, vpermb as a 64-entry table); 16 tokens'
+  level rows transposed as dwords (tokens in lanes), so vpdpbusd against 4 query bytes
+  broadcast accumulates each token's score in its own lane with no horizontal sums; per 16-dim
+  group the accumulator starts at the offset correction and one FMA applies the 16 tokens'
+  gathered scales. A first version kept dims in lanes (one vpdpbusd per query and 64 dims, then
+  the 16-token shuffle tree): only 0.90x the exact time for turbo3, 1.0x for turbo4, since the
+  reduction and partial stores, not the decode, dominated. Transposed: turbo3 int8 34.5 ms vs
+  58.2 ms exact on the previous main (min of 21, load 3.9).
+`pagedkv bench attention --formats turbo3,turbo4,fp8k_turbo3v --contexts 32k --batch 1,8
+--repeats 5 --int8-scores --no-memory --no-prefill`, 1 thread, load 3.5-3.7 (the baseline itself
+moved 84-125 ms between runs): 32k b1 exact 0.56 / 0.54 / 0.50, int8 0.42 / 0.43 (fp8k_turbo3v:
+E4M3 keys take no integer path); b8 exact 0.53 / 0.51 / 0.52, int8 0.42 / 0.43. Tried, did not
+pay: the exact K's first two shuffle stages in registers per 4 tokens (12 accumulators live):
+1.05-1.12x the time (register pressure). Left: V is now as large as K (~35 ops per token and kv
+head: decode, scale, 12 FMAs for 3 queries); a bf16 V (vdpbf16ps, two tokens per instruction,
+weights p * scale as bf16 pairs) would roughly halve it as an approximate setting.
 
 Sparse V (threshold t > 0): a V row is skipped when exp(s - m_run) < t * Z_run for every query of
 the tile, where m_run / Z_run are the running max / denominator (sinks included). Since the final
