@@ -8,7 +8,10 @@ and once on the general kernel (`run_attention(prefill_tile=False)`); the 1-minu
 printed beside every row. Shapes: "CONTEXT:QUERIES" (q_len queries at the end of the context).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill.py [--formats turbo3,turbo4,fp8k_turbo3v]
-        [--shapes 4096:512,16384:2048] [--repeats 3] [--no-general]
+        [--shapes 4096:512,16384:2048] [--repeats 3] [--no-general] [--threads 1]
+
+--threads N > 1 times wall clock (thread CPU time counts one thread only); SDPA then runs on N
+threads too (torch.set_num_threads), so the ratio compares like with like.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096:512,16384:2048", help="CONTEXT:QUERIES, comma separated")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (prefill_row takes 2-3)")
     ap.add_argument("--no-general", action="store_true", help="skip the general kernel's prefill")
+    ap.add_argument("--threads", type=int, default=1, help="threads of both (> 1: wall-clock times)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    shape = BenchShape(repeats=args.repeats)
+    torch.set_num_threads(args.threads)
+    shape = BenchShape(repeats=args.repeats, threads=args.threads)
     kernel = cpu._require()
     paths = [("tile", True)] + ([] if args.no_general else [("general", False)])
     for spec in args.shapes.split(","):
@@ -43,7 +47,8 @@ def main() -> None:
                 fn = functools.partial(run_attention, kernel, prefill_tile=tile)
                 r = prefill_row(parse_format(fmt), shape, context, q_len, fn)
                 print(f"{q_len} after {context - q_len}: {fmt:>13} {label:>7} {r['ms']:8.0f} ms vs sdpa "
-                      f"{r['baseline_ms']:8.0f} ms ratio {r['ratio']:.2f} (1 thread, load {r['load']:.1f})", flush=True)
+                      f"{r['baseline_ms']:8.0f} ms ratio {r['ratio']:.2f} ({args.threads} thread{'s' * (args.threads > 1)}, "
+                      f"load {r['load']:.1f})", flush=True)
 
 
 if __name__ == "__main__":
