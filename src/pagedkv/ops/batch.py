@@ -72,6 +72,12 @@ class AttentionParams:
     kernel's AVX2 and AVX-512 decode paths for 2/3/4-bit table codes with group scales: the query quantized
     to int8 per vector, levels to 7 bits; the score error bound is in ops/cpu/attention_i8.h).
     Backends without such a path compute exactly.
+    bf16_dots: False is exact; True permits a backend bf16 products in prefill (the CPU kernel's
+    AVX-512 BF16 prefill tile: q and K rounded to bf16 for the scores, softmax weights and V for
+    the values, fp32 sums). Per query row, with e = 2^-8 scale max_j sum_d |q_d k_jd| (the score
+    error bound, in the basis the keys are stored in): ||out - exact||_2 <= ((exp(2e) - 1) +
+    2^-8 exp(2e)) max_j ||v_j||_2 (derived and tested in tests/test_cpu_prefill.py). Backends
+    without such a path compute exactly.
     """
 
     scale: float
@@ -80,6 +86,7 @@ class AttentionParams:
     sinks: Optional[torch.Tensor] = None
     sparse_v_threshold: float = 0.0
     int8_scores: bool = False
+    bf16_dots: bool = False
 
 
 def make_layer(k_codec: Codec, v_codec: Codec, num_blocks: int, block_size: int,
