@@ -12,14 +12,16 @@ order (|out - ref| ~1e-6; 2e-4 of rms(v) = 1 leaves room for summation order onl
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
-from helpers.attention_oracle import run_op
+from helpers.attention_oracle import oracle_outputs, run_op
 from helpers.backend_check import CheckCase, all_pairs, check_backend
 
+from pagedkv.errors import InvalidInput
 from pagedkv.ops import AttentionParams, cpu
 
 att = importlib.import_module("pagedkv.ops.cpu.attention")  # the module (cpu.attention is a function)
@@ -40,11 +42,11 @@ def tile_calls(monkeypatch):
     calls = []
     real = att._prefill_entry
 
-    def spy(kernel):
-        fn = real(kernel)
+    def spy(kernel, bf16=False):
+        fn = real(kernel, bf16)
         if fn is None:
             return None
-        return lambda *args: calls.append(1) or fn(*args)
+        return lambda *args: calls.append(fn.__name__) or fn(*args)
 
     monkeypatch.setattr(att, "_prefill_entry", spy)
     return calls
@@ -127,3 +129,126 @@ def test_decode_batches_do_not_take_the_tile(tile_calls):
     case = CheckCase("turbo3", "turbo3", seq_lens=(100, 7)).build()
     out = run_op(case, AttentionParams(scale=0.125), mode="decode", fn=cpu.decode_attention)
     assert torch.isfinite(out).all() and not tile_calls
+
+
+# ---------------------------------------------------------------- bf16 products (AttentionParams.bf16_dots)
+def _bf16_available() -> bool:
+    return cpu.available() and bool(cpu._require().lib.pkv_prefill_bf16_available())
+
+
+needs_bf16 = pytest.mark.skipif(not _bf16_available(), reason="this build has no bf16 prefill tile (AVX-512 BF16)")
+
+U = 2.0 ** -9  # bf16 round-to-nearest-even: relative error <= 2^-9 (8-bit significand)
+
+
+def bf16_bound(case, params: AttentionParams) -> torch.Tensor:
+    """Per (query token, q head) bound on ||out_bf16 - out_exact||_2 of the bf16 tile.
+
+    Scores: the kernel's s_j = sum_d q_d k_jd (q with the scale folded in, k as stored: centred,
+    multiplied, rotated) from bf16 q~ = q (1 + a), k~ = k (1 + b), |a|, |b| <= U, the products
+    exact in fp32 and summed in fp32 (<= D 2^-24 relative to sum |q k|): |s~_j - s_j| <= e_j =
+    (2U + U^2 + D 2^-24) sum_d |q_d k_jd|; bias, sinks are exact, the soft-cap is 1-Lipschitz.
+    Weights: with E = max_j e_j, each softmax weight moves by a factor within [e^-2E, e^2E], so
+    sum_j |w'_j - w_j| <= e^2E - 1. Values: the kernel sums bf16(p_j) bf16(v_j) over fp32 p
+    normalised by the fp32 denominator: relative error <= 2U + U^2 on each term. Hence
+    ||out~ - out|| <= ((e^2E - 1) + (2U + U^2) e^2E) max_j ||v_j||, v as stored (centred; the
+    inverse rotation keeps norms); the maxima run over all keys of the sequence (visible or not).
+    """
+    from pagedkv.codecs import wht
+
+    layer = case.layer
+    h, d = layer.num_kv_heads, layer.head_dim
+    g = case.num_q_heads // h
+    cs = 2 * U + U * U + d * 2.0 ** -24
+    starts = case.query_start_loc.tolist()
+    out = []
+    for b in range(case.batch):
+        q = case.q_prefill[starts[b]:starts[b + 1]].double()  # [T, Hq, D]
+        k, v = case.k_deq[b].double(), case.v_deq[b].double()  # [n, H, D], original basis
+        if layer.k_mult is not None:
+            k = k * layer.k_mult.double()
+            q = q / layer.k_mult.double().repeat_interleave(g, 0)
+        if layer.k_centre is not None:
+            k = k - layer.k_centre.double()
+        if layer.v_centre is not None:
+            v = v - layer.v_centre.double()
+        if layer.k_codec.rotated:
+            r = wht.rotation_matrix(d).double()
+            q, k = q @ r.T, k @ r.T
+        t = q.shape[0]
+        if k.shape[0] == 0 or t == 0:
+            out.append(torch.zeros(t, case.num_q_heads, dtype=torch.float64))
+            continue
+        sabs = torch.einsum("thgd,nhd->thgn", q.abs().reshape(t, h, g, d), k.abs()) * params.scale
+        e = cs * sabs.amax(-1).reshape(t, h * g)
+        vmax = v.norm(dim=-1).amax(0).repeat_interleave(g)  # [Hq]
+        out.append(((torch.exp(2 * e) - 1) + (2 * U + U * U) * torch.exp(2 * e)) * vmax)
+    return torch.cat(out)
+
+
+BF16_CASES = [
+    (("turbo3", "turbo3"), dict()),
+    (("turbo4", "turbo4"), dict(transform=True)),
+    (("fp8", "turbo3"), dict(sliding_window=50, group=1)),
+    (("turbo3", "turbo4"), dict(soft_cap=5.0, sinks=True, group=8)),
+    (("turbo4", "q8_0"), dict(centre=True, k_offset=6.0)),
+    (("bf16", "nvfp4"), dict(block_size=24, head_dim=96, group=2, num_kv_heads=2)),
+    (("q4_0", "fp8"), dict(block_size=128, head_dim=128, sliding_window=77)),
+]
+
+
+@needs_bf16
+@pytest.mark.parametrize("pair,extra", BF16_CASES)
+def test_bf16_dots_within_bound(pair, extra, tile_calls):
+    """bf16_dots=True: the bf16 tile runs, its output differs from the exact tile's (it is the
+    approximate path) and stays within bf16_bound of the fp64 oracle over the dequantized cache
+    (plus the exact tile's own fp32 slack, 2e-4 per element)."""
+    base = dict(seq_lens=(300, 1, 129), q_lens=(260, 1, 129), num_kv_heads=1, group=3, seed=5)
+    base.update(extra)
+    case = CheckCase(*pair, **base).build()
+    p = CheckCase(*pair, **base).params()
+    exact = cpu.prefill_attention(case.q_prefill, case.layer, case.block_tables, case.seq_lens,
+                                  case.query_start_loc, p)
+    pb = dataclasses.replace(p, bf16_dots=True)
+    approx = cpu.prefill_attention(case.q_prefill, case.layer, case.block_tables, case.seq_lens,
+                                   case.query_start_loc, pb)
+    assert "pkv_prefill_bf16" in tile_calls and "pkv_prefill" in tile_calls
+    want = oracle_outputs(case, p, mode="prefill")
+    d = case.layer.head_dim
+    err = (approx.double() - want).norm(dim=-1)
+    bound = bf16_bound(case, p) + 2e-4 * d ** 0.5
+    assert bool((err <= bound).all()), f"worst err/bound {float((err / bound).max()):.3f}"
+    assert float((approx - exact).abs().max()) > 0  # the approximate path ran
+    assert float((exact.double() - want).norm(dim=-1).max()) < 2e-4 * d ** 0.5
+
+
+@needs_bf16
+def test_bf16_dots_head_dim_not_multiple_of_32_is_exact():
+    """head_dim % 32 != 0 (the bf16 K panel pairs dims in 32-dim vectors): the bf16 entry computes
+    exactly, the same as bf16_dots=False."""
+    case = CheckCase("bf16", "nvfp4", seq_lens=(200,), q_lens=(150,), head_dim=80, block_size=16).build()
+    p = AttentionParams(scale=80 ** -0.5)
+    args = (case.q_prefill, case.layer, case.block_tables, case.seq_lens, case.query_start_loc)
+    a = cpu.prefill_attention(*args, p)
+    b = cpu.prefill_attention(*args, dataclasses.replace(p, bf16_dots=True))
+    assert torch.equal(a, b)
+
+
+def test_bf16_dots_is_validated():
+    case = CheckCase("turbo3", "turbo3", seq_lens=(40,), q_lens=(20,)).build()
+    with pytest.raises(InvalidInput, match="bf16_dots must be True or False"):
+        run_op(case, AttentionParams(scale=0.125, bf16_dots=1), mode="prefill", backend=None)
+
+
+@needs_bf16
+def test_bf16_dots_leaves_decode_and_the_general_kernel_exact():
+    """Decode batches and prefill_tile=False (the general kernel) ignore bf16_dots."""
+    case = CheckCase("turbo3", "turbo3", seq_lens=(100, 7), q_lens=(60, 7)).build()
+    p = AttentionParams(scale=0.125)
+    pb = dataclasses.replace(p, bf16_dots=True)
+    assert torch.equal(run_op(case, p, mode="decode", fn=cpu.decode_attention),
+                       run_op(case, pb, mode="decode", fn=cpu.decode_attention))
+    k = cpu._require()
+    args = (case.q_prefill, case.layer, case.block_tables, case.seq_lens, case.query_start_loc)
+    assert torch.equal(att.run_attention(k, *args, p, prefill_tile=False),
+                       att.run_attention(k, *args, pb, prefill_tile=False))

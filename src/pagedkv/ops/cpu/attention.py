@@ -223,7 +223,7 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     a.key_start = int(key_start)
     entry = kernel.lib.pkv_attention
     if max_q > 1 and _prefill_tile(kernel, params, prefill_tile):
-        entry, a.rows_per_tile = _prefill_entry(kernel), _prefill_task_rows(g)
+        entry, a.rows_per_tile = _prefill_entry(kernel, params.bf16_dots), _prefill_task_rows(g)
     rc = entry(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
     if rc == -1:
         raise MemoryError("pagedkv CPU attention kernel: out of memory for its working set")
@@ -292,16 +292,23 @@ def _prefill_task_rows(group: int) -> int:
 
 def _prefill_tile(kernel, params: AttentionParams, enabled: bool) -> bool:
     """Whether the prefill tile (pkv_prefill, AVX2 and AVX-512 builds) takes this call: exact scores and no
-    sparse V (those stay on the general kernel's prefill path)."""
+    sparse V (those stay on the general kernel's prefill path). bf16_dots picks its entry point
+    (`_prefill_entry`); the general kernel ignores it (exact)."""
     return enabled and not params.int8_scores and not params.sparse_v_threshold and _prefill_entry(kernel) is not None
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_entry(kernel):
-    """The C entry point pkv_prefill with its argument types (None: a build without the tile)."""
+def _prefill_entry(kernel, bf16: bool = False):
+    """The C entry point pkv_prefill with its argument types (None: a build without the tile);
+    bf16: pkv_prefill_bf16 (`AttentionParams.bf16_dots`) where the build has it (AVX-512 BF16),
+    else the exact pkv_prefill."""
     fn = getattr(kernel.lib, "pkv_prefill", None)
     if fn is None or not kernel.lib.pkv_prefill_available():
         return None
+    if bf16:
+        fb = getattr(kernel.lib, "pkv_prefill_bf16", None)
+        if fb is not None and kernel.lib.pkv_prefill_bf16_available():
+            fn = fb
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Side), ctypes.POINTER(_Side)]
     return fn

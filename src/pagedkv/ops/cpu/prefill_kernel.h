@@ -19,7 +19,11 @@
  * Exact: fp32 throughout (the same decode, exp256 / exp512 and softcap256 / softcap512 as the
  * general kernel), so the result equals the reference within fp32 rounding. Not covered (the
  * caller routes these to pkv_attention): sparse V thresholds, the approximate integer scores,
- * the portable (non-SIMD) build. */
+ * the portable (non-SIMD) build.
+ * Approximate, opt-in (AttentionParams.bf16_dots; entry pkv_prefill_bf16, AVX-512 BF16 builds):
+ * the same tiles with vdpbf16ps (2 products per fp32 lane, the FMA's rate): q and the K panel as
+ * bf16 pairs of dims for the scores, p and the V panel as bf16 pairs of keys for the values; the
+ * output bound is derived in tests/test_cpu_prefill.py (bf16_bound). */
 
 #if defined(PKV_AVX2) || defined(PKV_AVX512)
 #define PF_MR 6
@@ -349,6 +353,163 @@ static void pf_fold_l(float *l, int n) {
     for (int m = 0; m < n; m++) l[m] = _mm512_reduce_add_ps(_mm512_load_ps(l + (int64_t)m * 16));
 }
 #define PF_LW 16
+
+#ifdef __AVX512BF16__
+#define PF_BF16 1
+/* ---------------------------------------------------------------- AVX-512 BF16 (approximate) */
+/* K panel in bf16 pairs: rows[BSP][D] fp32 -> kb[BSP][D/2] dwords (a row's dims 2e, 2e + 1 as
+   one bf16 pair, RNE) -> kt[BSP/16][D/2][16] dwords (transpose16 moves 32-bit lanes). D % 32 == 0. */
+static void pf_panel_bf16(const float *rows, int BSP, int D, float *kb, float *kt) {
+    const int D2 = D / 2;
+    for (int i = 0; i < BSP; i++)
+        for (int c = 0; c < D; c += 32) {
+            const float *r = rows + (int64_t)i * D + c;
+            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_load_ps(r + 16), _mm512_load_ps(r));
+            _mm512_store_si512((__m512i *)(kb + (int64_t)i * D2 + c / 2), (__m512i)h);
+        }
+    for (int g = 0; g < BSP / 16; g++)
+        for (int c = 0; c < D2 / 16; c++)
+            transpose16(kb + (int64_t)g * 16 * D2 + 16 * c, D2, kt + ((int64_t)g * D2 + 16 * c) * 16, 16);
+}
+
+/* V panel in bf16 pairs of keys: vb[BSP/2][D] dwords, dword (ip, d) = (v[2 ip][d], v[2 ip + 1][d]). */
+static void pf_vpanel_bf16(const float *rows, int BSP, int D, float *vb) {
+    const __m512i ix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int ip = 0; ip < BSP / 2; ip++)
+        for (int c = 0; c < D; c += 16) {
+            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_load_ps(rows + (int64_t)(2 * ip + 1) * D + c),
+                                                   _mm512_load_ps(rows + (int64_t)(2 * ip) * D + c));
+            _mm512_store_si512((__m512i *)(vb + (int64_t)ip * D + c), _mm512_permutexvar_epi16(ix, (__m512i)h));
+        }
+}
+
+/* q rows (fp32, D) -> bf16 pairs (D/2 dwords) */
+static void pf_rows_bf16(const float *x, int n, int D, float *out) {
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < D; c += 32) {
+            const float *r = x + (int64_t)i * D + c;
+            _mm512_store_si512((__m512i *)(out + (int64_t)i * (D / 2) + c / 2),
+                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(r + 16), _mm512_load_ps(r)));
+        }
+}
+
+#define PFB_ROW(z)                                                                                 \
+    {                                                                                              \
+        const __m512bh w = (__m512bh)_mm512_castps_si512(_mm512_set1_ps(q##z[e]));              \
+        a##z##0 = _mm512_dpbf16_ps(a##z##0, w, k0);                                                \
+        if (NK > 1) a##z##1 = _mm512_dpbf16_ps(a##z##1, w, k1);                                    \
+        if (NK > 2) a##z##2 = _mm512_dpbf16_ps(a##z##2, w, k2);                                    \
+        if (NK > 3) a##z##3 = _mm512_dpbf16_ps(a##z##3, w, k3);                                    \
+    }
+#define PFB_STORE(z)                                                                               \
+    if (z < nz) {                                                                                  \
+        float *sz = s + (int64_t)(z) * BSP;                                                        \
+        _mm512_store_ps(sz, a##z##0);                                                              \
+        if (NK > 1) _mm512_store_ps(sz + 16, a##z##1);                                             \
+        if (NK > 2) _mm512_store_ps(sz + 32, a##z##2);                                             \
+        if (NK > 3) _mm512_store_ps(sz + 48, a##z##3);                                             \
+    }
+PKV_INLINE void pf_scores_bf_nk(const int NK, const float *kt, int D2, const float *const *qz, float *s, int BSP,
+                                int nz) {
+    const float *q0 = qz[0], *q1 = qz[1], *q2 = qz[2], *q3 = qz[3], *q4 = qz[4], *q5 = qz[5];
+    const int64_t gs = (int64_t)D2 * 16;
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512bh zb = (__m512bh)_mm512_setzero_si512();
+    __m512 a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+    __m512 a20 = zero, a21 = zero, a22 = zero, a23 = zero, a30 = zero, a31 = zero, a32 = zero, a33 = zero;
+    __m512 a40 = zero, a41 = zero, a42 = zero, a43 = zero, a50 = zero, a51 = zero, a52 = zero, a53 = zero;
+    for (int e = 0; e < D2; e++) {
+        const float *kd = kt + 16 * e;
+        const __m512bh k0 = (__m512bh)_mm512_load_si512((const __m512i *)kd);
+        const __m512bh k1 = NK > 1 ? (__m512bh)_mm512_load_si512((const __m512i *)(kd + gs)) : zb;
+        const __m512bh k2 = NK > 2 ? (__m512bh)_mm512_load_si512((const __m512i *)(kd + 2 * gs)) : zb;
+        const __m512bh k3 = NK > 3 ? (__m512bh)_mm512_load_si512((const __m512i *)(kd + 3 * gs)) : zb;
+        PFB_ROW(0) PFB_ROW(1) PFB_ROW(2) PFB_ROW(3) PFB_ROW(4) PFB_ROW(5)
+    }
+    PFB_STORE(0) PFB_STORE(1) PFB_STORE(2) PFB_STORE(3) PFB_STORE(4) PFB_STORE(5)
+    (void)a01; (void)a02; (void)a03; (void)a11; (void)a12; (void)a13; (void)a21; (void)a22; (void)a23;
+    (void)a31; (void)a32; (void)a33; (void)a41; (void)a42; (void)a43; (void)a51; (void)a52; (void)a53;
+}
+#undef PFB_ROW
+#undef PFB_STORE
+
+/* pf_scores with bf16 pairs: kt from pf_panel_bf16, qz rows of D/2 pairs */
+static void pf_scores_bf(const float *kt, int BSP, int D, const float *const *qz, float *S, int nz) {
+    const int ng = BSP / 16, D2 = D / 2;
+    int g = 0;
+    for (; g + 4 <= ng; g += 4) pf_scores_bf_nk(4, kt + (int64_t)g * D2 * 16, D2, qz, S + 16 * g, BSP, nz);
+    switch (ng - g) {
+    case 3: pf_scores_bf_nk(3, kt + (int64_t)g * D2 * 16, D2, qz, S + 16 * g, BSP, nz); break;
+    case 2: pf_scores_bf_nk(2, kt + (int64_t)g * D2 * 16, D2, qz, S + 16 * g, BSP, nz); break;
+    case 1: pf_scores_bf_nk(1, kt + (int64_t)g * D2 * 16, D2, qz, S + 16 * g, BSP, nz); break;
+    default: break;
+    }
+}
+
+#define PFB_VLOAD(z)                                                                               \
+    const __m512 al##z = _mm512_set1_ps(alpha[z]);                                                 \
+    __m512 c##z##0 = _mm512_mul_ps(_mm512_load_ps(accz[z] + dc), al##z);                           \
+    __m512 c##z##1 = NC > 1 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 16), al##z) : zero;      \
+    __m512 c##z##2 = NC > 2 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 32), al##z) : zero;      \
+    __m512 c##z##3 = NC > 3 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 48), al##z) : zero;
+#define PFB_VFMA(z)                                                                                \
+    {                                                                                              \
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(p##z[ip]);                                  \
+        c##z##0 = _mm512_dpbf16_ps(c##z##0, w, v0);                                                \
+        if (NC > 1) c##z##1 = _mm512_dpbf16_ps(c##z##1, w, v1);                                    \
+        if (NC > 2) c##z##2 = _mm512_dpbf16_ps(c##z##2, w, v2);                                    \
+        if (NC > 3) c##z##3 = _mm512_dpbf16_ps(c##z##3, w, v3);                                    \
+    }
+#define PFB_VSTORE(z)                                                                              \
+    _mm512_store_ps(accz[z] + dc, c##z##0);                                                        \
+    if (NC > 1) _mm512_store_ps(accz[z] + dc + 16, c##z##1);                                       \
+    if (NC > 2) _mm512_store_ps(accz[z] + dc + 32, c##z##2);                                       \
+    if (NC > 3) _mm512_store_ps(accz[z] + dc + 48, c##z##3);
+/* Pb: 6 rows of BSP/2 bf16 pairs of p (row stride BSP/2 dwords); vb from pf_vpanel_bf16 */
+PKV_INLINE void pf_values_bf_nc(const int NC, const float *vb, int np, int D, int dc, const int32_t *Pb, int BSP,
+                                float *const *accz, const float *alpha) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512bh zb = (__m512bh)_mm512_setzero_si512();
+    const int B2 = BSP / 2;
+    const int32_t *p0 = Pb, *p1 = Pb + B2, *p2 = Pb + 2 * B2, *p3 = Pb + 3 * B2, *p4 = Pb + 4 * B2, *p5 = Pb + 5 * B2;
+    PFB_VLOAD(0) PFB_VLOAD(1) PFB_VLOAD(2) PFB_VLOAD(3) PFB_VLOAD(4) PFB_VLOAD(5)
+    for (int ip = 0; ip < np; ip++) {
+        const float *v = vb + (int64_t)ip * D + dc;
+        const __m512bh v0 = (__m512bh)_mm512_load_si512((const __m512i *)v);
+        const __m512bh v1 = NC > 1 ? (__m512bh)_mm512_load_si512((const __m512i *)(v + 16)) : zb;
+        const __m512bh v2 = NC > 2 ? (__m512bh)_mm512_load_si512((const __m512i *)(v + 32)) : zb;
+        const __m512bh v3 = NC > 3 ? (__m512bh)_mm512_load_si512((const __m512i *)(v + 48)) : zb;
+        PFB_VFMA(0) PFB_VFMA(1) PFB_VFMA(2) PFB_VFMA(3) PFB_VFMA(4) PFB_VFMA(5)
+    }
+    PFB_VSTORE(0) PFB_VSTORE(1) PFB_VSTORE(2) PFB_VSTORE(3) PFB_VSTORE(4) PFB_VSTORE(5)
+}
+#undef PFB_VLOAD
+#undef PFB_VFMA
+#undef PFB_VSTORE
+
+/* pf_values with bf16 pairs: p rows converted here (into Pb: 6 x BSP/2 dwords), key pairs up to nt */
+static void pf_values_bf(const float *vb, int nt, int D, const float *P, int BSP, float *const *accz,
+                         const float *alpha, int32_t *Pb) {
+    for (int z = 0; z < PF_MR; z++)
+        for (int i = 0; i < BSP; i += 32) {
+            const float *r = P + (int64_t)z * BSP + i;
+            const __m512 lo = _mm512_load_ps(r), hi = i + 16 < BSP ? _mm512_load_ps(r + 16) : _mm512_setzero_ps();
+            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            if (i + 16 < BSP) _mm512_storeu_si512((__m512i *)(Pb + (int64_t)z * (BSP / 2) + i / 2), h);
+            else _mm256_storeu_si256((__m256i *)(Pb + (int64_t)z * (BSP / 2) + i / 2), _mm512_castsi512_si256(h));
+        }
+    const int np = (nt + 1) / 2;
+    int dc = 0;
+    for (; dc + 64 <= D; dc += 64) pf_values_bf_nc(4, vb, np, D, dc, Pb, BSP, accz, alpha);
+    switch ((D - dc) / 16) {
+    case 3: pf_values_bf_nc(3, vb, np, D, dc, Pb, BSP, accz, alpha); break;
+    case 2: pf_values_bf_nc(2, vb, np, D, dc, Pb, BSP, accz, alpha); break;
+    case 1: pf_values_bf_nc(1, vb, np, D, dc, Pb, BSP, accz, alpha); break;
+    default: break;
+    }
+}
+#endif /* __AVX512BF16__ */
 #endif
 
 typedef struct {
@@ -359,20 +520,24 @@ typedef struct {
 typedef struct {
     float *q, *bias, *m, *l, *acc, *krows, *kt, *vrows, *S;
     int32_t *pos;
+    int bf;                 /* bf16 route: 1 scores, 2 values, 3 both (PF_BF16 builds) */
+    float *qb, *kb, *vb;    /* bf16 pairs: queries [M][D/2], K rows [BSP][D/2], V panel [BSP/2][D] */
+    int32_t *pb;            /* [PF_MR][BSP/2] bf16 pairs of p */
     pkv_rows kr[2], vr[2];
 } pf_mem;
 
 static void pf_free(pf_mem *w) {
     free(w->q); free(w->bias); free(w->m); free(w->l); free(w->acc); free(w->krows); free(w->kt);
-    free(w->vrows); free(w->S); free(w->pos);
+    free(w->vrows); free(w->S); free(w->pos); free(w->qb); free(w->kb); free(w->vb); free(w->pb);
     for (int z = 0; z < 2; z++) {
         free(w->kr[z].data); free(w->kr[z].sraw); free(w->kr[z].scl);
         free(w->vr[z].data); free(w->vr[z].sraw); free(w->vr[z].scl);
     }
 }
 
-static int pf_alloc(pf_mem *w, int M, int D, int H, int CH, int BSP) {
+static int pf_alloc(pf_mem *w, int M, int D, int H, int CH, int BSP, int bf) {
     memset(w, 0, sizeof *w);
+    w->bf = bf;
     const int Mp = (M + PF_MR - 1) / PF_MR * PF_MR, nc = D / 16;
     int ok = 1;
     for (int z = 0; z < 2; z++) {
@@ -394,6 +559,13 @@ static int pf_alloc(pf_mem *w, int M, int D, int H, int CH, int BSP) {
     w->vrows = xalloc(sizeof(float) * (size_t)BSP * D);
     w->S = xalloc(sizeof(float) * (size_t)PF_MR * BSP);
     w->pos = xalloc(sizeof(int32_t) * (size_t)Mp);
+    if (bf) {
+        w->qb = xalloc(sizeof(float) * (size_t)Mp * D / 2);
+        w->kb = xalloc(sizeof(float) * (size_t)BSP * D / 2);
+        w->vb = xalloc(sizeof(float) * (size_t)BSP * D / 2);
+        w->pb = xalloc(sizeof(int32_t) * (size_t)PF_MR * BSP / 2);
+        ok &= w->qb && w->kb && w->vb && w->pb;
+    }
     return ok && w->q && w->bias && w->m && w->l && w->acc && w->krows && w->kt && w->vrows && w->S && w->pos;
 }
 
@@ -408,11 +580,17 @@ static void pf_chunk(const pkv_args *a, pf_mem *w, int M, int G, int D, int BSP,
         const int masked = vis == 1 || nt < BSP;
         const float *qz[PF_MR];
         float *accz[PF_MR];
+        const int bfs = w->bf & 1, bfv = w->bf & 2;
+        (void)bfv;
         for (int z = 0; z < PF_MR; z++) {  /* a short last block repeats its first vector, unused */
             const int m = m0 + (z < nz ? z : 0);
-            qz[z] = w->q + (int64_t)m * D;
+            qz[z] = bfs ? w->qb + (int64_t)m * (D / 2) : w->q + (int64_t)m * D;
             accz[z] = w->acc + (int64_t)(z < nz ? m : M) * D;  /* row M: padding, never read */
         }
+#ifdef PF_BF16
+        if (bfs) pf_scores_bf(w->kt, BSP, D, qz, w->S, PF_MR);
+        else
+#endif
         pf_scores(w->kt, BSP, D, qz, w->S, PF_MR);
         if (masked || a->bias || a->soft_cap > 0)
             pf_adjust(a, w->S, BSP, nz, a->bias ? w->bias + m0 : NULL, w->pos + m0, jlo, jhi, masked);
@@ -421,6 +599,10 @@ static void pf_chunk(const pkv_args *a, pf_mem *w, int M, int G, int D, int BSP,
             alpha[z] = 0.0f;
             memset(w->S + (int64_t)z * BSP, 0, sizeof(float) * BSP);
         }
+#ifdef PF_BF16
+        if (bfv) pf_values_bf(w->vb, nt, D, w->S, BSP, accz, alpha, w->pb);
+        else
+#endif
         pf_values(w->vrows, nt, D, w->S, BSP, accz, alpha);
     }
     (void)G;
@@ -456,7 +638,7 @@ static void pf_finish(const pkv_args *a, const pkv_side *vs, const pf_task *t, c
         }
 }
 
-static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, const pf_task *t, int64_t *nv) {
+static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, const pf_task *t, int64_t *nv, int bf_mode) {
     const int D = a->head_dim, H = a->num_kv_heads, Hq = a->num_q_heads, G = Hq / H, BS = a->block_size;
     const int R = t->r1 - t->r0, M = R * G, h = t->h;
     const int qs = a->query_start[t->b], qlen = a->query_start[t->b + 1] - qs, L = a->seq_lens[t->b];
@@ -477,7 +659,8 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
         return rc;
     }
     pf_mem w;
-    if (!pf_alloc(&w, M + 1, D, H, CH, BSP)) { pf_free(&w); return -1; }
+    const int bf = D % 32 == 0 ? bf_mode : 0;  /* the bf16 K panel pairs dims: D a multiple of 32 */
+    if (!pf_alloc(&w, M + 1, D, H, CH, BSP, bf)) { pf_free(&w); return -1; }
     const float fq = ks->group ? 1.0f : value_mult(ks);
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
@@ -488,6 +671,9 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
             w.m[m] = -INFINITY;
             w.pos[m] = L - qlen + t->r0 + r;
         }
+#ifdef PF_BF16
+    if (bf & 1) pf_rows_bf16(w.q, M, D, w.qb);
+#endif
     lut_ctx klc, vlc;
     lut_ctx_init(&klc, ks);
     lut_ctx_init(&vlc, vs);
@@ -512,7 +698,13 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
                 memset(w.krows + (int64_t)i * D, 0, sizeof(float) * D);
                 memset(w.vrows + (int64_t)i * D, 0, sizeof(float) * D);
             }
+#ifdef PF_BF16
+            if (bf & 1) pf_panel_bf16(w.krows, BSP, D, w.kb, w.kt);
+            else pf_panel(w.krows, BSP, D, w.kt);
+            if (bf & 2) pf_vpanel_bf16(w.vrows, BSP, D, w.vb);
+#else
             pf_panel(w.krows, BSP, D, w.kt);
+#endif
             pf_chunk(a, &w, M, G, D, BSP, jlo, jhi);
             *nv += nt;
         }
@@ -525,10 +717,8 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
     return 0;
 }
 
-/* Prefill attention of packed varlen queries (see pkv_attention for the arguments; rows_per_tile
- * = query rows per task here). Returns 0, -1 (out of memory), -2 (bad arguments or a case this
- * tile does not cover: sparse V, integer scores), -3 / -4 (a K / V side the kernel does not read). */
-int pkv_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
+/* pkv_prefill / pkv_prefill_bf16 (bf_mode: 0 exact, bits 1 / 2: bf16 scores / values). */
+static int pf_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, int bf_mode) {
     const int B = a->num_seqs, H = a->num_kv_heads, Hq = a->num_q_heads, D = a->head_dim;
     if (B < 0 || H <= 0 || Hq % H || D <= 0 || D % 16 || D > 1024 || a->block_size <= 0 || a->rows_per_tile <= 0 ||
         a->sparse_thr > 0 || a->int8_scores)
@@ -555,15 +745,46 @@ int pkv_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : nv) reduction(| : failed)
 #endif
-    for (int64_t i = 0; i < ntask; i++) failed |= pf_run(a, ks, vs, &tasks[i], &nv) != 0;
+    for (int64_t i = 0; i < ntask; i++) failed |= pf_run(a, ks, vs, &tasks[i], &nv, bf_mode) != 0;
     (void)threads;
     if (a->stats) a->stats[0] += nv;
     free(tasks);
     return failed ? -1 : 0;
 }
+
+/* Prefill attention of packed varlen queries (see pkv_attention for the arguments; rows_per_tile
+ * = query rows per task here). Returns 0, -1 (out of memory), -2 (bad arguments or a case this
+ * tile does not cover: sparse V, integer scores), -3 / -4 (a K / V side the kernel does not read). */
+int pkv_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) { return pf_prefill(a, ks, vs, 0); }
+
+/* pkv_prefill with bf16 products (AttentionParams.bf16_dots; AVX-512 BF16 builds): q and the K
+ * panel rounded to bf16 (RNE) for the scores, p and the V panel for the values, products summed in
+ * fp32 by vdpbf16ps; softmax, denominators and everything else as pkv_prefill. head_dim not a
+ * multiple of 32: exact. The error bound is derived in tests/test_cpu_prefill.py (bf16_bound).
+ * Builds without AVX512_BF16: -2. */
+int pkv_prefill_bf16(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
+#ifdef PF_BF16
+    return pf_prefill(a, ks, vs, 3);
+#else
+    (void)a; (void)ks; (void)vs;
+    return -2;
+#endif
+}
+int pkv_prefill_bf16_available(void) {
+#ifdef PF_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
 #else
 int pkv_prefill_available(void) { return 0; }
 int pkv_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
+    (void)a; (void)ks; (void)vs;
+    return -2;
+}
+int pkv_prefill_bf16_available(void) { return 0; }
+int pkv_prefill_bf16(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
     (void)a; (void)ks; (void)vs;
     return -2;
 }
