@@ -141,8 +141,10 @@ needs_bf16 = pytest.mark.skipif(not _bf16_available(), reason="this build has no
 U = 2.0 ** -9  # bf16 round-to-nearest-even: relative error <= 2^-9 (8-bit significand)
 
 
-def bf16_bound(case, params: AttentionParams) -> torch.Tensor:
-    """Per (query token, q head) bound on ||out_bf16 - out_exact||_2 of the bf16 tile.
+def bf16_bound(case, params: AttentionParams, *, scores: bool = False) -> torch.Tensor:
+    """Per (query token, q head) bound on ||out_bf16 - out_exact||_2 of the bf16 tile (scores=True:
+    the score bound E itself, which also bounds the log-sum-exp's change: lse is 1-Lipschitz in
+    the max norm of the logits).
 
     Scores: the kernel's s_j = sum_d q_d k_jd (q with the scale folded in, k as stored: centred,
     multiplied, rotated) from bf16 q~ = q (1 + a), k~ = k (1 + b), |a|, |b| <= U, the products
@@ -181,6 +183,9 @@ def bf16_bound(case, params: AttentionParams) -> torch.Tensor:
             continue
         sabs = torch.einsum("thgd,nhd->thgn", q.abs().reshape(t, h, g, d), k.abs()) * params.scale
         e = cs * sabs.amax(-1).reshape(t, h * g)
+        if scores:
+            out.append(e)
+            continue
         vmax = v.norm(dim=-1).amax(0).repeat_interleave(g)  # [Hq]
         out.append(((torch.exp(2 * e) - 1) + (2 * U + U * U) * torch.exp(2 * e)) * vmax)
     return torch.cat(out)
@@ -252,3 +257,22 @@ def test_bf16_dots_leaves_decode_and_the_general_kernel_exact():
     args = (case.q_prefill, case.layer, case.block_tables, case.seq_lens, case.query_start_loc)
     assert torch.equal(att.run_attention(k, *args, p, prefill_tile=False),
                        att.run_attention(k, *args, pb, prefill_tile=False))
+
+
+@needs_bf16
+def test_bf16_dots_lse_within_score_bound():
+    """The log-sum-exp of the bf16 tile (lse=, key_start=) moves by at most the score bound E."""
+    case = CheckCase("turbo3", "fp8", seq_lens=(333, 40), q_lens=(300, 40), num_kv_heads=3, group=3).build()
+    p = AttentionParams(scale=64 ** -0.5, sliding_window=200)
+    lses = []
+    for bf in (False, True):
+        lse = torch.empty(case.q_prefill.shape[:2], dtype=torch.float32)
+        att.run_attention(cpu._require(), case.q_prefill, case.layer, case.block_tables, case.seq_lens,
+                          case.query_start_loc, dataclasses.replace(p, bf16_dots=bf), lse=lse, key_start=60)
+        lses.append(lse)
+    exact, approx = lses
+    fin = torch.isfinite(exact)
+    assert bool((torch.isfinite(approx) == fin).all()) and not bool(fin.all())
+    e = bf16_bound(case, p, scores=True).float()
+    assert bool(((approx - exact).abs()[fin] <= e[fin] + 1e-5).all())
+    assert float((approx - exact).abs()[fin].max()) > 0

@@ -17,6 +17,8 @@ F/BW/VL/VBMI/BF16, a shared 2-core VM; `pagedkv bench attention`, 1 thread, the 
   the prefill tile (`prefill_kernel.h`, `pkv_prefill`): each 64-token chunk decoded once for up to
   384 query vectors of a kv head, swept by 6-vector register tiles; sparse V and int8 scores keep the
   general kernel's prefill tiles (~96 query vectors per task, K decoded into a transposed tile).
+  `AttentionParams.bf16_dots` (opt-in, approximate, bound in its docstring) runs the tile with bf16
+  products (vdpbf16ps) on AVX-512 BF16 builds (`pkv_prefill_bf16`); elsewhere it is exact.
 - Decoding (AVX-512): a 2/3/4-bit code is moved into its own 32-bit lane by one byte permute
   (vpermb) and a variable shift, then becomes a value through vpermps used as a 16-entry table
   (sub-byte tables replicated, so upper bits need no mask); 8-bit E4M3 by moving its bits into
