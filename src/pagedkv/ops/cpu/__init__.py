@@ -132,9 +132,19 @@ thread CPU time, 32k b1, medians):
 moved 84-125 ms between runs): 32k b1 exact 0.56 / 0.54 / 0.50, int8 0.42 / 0.43 (fp8k_turbo3v:
 E4M3 keys take no integer path); b8 exact 0.53 / 0.51 / 0.52, int8 0.42 / 0.43. Tried, did not
 pay: the exact K's first two shuffle stages in registers per 4 tokens (12 accumulators live):
-1.05-1.12x the time (register pressure). Left: V is now as large as K (~35 ops per token and kv
-head: decode, scale, 12 FMAs for 3 queries); a bf16 V (vdpbf16ps, two tokens per instruction,
-weights p * scale as bf16 pairs) would roughly halve it as an approximate setting.
+1.05-1.12x the time (register pressure); V accumulated in bf16 by vdpbf16ps (an approximate
+setting, bound (2^-8 + 2^-17) max |v|_2, tested, then dropped): two tokens per instruction, the
+pair's codes interleaved by vpermt2b and looked up by vpermw, weights p * scale as bf16 pairs
+(gathered scales): 1.03-1.14x the time of the exact V; with the scale folded into a per-pair
+32-entry bf16 table (vcvtne2ps2bf16) instead: 0.86-1.06x, no clear gain (min of 15: 41.9 vs
+40.0 ms turbo4 int8), so V stays exact fp32 (~35 ops per token and kv head: decode, scale,
+12 FMAs for 3 queries). Two threads (batch 1, 32k): the kernel splits a sequence into 2 x
+threads block ranges (dynamic schedule, log-sum-exp merge); in one process, fastest of 21
+interleaved repeats, turbo3 exact: 1 thread 40.9 ms, 2 threads 22.0 ms (1.86x; 8 / 16 / 32
+splits: 22.5 / 22.9 / 24.5 ms, so the split count stays). The per-call serial part (Python,
+setup) is ~50 us of ~1.4 ms per layer. The bench's wall-clock medians swung 0.7-1.8x between
+runs at load 1.6-2.7 on this VM: two copies of a pure-compute loop ran at 1.9x the throughput of
+one when the machine was quiet and at 0.9-1.3x when other jobs were active.
 
 Sparse V (threshold t > 0): a V row is skipped when exp(s - m_run) < t * Z_run for every query of
 the tile, where m_run / Z_run are the running max / denominator (sinks included). Since the final
