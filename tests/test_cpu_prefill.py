@@ -199,6 +199,8 @@ BF16_CASES = [
     (("turbo4", "q8_0"), dict(centre=True, k_offset=6.0)),
     (("bf16", "nvfp4"), dict(block_size=24, head_dim=96, group=2, num_kv_heads=2)),
     (("q4_0", "fp8"), dict(block_size=128, head_dim=128, sliding_window=77)),
+    (("turbo4", "fp8"), dict(block_size=80, head_dim=32, group=2)),  # 64 + 16 keys, 32 dims
+    (("fp8", "turbo3"), dict(block_size=96, head_dim=64, group=3)),  # 64 + 32 keys
 ]
 
 
@@ -228,15 +230,19 @@ def test_bf16_dots_within_bound(pair, extra, tile_calls):
 
 
 @needs_bf16
-def test_bf16_dots_head_dim_not_multiple_of_32_is_exact():
-    """head_dim % 32 != 0 (the bf16 K panel pairs dims in 32-dim vectors): the bf16 entry computes
-    exactly, the same as bf16_dots=False."""
-    case = CheckCase("bf16", "nvfp4", seq_lens=(200,), q_lens=(150,), head_dim=80, block_size=16).build()
-    p = AttentionParams(scale=80 ** -0.5)
+@pytest.mark.parametrize("head_dim", [80, 112])
+def test_bf16_dots_head_dim_not_multiple_of_32(head_dim, tile_calls):
+    """head_dim % 32 != 0 (the bf16 K panel pairs dims in 32-dim vectors): exact scores, bf16 values
+    (pairs of keys), within the same bound."""
+    cc = CheckCase("bf16", "nvfp4", seq_lens=(200,), q_lens=(150,), head_dim=head_dim, block_size=16)
+    case, p = cc.build(), cc.params()
     args = (case.q_prefill, case.layer, case.block_tables, case.seq_lens, case.query_start_loc)
-    a = cpu.prefill_attention(*args, p)
-    b = cpu.prefill_attention(*args, dataclasses.replace(p, bf16_dots=True))
-    assert torch.equal(a, b)
+    exact = cpu.prefill_attention(*args, p)
+    approx = cpu.prefill_attention(*args, dataclasses.replace(p, bf16_dots=True))
+    assert "pkv_prefill_bf16" in tile_calls
+    err = (approx.double() - oracle_outputs(case, p, mode="prefill")).norm(dim=-1)
+    assert bool((err <= bf16_bound(case, p) + 2e-4 * head_dim ** 0.5).all())
+    assert float((approx - exact).abs().max()) > 0
 
 
 def test_bf16_dots_is_validated():

@@ -659,7 +659,7 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
         return rc;
     }
     pf_mem w;
-    const int bf = D % 32 == 0 ? bf_mode : 0;  /* the bf16 K panel pairs dims: D a multiple of 32 */
+    const int bf = D % 32 == 0 ? bf_mode : bf_mode & 2;  /* the bf16 K panel pairs dims: D % 32 == 0 */
     if (!pf_alloc(&w, M + 1, D, H, CH, BSP, bf)) { pf_free(&w); return -1; }
     const float fq = ks->group ? 1.0f : value_mult(ks);
     for (int r = 0; r < R; r++)
@@ -760,7 +760,8 @@ int pkv_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) { ret
 /* pkv_prefill with bf16 products (AttentionParams.bf16_dots; AVX-512 BF16 builds): q and the K
  * panel rounded to bf16 (RNE) for the scores, p and the V panel for the values, products summed in
  * fp32 by vdpbf16ps; softmax, denominators and everything else as pkv_prefill. head_dim not a
- * multiple of 32: exact. The error bound is derived in tests/test_cpu_prefill.py (bf16_bound).
+ * multiple of 32: exact scores, bf16 values. The error bound is derived in tests/test_cpu_prefill.py
+ * (bf16_bound).
  * Builds without AVX512_BF16: -2. */
 int pkv_prefill_bf16(const pkv_args *a, const pkv_side *ks, const pkv_side *vs) {
 #ifdef PF_BF16
