@@ -139,9 +139,12 @@ pair's codes interleaved by vpermt2b and looked up by vpermw, weights p * scale 
 32-entry bf16 table (vcvtne2ps2bf16) instead: 0.86-1.06x, no clear gain (min of 15: 41.9 vs
 40.0 ms turbo4 int8), so V stays exact fp32 (~35 ops per token and kv head: decode, scale,
 12 FMAs for 3 queries). Two threads (batch 1, 32k): the kernel splits a sequence into 2 x
-threads block ranges (dynamic schedule, log-sum-exp merge); in one process, fastest of 21
-interleaved repeats, turbo3 exact: 1 thread 40.9 ms, 2 threads 22.0 ms (1.86x; 8 / 16 / 32
-splits: 22.5 / 22.9 / 24.5 ms, so the split count stays). The per-call serial part (Python,
+threads block ranges (dynamic schedule, log-sum-exp merge); in one process, 21 repeats with the
+three formats and both thread counts interleaved (load 2.3), exact, ms per step 1 -> 2 threads
+(medians): turbo3 41.9 -> 22.8 (1.83x), turbo4 42.7 -> 22.9 (1.86x), fp8k_turbo3v 39.7 -> 22.4
+(1.78x; fastest repeats 1.87-1.90x); 8 / 16 / 32 splits instead of 4: 22.5 / 22.9 / 24.5 ms vs
+22.0 (turbo3, fastest of 21), so the split count stays. Chunks of 128 or 256 tokens instead of
+64: 0.97-1.0x the time (fastest of 25), within the noise, so they stay at 64. The per-call serial part (Python,
 setup) is ~50 us of ~1.4 ms per layer. The bench's wall-clock medians swung 0.7-1.8x between
 runs at load 1.6-2.7 on this VM: two copies of a pure-compute loop ran at 1.9x the throughput of
 one when the machine was quiet and at 0.9-1.3x when other jobs were active.
