@@ -115,13 +115,22 @@ def test_tile_matches_general_kernel(pair):
 
 
 @needs_tile
-@pytest.mark.parametrize("extra", [dict(sparse_v_threshold=1e-2), dict(int8_scores=True)])
-def test_other_settings_stay_on_the_general_kernel(extra, tile_calls):
-    """Sparse V and the approximate integer scores are not the tile's: the general kernel runs them."""
+def test_sparse_v_stays_on_the_general_kernel(tile_calls):
+    """Sparse V is not the tile's: the general kernel runs it."""
     case = CheckCase("turbo3", "turbo3", seq_lens=(100,), q_lens=(80,)).build()
-    params = AttentionParams(scale=0.125, **extra)
+    params = AttentionParams(scale=0.125, sparse_v_threshold=1e-2)
     out = run_op(case, params, mode="prefill", fn=cpu.prefill_attention)
     assert torch.isfinite(out).all() and not tile_calls
+
+
+@needs_tile
+def test_int8_scores_leave_prefill_on_the_exact_tile(tile_calls):
+    """int8_scores is a decode path: a prefill call with it takes the tile, exactly (the same
+    output as without the setting)."""
+    case = CheckCase("turbo3", "turbo3", seq_lens=(100, 30), q_lens=(80, 1)).build()
+    exact = run_op(case, AttentionParams(scale=0.125), mode="prefill", fn=cpu.prefill_attention)
+    out = run_op(case, AttentionParams(scale=0.125, int8_scores=True), mode="prefill", fn=cpu.prefill_attention)
+    assert len(tile_calls) == 2 and torch.equal(out, exact)
 
 
 @needs_tile

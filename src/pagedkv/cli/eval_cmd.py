@@ -13,6 +13,7 @@ import resource
 import sys
 import time
 
+from ..approx import Approximation
 from ..eval.config import DEFAULT_FORMATS, EvalConfig, expand_formats
 from .edge import add_compute_arguments, check_output_file, compute_from_args, read_text_arg
 from .output import print_json, print_table
@@ -45,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=D.decode_steps,
                    help=f"greedy steps timed per format on the first window (default {D.decode_steps}; 0 = skip)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    p.add_argument("--approx", default="exact", metavar="SPEC",
+                   help="approximate attention paths for the listed formats (the bf16 reference stays exact): "
+                        "exact (default) or a comma list of int8_scores, bf16_dots, sparse_v_threshold=T")
     add_compute_arguments(p, workers=True)
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write KL/PPL vs bits plot")
@@ -58,7 +62,8 @@ def run(args) -> int:
     formats = expand_formats(parse_names(args.formats))
     cfg = EvalConfig(model=args.model, text=args.text, formats=formats, windows=args.windows, subset=args.subset,
                      window_tokens=args.window_tokens, memory_bytes=parse_bytes(args.memory, "--memory"),
-                     decode_steps=args.decode_steps, compute=compute_from_args(args, parallel_work=args.subset or args.windows))
+                     decode_steps=args.decode_steps, compute=compute_from_args(args, parallel_work=args.subset or args.windows),
+                     approx=Approximation.parse(args.approx))
     check_output_file(args.plot, "--plot", ".png")
     if args.plot:
         from ..eval.plot import require_matplotlib
@@ -99,9 +104,10 @@ def run(args) -> int:
         table = [[r["format"], r["bits_per_element"], r["bytes_per_token"], r["ppl"], r["kl"],
                   r["top1"], r["decode_tok_s"] if r["decode_tok_s"] else "-", r["max_context_tokens"]]
                  for r in rows]
+        approx = "" if cfg.approx.exact else f"; attention approx {cfg.approx.name} (KL against the exact bf16 cache)"
         print_table(f"{source.label}: {len(windows)} windows{of} x {cfg.window_tokens} tokens, "
                     f"teacher-forced on the compressed cache; decode tok/s: 1 thread, thread CPU time "
-                    f"per step on window 1", cols, table)
+                    f"per step on window 1{approx}", cols, table)
     sys.stdout.flush()
     if args.plot:
         from ..eval.plot import plot_results

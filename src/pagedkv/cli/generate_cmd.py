@@ -25,6 +25,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     add_compute_arguments(p)
+    p.add_argument("--approx", default="exact", metavar="SPEC",
+                   help="approximate attention paths: exact (default) or a comma list of int8_scores, "
+                        "bf16_dots, sparse_v_threshold=T")
     p.add_argument("--json", action="store_true", help="print one JSON object (reply, sizes, speed)")
     return p
 
@@ -37,6 +40,9 @@ def run(args) -> int:
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty; pass some text to reply to")
     compute = compute_from_args(args)
+    from ..approx import Approximation
+
+    approx = Approximation.parse(args.approx)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ..eval.model import load_model, load_tokenizer, resolve_device, resolve_model_source
     from ..eval.runner import cache_for, parse_choice
@@ -57,7 +63,7 @@ def run(args) -> int:
                                       add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tok(args.prompt, return_tensors="pt")["input_ids"]
-    cache = cache_for(lm.model, choice)
+    cache = cache_for(lm.model, choice, approx=approx)
     streamer = None if args.json else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -68,7 +74,7 @@ def run(args) -> int:
     new = int(out.shape[1] - ids.shape[1])
     used = cache.used_bytes()
     bf16_used = used * _bf16_bytes_per_token(cache) / cache.bytes_per_token()  # same blocks, in bf16
-    row = {"format": choice.label, "prompt_tokens": int(ids.shape[1]), "new_tokens": new,
+    row = {"format": choice.label, "approx": approx.name, "prompt_tokens": int(ids.shape[1]), "new_tokens": new,
            "text": tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), "seconds": dt,
            "tok_s": new / dt, "tokens_in_cache": cache.get_seq_length(), "kv_bytes_in_use": used,
            "kv_bytes_per_token": cache.bytes_per_token(), "bf16_bytes_in_use": bf16_used,

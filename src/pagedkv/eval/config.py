@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..approx import Approximation
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from .compute import Compute
@@ -51,6 +52,7 @@ class EvalConfig:
     decode_steps: int = 6
     block_size: int = BLOCK_SIZE
     compute: Compute = Compute()
+    approx: Approximation = Approximation()  # the listed formats' attention; the bf16 reference stays exact
 
     def __post_init__(self):
         if not self.formats:

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..approx import Approximation
 from ..cache.config import split_hp
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
@@ -107,11 +108,13 @@ class FormatResult:
     high_precision_layers: int
     sums: MetricSums = field(default_factory=MetricSums)
     decode_times: list = field(default_factory=list)
+    approx: str = "exact"  # the attention approximation of the pass (`pagedkv.approx`)
 
     def as_dict(self) -> dict:
         dt = statistics.median(self.decode_times) if self.decode_times else float("nan")
         return {
             "format": self.choice.label,
+            "approx": self.approx,
             "kv_format": self.choice.format_name,
             "high_precision_layers": self.high_precision_layers,
             "bits_per_element": self.bits_per_element,
@@ -126,12 +129,15 @@ class FormatResult:
         }
 
 
-def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks: bool = True):
+def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks: bool = True,
+              approx: Approximation = Approximation()):
     from ..integrations.deepseek import mla_dims
 
     if mla_dims(model.config) is not None:  # latent (MLA) models: one [latent | rope] per token
         if choice.recent is not None:
             raise ConfigError(f"{choice.label}: a recent window is not implemented for latent (MLA) layers")
+        if not approx.exact:
+            raise ConfigError(f"approx {approx.name!r} is not implemented for latent (MLA) layers; use exact")
         from ..integrations.deepseek import PagedLatentCache
         from ..integrations.deepseek import enable as enable_mla
 
@@ -141,7 +147,7 @@ def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks:
     from ..integrations.transformers import PagedKVCache
 
     return PagedKVCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
-                        block_size=block_size, checks=checks, recent_window=choice.recent)
+                        block_size=block_size, checks=checks, recent_window=choice.recent, approx=approx)
 
 
 def layout_numbers(cache, memory_bytes: int, recent: Optional[RecentWindow] = None,
@@ -182,7 +188,8 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
     for c in choices:
         cache = cache_for(model, c, cfg.block_size)
         bits, bpt, fits = layout_numbers(cache, cfg.memory_bytes, c.recent, cfg.window_tokens)
-        results.append(FormatResult(c, bits, bpt, fits, cache.config.num_high_precision_layers))
+        results.append(FormatResult(c, bits, bpt, fits, cache.config.num_high_precision_layers,
+                                    approx=cfg.approx.name))
         del cache
     if cfg.compute.workers > 1 and len(windows) > 1:
         from .workers import parallel_windows
@@ -210,14 +217,15 @@ def check_unique(choices: Sequence[FormatChoice]) -> None:
 def window_parts(model, wi: int, window: torch.Tensor, choices: Sequence[FormatChoice], cfg: EvalConfig,
                  on_pass: Optional[Callable[[str], None]] = None) -> list[dict]:
     """Every format's pass over window `wi`: per format {"sums": WindowSums} (+ "decode_times"
-    for window 0). The bf16 reference runs first (or once more, when it is not a listed format)."""
+    for window 0). The bf16 reference runs first (or once more, when it is not a listed format,
+    or when `cfg.approx` makes the listed bf16 pass approximate: the reference stays exact)."""
     ids = window[None]
     targets = window[1:]
     ref_choice = parse_choice(REFERENCE_FORMAT)
     order = sorted(range(len(choices)), key=lambda i: choices[i].label != ref_choice.label)
     ref_logp = None
-    if choices[order[0]].label != ref_choice.label:
-        ref_logp = log_probs(_forward(model, ids, ref_choice, cfg)[0][0, :-1])
+    if choices[order[0]].label != ref_choice.label or not cfg.approx.exact:
+        ref_logp = log_probs(_forward(model, ids, ref_choice, cfg, exact=True)[0][0, :-1])
     parts: list = [None] * len(choices)
     for i in order:
         logits, cache = _forward(model, ids, choices[i], cfg)
@@ -234,8 +242,9 @@ def window_parts(model, wi: int, window: torch.Tensor, choices: Sequence[FormatC
 
 
 @torch.inference_mode()
-def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig):
-    cache = cache_for(model, choice, cfg.block_size, checks=False)  # model K/V: skip NaN scans
+def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig, exact: bool = False):
+    cache = cache_for(model, choice, cfg.block_size, checks=False,  # model K/V: skip NaN scans
+                      approx=Approximation() if exact else cfg.approx)
     out = model(ids.to(model.device), **with_cache(model, cache), use_cache=True)
     return out.logits.float().cpu(), cache
 

@@ -68,8 +68,9 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     except Exception:
         layer._abort(pending, was_initialized)
         raise
-    params = AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap, sinks=sinks)
     cache = layer.cache
+    params = cache.approx.apply(AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap,
+                                                sinks=sinks))
     dev = query.device
     seq_lens = cache.seq_lens_tensor(layer.length, dev)
     q = query.transpose(1, 2)  # [B, Tq, Hq, D]

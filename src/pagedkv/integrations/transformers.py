@@ -72,6 +72,7 @@ import torch
 from ..cache.config import CacheConfig, recent_window_of
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
+from ..approx import Approximation
 from .hf_attention import _dense_attention, _pagedkv_mask, enable, paged_attention_forward, register
 from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _concrete_class, _layer_layout,
                         _model_device, _model_identity, _transformers)
@@ -113,6 +114,8 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
     False keeps every token in every layer (any crop works).
     backend: ops backend name (None = automatic). checks: the ops' value checks (NaN/Inf in K/V,
     slot ranges); False skips those scans (shape/dtype checks always run).
+    approx: the approximate attention paths this cache's attention calls permit
+    (`pagedkv.approx.Approximation` or its text form, e.g. "int8_scores"; None = exact).
 
     Padded batches: `get_seq_length()` counts columns (pads included, what transformers'
     generate expects); row r stores only its valid tokens, `row_lengths(columns)[r]` of them.
@@ -124,6 +127,7 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
     _valid_version = 0  # bumps whenever _valid changes
     _seq_lens_memo: Optional[tuple] = None
     tiers = None  # DropInTiers when built with offload= (PagedLatentCache: none)
+    approx = Approximation()  # exact unless the constructor's approx= says otherwise
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[None, int, str] = None, hp_format: Union[str, KVFormat] = "q8_0",
@@ -133,8 +137,9 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
                  max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
                  checks: bool = True, check_attn_implementation: bool = True,
                  reclaim_sliding: bool = True, offload=None, swap_tier=None, prefix_tier=None,
-                 recent_window=None):
+                 recent_window=None, approx=None):
         config = getattr(model_or_config, "config", model_or_config)
+        self.approx = Approximation.parse(approx)  # ConfigError before anything is built
         self.recent_window = recent_window_of(recent_window if recent_window is not None
                                               else _plan_recent(kv_format))
         if check_attn_implementation and hasattr(model_or_config, "config"):

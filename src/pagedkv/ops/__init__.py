@@ -5,13 +5,14 @@ readable oracle with the same signatures; `fused.py` is the RMSNorm -> RoPE -> s
 """
 
 from .api import decode_attention, prefill_attention, store
+from ..approx import Approximation
 from .batch import AttentionParams, PagedLayer, make_layer
 from .dispatch import Backend, Op, backends, get_backend, register_backend, select_backend
 from .fused import NormSpec, RopeSpec, norm_rope, store_k_fused, store_v
 
 __all__ = [
     "store", "decode_attention", "prefill_attention",
-    "AttentionParams", "PagedLayer", "make_layer",
+    "AttentionParams", "Approximation", "PagedLayer", "make_layer",
     "Backend", "Op", "backends", "get_backend", "register_backend", "select_backend",
     "NormSpec", "RopeSpec", "norm_rope", "store_k_fused", "store_v",
 ]

@@ -101,8 +101,8 @@ class PagedKVImpl(AttentionImpl):
     def _attention_params(self) -> AttentionParams:
         if self._params is None:
             sinks = None if self.sinks is None else self.sinks.detach().float().contiguous()
-            self._params = AttentionParams(scale=self.scale, sliding_window=self.sliding_window,
-                                           soft_cap=self.soft_cap, sinks=sinks)
+            self._params = self.settings.approx.apply(AttentionParams(
+                scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap, sinks=sinks))
         return self._params
 
     def _layer(self, kv_cache: torch.Tensor):

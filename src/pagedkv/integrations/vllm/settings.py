@@ -35,6 +35,9 @@ Keys (anything else is refused, naming the key):
   $XDG_CACHE_HOME/pagedkv/vllm or ~/.cache/pagedkv/vllm); None in a dict to disable.
 - backend: the pagedkv ops backend ("cpu", "triton", "reference"; default: automatic).
 - checks: run the ops' value checks on every call (default false: vLLM's inputs are trusted).
+- approx: the approximate attention paths permitted (`pagedkv.approx`): "exact" (default) or
+  a comma list of int8_scores, bf16_dots, sparse_v_threshold=T, as in `PagedKVCache(approx=...)`
+  and `pagedkv eval --approx`. No stored byte changes.
 
 Nothing here imports vLLM, so the main test suite checks the parsing without it.
 """
@@ -49,6 +52,7 @@ from typing import Any, Mapping, Optional, Union
 from ...errors import ConfigError
 from ...cache.config import split_hp
 from ...formats import KVFormat, is_plan_path, parse_format, read_plan
+from ...approx import Approximation
 from ...ops.recent import RecentWindow, split_window_suffix, window_from_label
 
 ENV_VAR = "PAGEDKV_VLLM"
@@ -57,7 +61,7 @@ DEFAULT_CALIBRATION_TOKENS = 512
 
 _KEYS = ("kv_format", "high_precision_layers", "hp_format", "key_centring", "value_centring",
          "key_scaling", "calibration", "calibration_tokens", "cache_dir", "backend", "checks",
-         "recent_window")
+         "recent_window", "approx")
 
 
 def recent_window_from(value, what: str = "pagedkv recent_window") -> Optional[RecentWindow]:
@@ -97,8 +101,10 @@ class VllmSettings:
     backend: Optional[str] = None
     checks: bool = False
     recent_window: Optional[RecentWindow] = None
+    approx: Approximation = Approximation()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "approx", Approximation.parse(self.approx))
         fmt = self.kv_format
         recent = recent_window_from(self.recent_window)
         named = None  # the window the format names (a plan's, or a +r suffix)
@@ -177,7 +183,8 @@ class VllmSettings:
             fmt = f"plan {os.path.basename(fmt)}"
         hp = self.high_precision_layers
         fmt = fmt if hp is None else f"{fmt} (high_precision_layers={hp})"
-        return fmt if self.recent_window is None else f"{fmt} + recent window {self.recent_window.name}"
+        fmt = fmt if self.recent_window is None else f"{fmt} + recent window {self.recent_window.name}"
+        return fmt if self.approx.exact else f"{fmt}, approx {self.approx.name}"
 
 
 def parse_settings(value: Any, environ: Optional[Mapping[str, str]] = None) -> VllmSettings:

@@ -224,6 +224,7 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     entry = kernel.lib.pkv_attention
     if max_q > 1 and _prefill_tile(kernel, params, prefill_tile):
         entry, a.rows_per_tile = _prefill_entry(kernel, params.bf16_dots), _prefill_task_rows(g)
+        a.int8_scores = 0  # the tile's scores are exact (int8_scores is a decode path)
     rc = entry(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
     if rc == -1:
         raise MemoryError("pagedkv CPU attention kernel: out of memory for its working set")
@@ -291,10 +292,12 @@ def _prefill_task_rows(group: int) -> int:
 
 
 def _prefill_tile(kernel, params: AttentionParams, enabled: bool) -> bool:
-    """Whether the prefill tile (pkv_prefill, AVX2 and AVX-512 builds) takes this call: exact scores and no
-    sparse V (those stay on the general kernel's prefill path). bf16_dots picks its entry point
-    (`_prefill_entry`); the general kernel ignores it (exact)."""
-    return enabled and not params.int8_scores and not params.sparse_v_threshold and _prefill_entry(kernel) is not None
+    """Whether the prefill tile (pkv_prefill, AVX2 and AVX-512 builds) takes this call: no sparse V
+    (that stays on the general kernel's prefill path). int8_scores does not keep a prefill call
+    from the tile (its integer path is a decode path: the tile's exact scores are the faster way
+    through a prefill chunk). bf16_dots picks its entry point (`_prefill_entry`); the general
+    kernel ignores it (exact)."""
+    return enabled and not params.sparse_v_threshold and _prefill_entry(kernel) is not None
 
 
 @functools.lru_cache(maxsize=None)
