@@ -149,9 +149,10 @@ def baseline_contenders(shape: BenchShape, context: int, batch: int) -> list[Con
 
 
 def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable,
-                   int8_scores: bool = False) -> Contender:
+                   int8_scores: bool = False, bf16_dots: bool = False) -> Contender:
     """The fast kernel over paged pools of `fmt` (random block tables, bf16 q); int8_scores: the
-    approximate integer q.k (`AttentionParams.int8_scores`)."""
+    approximate integer q.k (`AttentionParams.int8_scores`); bf16_dots: bf16 products
+    (`AttentionParams.bf16_dots`)."""
     bs = shape.block_size
     blocks_per_seq = -(-context // bs)
     num_blocks = blocks_per_seq * batch
@@ -163,7 +164,7 @@ def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, a
     lens = torch.full((batch,), context, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, generator=gen).to(torch.bfloat16)
-    params = AttentionParams(scale=shape.head_dim ** -0.5, int8_scores=int8_scores)
+    params = AttentionParams(scale=shape.head_dim ** -0.5, int8_scores=int8_scores, bf16_dots=bf16_dots)
 
     def step(i, threads=shape.threads):
         return attention(q, layers[i], tables, lens, qsl, params, num_threads=threads)
@@ -192,16 +193,20 @@ def thread_scaling_point(fmt: KVFormat, shape: BenchShape, context: int, batch: 
 
 
 def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, batch: int,
-                      attention: Callable, int8_scores: bool = False) -> list[dict]:
+                      attention: Callable, int8_scores: bool = False, bf16_dots: bool = False) -> list[dict]:
     """Rows for one (context, batch): every contender timed once per repeat, interleaved, so the
     baseline and each format see the same machine conditions; medians over repeats. int8_scores:
-    each format also with the approximate integer q.k (rows with "scores": "int8")."""
+    each format also with the approximate integer q.k (rows with "scores": "int8"); bf16_dots: also
+    with bf16 products (rows with "scores": "bf16"; a K codec without a bf16 path computes exactly)."""
     base = baseline_contenders(shape, context, batch)
     ours = [ours_contender(f, shape, context, batch, attention) for f in fmts]
     scores = ["fp32"] * len(ours)
     if int8_scores:
         ours += [ours_contender(f, shape, context, batch, attention, int8_scores=True) for f in fmts]
         scores += ["int8"] * len(fmts)
+    if bf16_dots:
+        ours += [ours_contender(f, shape, context, batch, attention, bf16_dots=True) for f in fmts]
+        scores += ["bf16"] * len(fmts)
     everyone = base + ours
     for c in everyone:  # warm-up: first touch, allocator, thread pool
         c.fn(0)
@@ -339,9 +344,11 @@ class BenchResult:
 def run(formats: list[str], contexts: list[int], batches: list[int], shape: BenchShape, *,
         prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None,
         prefill_shapes: tuple = ((4096, 512),), bandwidth_bytes: int = 1 << 29,
-        int8_scores: bool = False, scaling_threads: Optional[int] = None, decode: bool = True) -> BenchResult:
+        int8_scores: bool = False, scaling_threads: Optional[int] = None, decode: bool = True,
+        bf16_dots: bool = False) -> BenchResult:
     """Run the benchmark grid; formats are KV format names (parsed here, the config edge).
-    int8_scores: decode rows also with the approximate integer q.k. scaling_threads: also a
+    int8_scores: decode rows also with the approximate integer q.k; bf16_dots: decode rows also
+    with bf16 products (`AttentionParams.bf16_dots`). scaling_threads: also a
     thread-scaling row (1 vs that many threads, wall clock) per format, context and batch.
     decode: False skips the decode grid (prefill, scaling and memory rows only).
 
@@ -369,7 +376,7 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
     say = progress or (lambda s: None)
     for batch in batches if decode else ():
         for context in contexts:
-            for row in decode_grid_point(fmts, shape, context, batch, cpu.attention, int8_scores):
+            for row in decode_grid_point(fmts, shape, context, batch, cpu.attention, int8_scores, bf16_dots):
                 res.rows.append(row)
                 say(f"{row['format']:>14} {row['scores']} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
                     f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}, "

@@ -24,6 +24,8 @@
  * with AVX2 + FMA + F16C the same technique on 8 lanes (a broadcast word + variable shift per
  * 8 codes, vpermps as an 8-entry table, two for 4-bit codes); otherwise portable C.
  * Opt-in approximate integer scores for the AVX2 and AVX-512 decode (args int8_scores): attention_i8.h.
+ * Opt-in bf16 scores for the AVX-512 BF16 decode (args bf16_dots, K sides whose values are exact in
+ * bf16 and carry no group scale: bf16, E4M3, 8-bit tables of bf16-exact values): scores_bf16_t.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,7 +46,7 @@
 #define PKV_SIMD 1
 #endif
 
-#define PKV_ABI_VERSION 5
+#define PKV_ABI_VERSION 6
 #define SMALL_M 8
 
 
@@ -87,6 +89,8 @@ typedef struct {
     int32_t int8_scores;          /* 1: approximate integer q.k where implemented (attention_i8.h) */
     float *lse;                   /* [Tq, Hq] or NULL: log-sum-exp of each row's logits (+ its sink) */
     int32_t key_start;            /* keys j < key_start are not read (0 = all) */
+    int32_t bf16_dots;            /* 1: bf16 products where implemented (decode scores: scores_bf16_t;
+                                     prefill tile: pkv_prefill_bf16 is its own entry point) */
 } pkv_args;
 
 /* Rows of one chunk: row i of kv head h has its codes at data[i] + h * row_data_bytes; with
@@ -126,6 +130,15 @@ int pkv_abi_version(void) { return PKV_ABI_VERSION; }
 
 int pkv_has_avx512(void) {
 #ifdef PKV_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when decode scores honour args bf16_dots (AVX-512 BF16 builds; scores_bf16_t), else 0 (exact). */
+int pkv_decode_bf16_available(void) {
+#if defined(PKV_AVX512) && defined(__AVX512BF16__)
     return 1;
 #else
     return 0;
@@ -541,6 +554,161 @@ static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
     PKV_DISPATCH(sd, PKV_CALL_DOT)
 #undef PKV_CALL_DOT
 }
+
+#ifdef __AVX512BF16__
+#define PKV_BF16DOT 1
+/* Approximate scores with bf16 products (args bf16_dots; bf16_side_ok: bf16 or E4M3 K without group
+   scales, whose values are exact in bf16): S[m][i] = sum_d bf16(q_md) k_id by vdpbf16ps (two
+   products per fp32 lane, products exact in fp32, fp32 sums). Only q is rounded (to nearest even,
+   relative error <= 2^-8), so |S~ - S| <= (2^-8 + D 2^-24) sum_d |q_d k_id| (vdpbf16ps also treats
+   denormal inputs as zero and flushes denormal sums: q entries below 2^-126, bf16 keys below 2^-126;
+   E4M3 keys arrive times 2^-8, >= 2^-17, never denormal).
+   Layout: two tokens share each vector: vector z of a token pair (t0, t1) holds dims 16z .. 16z+15 as
+   128-bit lanes [t0 d0-7 | t1 d0-7 | t0 d8-15 | t1 d8-15], dotted with q arranged the same way
+   ([q d0-7 | q d0-7 | q d8-15 | q d8-15], bf16_prepare_queries), so that one accumulator holds two
+   tokens and two pairs fold into one vector of 4 tokens x 4 lanes (1 store per 4 tokens instead of
+   1 per token, and a 2-level reduction of 16 tokens instead of hsum16's 4 levels).
+   E4M3 -> bf16 without fp32: vpermi2b puts byte b of either row into both bytes of a word w;
+   y = w >> 4 (arithmetic) has the sign in bit 15, the exponent in bits 10..7 and the mantissa in
+   6..4, so (y & 0x87f0) | 0x3800 is the bf16 of the value times 2^-8 (exponent + 112 = 127 - 15);
+   subnormals (exponent 0: no implicit bit) come from a 32-entry vpermw table indexed by w's low
+   bits (= the mantissa), masked on exponent 0. */
+typedef struct {
+    __m512i idx[4];  /* vpermi2b index of vector z % 4 within a 64-dim window of the two rows */
+    __m512i sub;     /* bf16 magnitude bits of E4M3 subnormal m (m * 2^-9 * 2^-8), m < 8 */
+} bf16_ctx;
+
+static void bf16_ctx_init(bf16_ctx *c) {
+    uint8_t idx[4][64];
+    uint16_t sub[32];
+    for (int z = 0; z < 4; z++)
+        for (int w = 0; w < 32; w++) {
+            const int L = w >> 3, tok = L & 1, dim = 16 * z + 8 * (L >> 1) + (w & 7);
+            idx[z][2 * w] = idx[z][2 * w + 1] = (uint8_t)(64 * tok + dim);
+        }
+    for (int m = 0; m < 32; m++) {
+        const float f = m < 8 ? ldexpf((float)m, -17) : 0.0f;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        sub[m] = (uint16_t)(u >> 16);  /* exact: m < 8 has 3 significant bits */
+    }
+    for (int z = 0; z < 4; z++) c->idx[z] = _mm512_loadu_si512(idx[z]);
+    c->sub = _mm512_loadu_si512(sub);
+}
+
+/* q [D] fp32 -> [2D] bf16 in the pair layout (vector z: q 16z..16z+7 twice, then 16z+8..16z+15 twice). */
+static void bf16_prepare_query(const float *q, int D, uint16_t *out) {
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int z = 0; z < D / 16; z++) {
+        const __m512 v = _mm512_loadu_ps(q + 16 * z);
+        _mm512_storeu_si512(out + 32 * z, (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutexvar_ps(hi, v),
+                                                                      _mm512_permutexvar_ps(lo, v)));
+    }
+}
+
+/* Vector z of the pair (rows a, b) from their 64-dim windows xa, xb (E4M3) or the rows (bf16). */
+PKV_INLINE __m512bh pair_vec(const int kind, const bf16_ctx *bc, __m512i xa, __m512i xb,
+                             const uint8_t *ra, const uint8_t *rb, int z) {
+    if (kind == EK_BF16) {
+        const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(ra + 32 * z)));
+        const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rb + 32 * z)));
+        return (__m512bh)_mm512_permutex2var_epi64(a, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), b);
+    }
+    const __m512i w = _mm512_permutex2var_epi8(xa, bc->idx[z & 3], xb);
+    const __m512i y = _mm512_srai_epi16(w, 4);
+    __m512i n = _mm512_ternarylogic_epi32(y, _mm512_set1_epi16(0x07f0), _mm512_set1_epi16(0x3800), 0xEA);
+    n = _mm512_mask_permutexvar_epi16(n, _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x7800)), w, bc->sub);
+    return (__m512bh)_mm512_ternarylogic_epi32(n, y, _mm512_set1_epi16((short)0x8000), 0xF8);
+}
+
+/* acc[m] (zeroed here) = the pair layout's partial dots of rows ra, rb with the MM queries. */
+PKV_INLINE void pair_dots(const int kind, const int MM, const bf16_ctx *bc, const uint8_t *ra, const uint8_t *rb,
+                          int D, const uint16_t *qb, __m512 *acc) {
+    for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();
+    for (int g = 0; g < D; g += 64) {
+        __m512i xa = _mm512_setzero_si512(), xb = xa;
+        if (kind == EK_E4M3) {
+            if (D - g >= 64) xa = _mm512_loadu_si512(ra + g), xb = _mm512_loadu_si512(rb + g);
+            else {
+                const __mmask64 k = (__mmask64)((1ull << (D - g)) - 1u);
+                xa = _mm512_maskz_loadu_epi8(k, ra + g), xb = _mm512_maskz_loadu_epi8(k, rb + g);
+            }
+        }
+        const int nz = imin4(4, (D - g) >> 4);
+        for (int zz = 0; zz < nz; zz++) {
+            const int z = (g >> 4) + zz;
+            const __m512bh k = pair_vec(kind, bc, xa, xb, ra, rb, z);
+            for (int m = 0; m < MM; m++)
+                acc[m] = _mm512_dpbf16_ps(acc[m], k, (__m512bh)_mm512_loadu_si512(qb + (int64_t)m * 2 * D + 32 * z));
+        }
+    }
+}
+
+PKV_INLINE void scores_bf16_t(const int kind, const int MM, const int DD, const pkv_side *sd, const bf16_ctx *bcp,
+                              const pkv_rows *rw, int h, int nt, int D, const uint16_t *qb,
+                              float *part, float *S, int BSP) {
+    if (DD) D = DD;  /* a compile-time head_dim (64, 128): the dim loops unroll */
+    const bf16_ctx bc = *bcp;  /* a local copy, kept in registers */
+    const int64_t hoff = (int64_t)h * sd->row_data_bytes;
+    const int nq = (nt + 3) >> 2;  /* quads of tokens (the last one padded with the last row) */
+    for (int u = 0; u < nq; u++) {
+        const uint8_t *r[4];
+        for (int t = 0; t < 4; t++) {
+            const int i = imin4(4 * u + t, nt - 1);
+            if (4 * u + t < nt) prefetch_next(rw, 4 * u + t, hoff, sd->row_data_bytes);
+            r[t] = rw->data[i] + hoff;
+        }
+        __m512 a0[SMALL_M], a1[SMALL_M];
+        pair_dots(kind, MM, &bc, r[0], r[1], D, qb, a0);
+        pair_dots(kind, MM, &bc, r[2], r[3], D, qb, a1);
+        for (int m = 0; m < MM; m++)  /* [t0 t1 t0 t1] + [t2 t3 t2 t3] -> [t0 t1 t2 t3], 4 lanes each */
+            _mm512_store_ps(part + ((int64_t)m * (BSP >> 2) + u) * 16,
+                            _mm512_add_ps(_mm512_shuffle_f32x4(a0[m], a1[m], 0x44), _mm512_shuffle_f32x4(a0[m], a1[m], 0xEE)));
+    }
+    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int m = 0; m < MM; m++) {
+        float *pm = part + (int64_t)m * (BSP >> 2) * 16;
+        for (int u = nq; u < (BSP >> 2); u++) _mm512_store_ps(pm + 16 * u, _mm512_setzero_ps());
+        for (int g = 0; g < BSP / 16; g++) {
+            const float *c = pm + 64 * g;  /* 4 quads: quad p's token t in 128-bit lane t */
+            const __m512 c0 = _mm512_load_ps(c), c1 = _mm512_load_ps(c + 16);
+            const __m512 c2 = _mm512_load_ps(c + 32), c3 = _mm512_load_ps(c + 48);
+            const __m512 u01 = _mm512_add_ps(_mm512_unpacklo_ps(c0, c1), _mm512_unpackhi_ps(c0, c1));
+            const __m512 u23 = _mm512_add_ps(_mm512_unpacklo_ps(c2, c3), _mm512_unpackhi_ps(c2, c3));
+            const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u01, u23, 0x44), _mm512_shuffle_ps(u01, u23, 0xEE));
+            _mm512_store_ps(S + (int64_t)m * BSP + 16 * g, _mm512_permutexvar_ps(perm, w));  /* lane 4t+p -> 4p+t */
+        }
+    }
+}
+
+#define PKV_CALL_BFM(K, MM, DD, qq, pp, ss) scores_bf16_t(K, MM, DD, sd, bc, rw, h, nt, D, qq, pp, ss, BSP)
+#define PKV_CALL_BFD(K, MM, qq, pp, ss)                                                           \
+    do {                                                                                          \
+        if (D == 64) PKV_CALL_BFM(K, MM, 64, qq, pp, ss);                                         \
+        else if (D == 128) PKV_CALL_BFM(K, MM, 128, qq, pp, ss);                                  \
+        else PKV_CALL_BFM(K, MM, 0, qq, pp, ss);                                                  \
+    } while (0)
+static void scores_bf16(const pkv_side *sd, const bf16_ctx *bc, const pkv_rows *rw, int h, int nt, int D, int M,
+                        const uint16_t *qb, float *part, float *S, int BSP) {
+#define PKV_CALL_BF(K)                                                                            \
+    for (int m0 = 0; m0 < M; m0 += 4) {  /* at most 4 query vectors per pass (registers) */      \
+        const int mm = imin(4, M - m0);                                                           \
+        float *pp = part + (int64_t)m0 * (BSP >> 2) * 16;                                         \
+        const uint16_t *qq = qb + (int64_t)m0 * 2 * D;                                            \
+        float *ss = S + (int64_t)m0 * BSP;                                                        \
+        if (mm == 4) PKV_CALL_BFD(K, 4, qq, pp, ss);                                              \
+        else if (mm == 3) PKV_CALL_BFD(K, 3, qq, pp, ss);                                         \
+        else if (mm == 2) PKV_CALL_BFD(K, 2, qq, pp, ss);                                         \
+        else PKV_CALL_BFD(K, 1, qq, pp, ss);                                                      \
+    }
+    if (sd->kind == EK_BF16) PKV_CALL_BF(EK_BF16)
+    else PKV_CALL_BF(EK_E4M3)
+#undef PKV_CALL_BF
+}
+#undef PKV_CALL_BFD
+#undef PKV_CALL_BFM
+#endif /* __AVX512BF16__ */
 
 /* acc[m] = alpha[m] * acc[m] + sum_i P[m][i] v_i for MM (compile-time) query vectors: each V row
    is decoded into registers once per 64 dims and accumulated into MM x 4 register accumulators. */
@@ -1097,6 +1265,10 @@ typedef struct {
     int8_t *q8;     /* [hpt, M, D] int8 queries, or NULL: exact scores (AVX2 integer path only) */
     int32_t *qc;    /* [hpt, M, D/4] */
     float *qmul;    /* [hpt, M] */
+#ifdef PKV_BF16DOT
+    uint16_t *qb;   /* [hpt, M, 2D] bf16 queries in the pair layout, or NULL: fp32 scores (bf16_dots) */
+    bf16_ctx bc;
+#endif
 } pkv_scratch;
 
 /* Process the chunk's tokens (positions [jlo, jhi), rows in kr / vr) for one kv head h and the
@@ -1123,6 +1295,10 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         const int D64 = (D + 63) & ~63;
         scores_i8(ks, ik, kr, h, nt, H, D, M, sc->q8 + (int64_t)hh * M * D64, sc->qc + (int64_t)hh * M * (D64 / 4),
                   sc->qmul + (int64_t)hh * M, S, BSP);
+#ifdef PKV_BF16DOT
+    } else if (sc->qb) {  /* bf16 products (bf16_dots; M <= SMALL_M, checked by the caller) */
+        scores_bf16(ks, &sc->bc, kr, h, nt, D, M, sc->qb + (int64_t)hh * M * 2 * D, sc->kt, S, BSP);
+#endif
     } else if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
         scores_dot(ks, klc, kr, h, nt, H, D, M, qv, sc->kt, S, BSP);
     } else {  /* many: decode into a tile, transpose, broadcast-FMA every query against it */
@@ -1429,6 +1605,14 @@ static int fill_chunk(const pkv_args *a, const pkv_side *ks, const pkv_side *vs,
     return nt > 0 ? nt : 0;
 }
 
+#ifdef PKV_BF16DOT
+/* 1 when the bf16 score path takes K side sd: bf16 or E4M3 values (3 mantissa bits: exact in bf16)
+   without group scales, so that only q's rounding to bf16 is approximate. */
+static int bf16_side_ok(const pkv_side *sd) {
+    return !sd->group && (sd->kind == EK_BF16 || sd->kind == EK_E4M3);
+}
+#endif
+
 /* Run one task; writes [hpt*M] partial rows (m, l, acc[D]) at part_out. Returns 0 or -1 (OOM). */
 static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, const pkv_task *t,
                     float *part_out, int64_t *nv, int64_t *nskip) {
@@ -1517,6 +1701,14 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
                                sc.qmul + m);
     }
 #endif
+#ifdef PKV_BF16DOT
+    if (a->bf16_dots && !sc.q8 && M <= SMALL_M && bf16_side_ok(ks)) {
+        sc.qb = xalloc(sizeof(uint16_t) * (size_t)hpt * M * 2 * D);
+        if (!sc.qb) { rc = -1; goto done; }
+        for (int m = 0; m < hpt * M; m++) bf16_prepare_query(sc.q + (int64_t)m * D, D, sc.qb + (int64_t)m * 2 * D);
+        bf16_ctx_init(&sc.bc);
+    }
+#endif
     const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
 #ifdef PKV_SIMD
     const unsigned csr = _mm_getcsr();
@@ -1565,6 +1757,9 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
 done:
     free(sc.q); free(sc.bias); free(sc.pos); free(sc.rows); free(sc.kt); free(sc.s); free(sc.need); free(sc.alpha);
     free(sc.q8); free(sc.qc); free(sc.qmul);
+#ifdef PKV_BF16DOT
+    free(sc.qb);
+#endif
     free(sinkv); free(st_m); free(st_l); free(st_acc);
     for (int z = 0; z < 2; z++) {
         free(krs[z].data); free(krs[z].sraw); free(krs[z].scl);
