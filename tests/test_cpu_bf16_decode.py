@@ -129,6 +129,7 @@ SETTINGS = [
     dict(group=8, head_dim=128, num_kv_heads=1),
     dict(group=2, head_dim=80),  # 64 + 16 dims: a last half vector against zero-padded q
     dict(group=3, head_dim=32),
+    dict(group=3, head_dim=16),  # one half vector per token
     dict(sinks=True, group=3),
     dict(sliding_window=23, group=3),
     dict(soft_cap=5.0, group=3),

@@ -72,12 +72,20 @@ class AttentionParams:
     kernel's AVX2 and AVX-512 decode paths for 2/3/4-bit table codes with group scales: the query quantized
     to int8 per vector, levels to 7 bits; the score error bound is in ops/cpu/attention_i8.h).
     Backends without such a path compute exactly.
-    bf16_dots: False is exact; True permits a backend bf16 products in prefill (the CPU kernel's
-    AVX-512 BF16 prefill tile: q and K rounded to bf16 for the scores, softmax weights and V for
-    the values, fp32 sums). Per query row, with e = 2^-8 scale max_j sum_d |q_d k_jd| (the score
-    error bound, in the basis the keys are stored in): ||out - exact||_2 <= ((exp(2e) - 1) +
-    2^-8 exp(2e)) max_j ||v_j||_2 (derived and tested in tests/test_cpu_prefill.py). Backends
-    without such a path compute exactly.
+    bf16_dots: False is exact; True permits a backend bf16 products (u = 2^-8: the relative
+    rounding of bf16, round to nearest even, 8 significant bits). Two paths of the CPU kernel, on
+    AVX-512 BF16 builds (elsewhere, and for other keys, it computes exactly):
+    - prefill tile: q and K rounded to bf16 for the scores, softmax weights and V for the values,
+      fp32 sums. Per query row, with e = (2u + u^2 + D 2^-24) scale max_j sum_d |q_d k_jd| (the
+      score error bound, in the basis the keys are stored in): ||out - exact||_2 <=
+      ((exp(2e) - 1) + (2u + u^2) exp(2e)) max_j ||v_j||_2 (tests/test_cpu_prefill.py);
+    - decode scores (tasks of at most 8 query vectors) over bf16 or fp8 E4M3 keys without group
+      scales, whose values are exact in bf16: only q is rounded, products are exact, sums fp32, so
+      each score moves by at most e_j = (u + D 2^-24) scale sum_d |q_d k_jd| (+ 2^-126 per
+      denormal input or sum, which vdpbf16ps flushes), each softmax weight by a factor within
+      exp(+-2 max_j e_j), and ||out - exact||_2 <= (exp(2 max_j e_j) - 1) max_j ||v_j||_2
+      (tests/test_cpu_bf16_decode.py). On Zen 5 it takes fp8k_turbo3v decode at 32k to ~0.8x
+      the exact time (ops/cpu docstring).
     """
 
     scale: float

@@ -18,7 +18,8 @@ F/BW/VL/VBMI/BF16, a shared 2-core VM; `pagedkv bench attention`, 1 thread, the 
   384 query vectors of a kv head, swept by 6-vector register tiles; sparse V and int8 scores keep the
   general kernel's prefill tiles (~96 query vectors per task, K decoded into a transposed tile).
   `AttentionParams.bf16_dots` (opt-in, approximate, bound in its docstring) runs the tile with bf16
-  products (vdpbf16ps) on AVX-512 BF16 builds (`pkv_prefill_bf16`); elsewhere it is exact.
+  products (vdpbf16ps) on AVX-512 BF16 builds (`pkv_prefill_bf16`), and there also the decode
+  scores over bf16 / fp8 E4M3 keys (`scores_bf16_t`: only q rounded); elsewhere it is exact.
 - Decoding (AVX-512): a 2/3/4-bit code is moved into its own 32-bit lane by one byte permute
   (vpermb) and a variable shift, then becomes a value through vpermps used as a 16-entry table
   (sub-byte tables replicated, so upper bits need no mask); 8-bit E4M3 by moving its bits into
@@ -138,7 +139,23 @@ pair's codes interleaved by vpermt2b and looked up by vpermw, weights p * scale 
 (gathered scales): 1.03-1.14x the time of the exact V; with the scale folded into a per-pair
 32-entry bf16 table (vcvtne2ps2bf16) instead: 0.86-1.06x, no clear gain (min of 15: 41.9 vs
 40.0 ms turbo4 int8), so V stays exact fp32 (~35 ops per token and kv head: decode, scale,
-12 FMAs for 3 queries). Two threads (batch 1, 32k): the kernel splits a sequence into 2 x
+12 FMAs for 3 queries). bf16 decode scores (`bf16_dots`, bf16 / E4M3 keys without group scales:
+fp8k_turbo3v's E4M3 keys have no integer path): vdpbf16ps with only q rounded (the keys are exact
+in bf16), two tokens per vector (128-bit lanes [t0 d0-7 | t1 d0-7 | t0 d8-15 | t1 d8-15] by one
+vpermi2b of the two rows, so one accumulator holds two tokens and a quad folds into 4 x 4 lanes:
+1 partial store per 4 tokens, a 2-level reduction per 16), E4M3 -> bf16 by shift + ternlog with
+the exponent rebiased (subnormals, exponent 0, from a masked vpermw table): ~26 ops per token and
+kv head instead of ~40. A first version (one token per vector, E4M3 through fp16 -> fp32 ->
+vcvtne2ps2bf16, the 16-token hsum tree) took 0.93x the exact time. In one process, interleaved
+with the torch baseline (thread CPU time, medians of 7-11, load 0.8-1.9), 32k b1 exact -> bf16:
+43.7 -> 34.3 ms (ratio 0.50 -> 0.39), 64.0 -> 53.9 (0.44 -> 0.37), 50.1 -> 43.5 (0.52 -> 0.45);
+b8: 335 -> 278 ms (0.44 -> 0.36), 373 -> 288 (0.50 -> 0.39), 329 -> 264 (0.49 -> 0.39), i.e.
+0.77-0.91x the exact time. `pagedkv bench attention ... --int8-scores --bf16-dots` (5 / 7
+repeats, load 1.3-1.7): fp8k_turbo3v b1 0.53 -> 0.45 / 0.53 -> 0.44, b8 0.53 -> 0.46 /
+0.55 -> 0.50 (the turbo3 / turbo4 bf16 rows compute exactly and moved 0.50-0.58 against their
+fp32 rows' 0.50-0.57: the noise of this VM). Tried, did not pay (A/B of builds, 25 repeats): the
+prefetches spread over the quad's two pairs, one line per 64-byte row, no scale prefetch: 0.98x
+(min equal). Two threads (batch 1, 32k): the kernel splits a sequence into 2 x
 threads block ranges (dynamic schedule, log-sum-exp merge); in one process, 21 repeats with the
 three formats and both thread counts interleaved (load 2.3), exact, ms per step 1 -> 2 threads
 (medians): turbo3 41.9 -> 22.8 (1.83x), turbo4 42.7 -> 22.9 (1.86x), fp8k_turbo3v 39.7 -> 22.4

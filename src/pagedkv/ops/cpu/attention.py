@@ -297,7 +297,8 @@ def _prefill_tile(kernel, params: AttentionParams, enabled: bool) -> bool:
     (that stays on the general kernel's prefill path). int8_scores does not keep a prefill call
     from the tile (its integer path is a decode path: the tile's exact scores are the faster way
     through a prefill chunk). bf16_dots picks its entry point (`_prefill_entry`); the general
-    kernel ignores it (exact)."""
+    kernel uses it only for the scores of tasks of at most 8 query vectors over bf16 / E4M3 keys
+    (decode; see pkv_args.bf16_dots), elsewhere it is exact."""
     return enabled and not params.sparse_v_threshold and _prefill_entry(kernel) is not None
 
 
