@@ -152,7 +152,8 @@ def test_bf16_dots_settings_within_bound(k, extra):
 @pytest.mark.parametrize("k", ["turbo3", "q8_0", "fp8_e5m2", "nvfp4"])
 def test_bf16_dots_other_keys_exact_with_settings(k):
     """K codecs without the bf16 path compute exactly under the setting, whatever the settings."""
-    for extra in (dict(group=8, num_kv_heads=1, sinks=True), dict(group=3, num_kv_heads=2, sliding_window=20, soft_cap=4.0)):
+    for extra in (dict(group=8, num_kv_heads=1, sinks=True),
+                  dict(group=3, num_kv_heads=2, sliding_window=20, soft_cap=4.0)):
         check_within_bound(CheckCase(k, "turbo4", seq_lens=(45, 1, 70), **extra))
 
 
@@ -201,7 +202,8 @@ def test_bf16_dots_with_int8_scores():
         p = cc.params()
         args = (case.q_decode, case.layer, case.block_tables, case.seq_lens)
         both = cpu.decode_attention(*args, replace(p, int8_scores=True, bf16_dots=True))
-        alone = cpu.decode_attention(*args, replace(p, int8_scores=True) if k == "turbo3" else replace(p, bf16_dots=True))
+        alone = cpu.decode_attention(*args, replace(p, int8_scores=True) if k == "turbo3"
+                                     else replace(p, bf16_dots=True))
         assert torch.equal(both, alone), k
 
 
