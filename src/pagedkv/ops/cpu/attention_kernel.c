@@ -25,7 +25,7 @@
  * 8 codes, vpermps as an 8-entry table, two for 4-bit codes); otherwise portable C.
  * Opt-in approximate integer scores for the AVX2 and AVX-512 decode (args int8_scores): attention_i8.h.
  * Opt-in bf16 scores for the AVX-512 BF16 decode (args bf16_dots, K sides whose values are exact in
- * bf16 and carry no group scale: bf16, E4M3, 8-bit tables of bf16-exact values): scores_bf16_t.
+ * bf16 and carry no group scale: bf16, E4M3): scores_bf16_t.
  */
 #include <math.h>
 #include <stdint.h>
@@ -570,9 +570,9 @@ static void scores_dot(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *rw
    1 per token, and a 2-level reduction of 16 tokens instead of hsum16's 4 levels).
    E4M3 -> bf16 without fp32: vpermi2b puts byte b of either row into both bytes of a word w;
    y = w >> 4 (arithmetic) has the sign in bit 15, the exponent in bits 10..7 and the mantissa in
-   6..4, so (y & 0x87f0) | 0x3800 is the bf16 of the value times 2^-8 (exponent + 112 = 127 - 15);
-   subnormals (exponent 0: no implicit bit) come from a 32-entry vpermw table indexed by w's low
-   bits (= the mantissa), masked on exponent 0. */
+   6..4, so (y & 0x07f0) | 0x3800 is the bf16 of the magnitude times 2^-8 (exponent + 112 =
+   127 - 15); subnormals (exponent 0: no implicit bit) come from a 32-entry vpermw table indexed by
+   w's low bits (= the mantissa), masked on exponent 0; then y's bit 15 (the sign) is or-ed in. */
 typedef struct {
     __m512i idx[4];  /* vpermi2b index of vector z % 4 within a 64-dim window of the two rows */
     __m512i sub;     /* bf16 magnitude bits of E4M3 subnormal m (m * 2^-9 * 2^-8), m < 8 */
