@@ -78,7 +78,7 @@ test-vllm: vllm-setup
 # fast paths (its integer scores, its prefill tile) would go untested there: the CPU kernel's tests
 # run a second time against the AVX2 build (conftest's --kernel-variant). Elsewhere nothing to do.
 CPU_KERNEL_TESTS := tests/test_cpu_kernel.py tests/test_cpu_int8.py tests/test_cpu_prefill.py \
-	tests/test_cpu_lse.py tests/test_cpu_store.py
+	tests/test_cpu_bf16_decode.py tests/test_cpu_lse.py tests/test_cpu_store.py tests/test_approx.py
 test-avx2-build: setup-test
 	@if [ "$$($(BIN)/python -c 'from pagedkv.ops.cpu.build import detect_variant; print(detect_variant())')" = avx512 ]; then \
 	  echo "the CPU kernel's tests against the AVX2 build ..."; \

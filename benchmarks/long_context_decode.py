@@ -3,6 +3,9 @@
     python benchmarks/long_context_decode.py [--contexts 8k,16k] [--batches 1,8] [--steps 8]
         [--formats turbo3,fp8k_turbo3v] [--front-doors vllm,transformers] [--json] [--save FILE]
 
+A format may name the approximate attention paths after an @ (`turbo3@int8_scores`: the
+drop-in's `approx=`, vLLM's `"approx"` setting; `pagedkv.approx`).
+
 Two front doors, each against its own cache, the embedded SmolLM2 in float32 (bf16 matmuls on an
 AVX2 CPU cost 4-7x fp32, see the README), greedy decoding:
 - vllm: a vLLM engine (CPU, eager) with its own cache (`vllm-auto`: the model dtype, fp32) or
@@ -81,7 +84,8 @@ def run_vllm(config: str, args) -> list[dict]:
               # (vLLM sizes its RoPE table and max_model_len check from this)
               hf_overrides={"max_position_embeddings": max(trained, max_len)})
     if config != "vllm-auto":
-        kw["additional_config"] = {"pagedkv": {"kv_format": config.split("-", 1)[1]}}
+        fmt, _, approx = config.split("-", 1)[1].partition("@")
+        kw["additional_config"] = {"pagedkv": {"kv_format": fmt, **({"approx": approx} if approx else {})}}
     llm = LLM(**kw)
     bs = int(llm.llm_engine.vllm_config.cache_config.block_size)
     stream = token_stream(llm.get_tokenizer(), max(contexts) + TAIL * max(batches))
@@ -131,7 +135,8 @@ def run_transformers(config: str, args) -> list[dict]:
     else:
         from pagedkv.integrations.transformers import PagedKVCache
 
-        cache = PagedKVCache(model, config[len("hf-pagedkv-"):], checks=False)
+        fmt, _, approx = config[len("hf-pagedkv-"):].partition("@")
+        cache = PagedKVCache(model, fmt, checks=False, approx=approx or None)
     stream = torch.tensor([token_stream(lm.tokenizer, max(contexts))])
     rows = []
     with torch.inference_mode():

@@ -147,7 +147,7 @@ def _bf16_available() -> bool:
 
 needs_bf16 = pytest.mark.skipif(not _bf16_available(), reason="this build has no bf16 prefill tile (AVX-512 BF16)")
 
-U = 2.0 ** -9  # bf16 round-to-nearest-even: relative error <= 2^-9 (8-bit significand)
+U = 2.0 ** -8  # bf16 round-to-nearest-even: relative error <= 2^-8 (8 significant bits: unit roundoff 2^-p, p = 8)
 
 
 def bf16_bound(case, params: AttentionParams, *, scores: bool = False) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 `AttentionParams` has three switches that trade exactness for speed (each off by default, each
 with a stated, tested bound: see its docstring): `int8_scores` (integer q.k on 2/3/4-bit table
-keys, decode), `bf16_dots` (bf16 products in the CPU prefill tile) and `sparse_v_threshold`
+keys, decode), `bf16_dots` (bf16 products: the CPU prefill tile, and decode scores over bf16 /
+fp8 keys) and `sparse_v_threshold`
 (skip V rows whose weight is below it). A front door builds its own AttentionParams per call
 (the transformers drop-in from the HF attention call, the vLLM backend from the layer), so the
 user's choice travels as an `Approximation` given once to the front door, which applies it to
