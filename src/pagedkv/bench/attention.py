@@ -45,7 +45,7 @@ from ..errors import ConfigError
 from ..formats import KVFormat, parse_format
 from ..ops import AttentionParams, PagedLayer, hugepages, make_layer
 from ..ops.reference import store as reference_store
-from .config import BenchShape
+from .config import BenchShape, check_prefill_shapes
 
 L3_BYTES = 32 << 20
 SEED_TOKENS = 1024
@@ -199,14 +199,10 @@ def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, bat
     each format also with the approximate integer q.k (rows with "scores": "int8"); bf16_dots: also
     with bf16 products (rows with "scores": "bf16"; a K codec without a bf16 path computes exactly)."""
     base = baseline_contenders(shape, context, batch)
-    ours = [ours_contender(f, shape, context, batch, attention) for f in fmts]
-    scores = ["fp32"] * len(ours)
-    if int8_scores:
-        ours += [ours_contender(f, shape, context, batch, attention, int8_scores=True) for f in fmts]
-        scores += ["int8"] * len(fmts)
-    if bf16_dots:
-        ours += [ours_contender(f, shape, context, batch, attention, bf16_dots=True) for f in fmts]
-        scores += ["bf16"] * len(fmts)
+    ways = [("fp32", {})] + [(n, {k: True}) for n, k, on in (("int8", "int8_scores", int8_scores),
+                                                             ("bf16", "bf16_dots", bf16_dots)) if on]
+    ours = [ours_contender(f, shape, context, batch, attention, **kw) for _, kw in ways for f in fmts]
+    scores = [n for n, _ in ways for _ in fmts]
     everyone = base + ours
     for c in everyone:  # warm-up: first touch, allocator, thread pool
         c.fn(0)
@@ -355,10 +351,7 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
     prefill_shapes: (context, query count) of each chunked-prefill row (q_len queries at the end
     of the context); bandwidth_bytes: buffer of the streaming-read probe (larger than the caches)."""
     shape.check()
-    for ps in prefill_shapes:
-        if (not isinstance(ps, tuple) or len(ps) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in ps)
-                or not 1 <= ps[1] <= ps[0]):
-            raise ConfigError(f"a prefill shape is (context, queries) with 1 <= queries <= context, got {ps!r}")
+    check_prefill_shapes(prefill_shapes)
     if scaling_threads is not None and (isinstance(scaling_threads, bool) or not isinstance(scaling_threads, int)
                                         or scaling_threads < 2):
         raise ConfigError(f"scaling threads must be an integer >= 2, got {scaling_threads!r}")

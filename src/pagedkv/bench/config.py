@@ -61,6 +61,14 @@ class AttentionBench:
     memory: bool = True
 
 
+def check_prefill_shapes(shapes) -> None:
+    """ConfigError unless every shape is (context, queries) with 1 <= queries <= context."""
+    for ps in shapes:
+        if (not isinstance(ps, tuple) or len(ps) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in ps)
+                or not 1 <= ps[1] <= ps[0]):
+            raise ConfigError(f"a prefill shape is (context, queries) with 1 <= queries <= context, got {ps!r}")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """`bench attention --device cuda`: what to run. formats: KV format names (`turbo3`,
