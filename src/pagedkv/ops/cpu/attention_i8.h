@@ -221,32 +221,13 @@ PKV_INLINE __m512i i8_dot(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
-/* 16 vectors of 16 dwords transposed in registers: x[k] lane t <- x[t] lane k (transpose16's
-   shuffles on integer data). */
+/* 16 vectors of 16 dwords transposed in registers: x[k] lane t <- x[t] lane k (transpose16_regs
+   on integer data). */
 PKV_INLINE void transpose16i(__m512i x[16]) {
-    __m512 r[16], t[16];
+    __m512 r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(x[i]);
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int k = 0; k < 4; k++) {
-            __m512 a = r[8 * i + k], b = r[8 * i + 4 + k];
-            t[8 * i + k] = _mm512_shuffle_f32x4(a, b, 0x88);
-            t[8 * i + 4 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
-        }
-    for (int k = 0; k < 8; k++) {
-        __m512 a = t[k], b = t[8 + k];
-        x[k] = _mm512_castps_si512(_mm512_shuffle_f32x4(a, b, 0x88));
-        x[8 + k] = _mm512_castps_si512(_mm512_shuffle_f32x4(a, b, 0xDD));
-    }
+    transpose16_regs(r);
+    for (int i = 0; i < 16; i++) x[i] = _mm512_castps_si512(r[i]);
 }
 
 /* Raw scores S[m][i] ~ q_m . k_i of the nt rows of a chunk (MM query vectors, compile-time), 16

@@ -433,10 +433,9 @@ static void decode_rows(const pkv_side *sd, const lut_ctx *lc, const pkv_rows *r
 #undef PKV_CALL_DECODE
 }
 
-/* 16x16 transpose: in rows r[i] (16 floats each, stride `ld`), out[j*16 + i] = in[i][j]. */
-static inline void transpose16(const float *in, int ld, float *out, int ostride) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(in + i * ld);
+/* 16x16 transpose in registers: r[k] lane i <- r[i] lane k (also integer data, cast: attention_i8.h). */
+PKV_INLINE void transpose16_regs(__m512 r[16]) {
+    __m512 t[16];
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -460,6 +459,13 @@ static inline void transpose16(const float *in, int ld, float *out, int ostride)
         r[8 + k] = _mm512_shuffle_f32x4(a, b, 0xDD);
     }
     /* now r[k] holds column k (rows 0..15) */
+}
+
+/* 16x16 transpose: in rows r[i] (16 floats each, stride `ld`), out[j*16 + i] = in[i][j]. */
+static inline void transpose16(const float *in, int ld, float *out, int ostride) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(in + i * ld);
+    transpose16_regs(r);
     for (int k = 0; k < 16; k++) _mm512_store_ps(out + k * ostride, r[k]);
 }
 

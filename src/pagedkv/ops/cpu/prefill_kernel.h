@@ -181,7 +181,8 @@ static void pf_panel(const float *rows, int BSP, int D, float *kt) {
 
 /* S[z][16 NK keys] = q_z . k for the 6 query vectors qz against NK (compile-time, 1..4) groups of
    16 transposed keys (group j at kt + j * 16 D): 6 x NK accumulators in named variables (24 of
-   the 32 zmm at NK = 4), NK K loads + 6 broadcast-FMA operands per dim. */
+   the 32 zmm at NK = 4), NK K loads + 6 broadcast-FMA operands per dim. PF5_STORE (and the value
+   tile's PF5_VLOAD / PF5_VSTORE below) also serve the bf16 tiles. */
 #define PF5_ROW(z)                                                                                 \
     {                                                                                              \
         const __m512 w = _mm512_set1_ps(q##z[d]);                                                  \
@@ -219,7 +220,6 @@ PKV_INLINE void pf_scores_nk(const int NK, const float *kt, int D, const float *
     (void)a31; (void)a32; (void)a33; (void)a41; (void)a42; (void)a43; (void)a51; (void)a52; (void)a53;
 }
 #undef PF5_ROW
-#undef PF5_STORE
 
 static void pf_scores(const float *kt, int BSP, int D, const float *const *qz, float *S, int nz) {
     const int ng = BSP / 16;
@@ -270,9 +270,7 @@ PKV_INLINE void pf_values_nc(const int NC, const float *rows, int nt, int D, int
     }
     PF5_VSTORE(0) PF5_VSTORE(1) PF5_VSTORE(2) PF5_VSTORE(3) PF5_VSTORE(4) PF5_VSTORE(5)
 }
-#undef PF5_VLOAD
 #undef PF5_VFMA
-#undef PF5_VSTORE
 
 static void pf_values(const float *rows, int nt, int D, const float *P, int BSP, float *const *accz,
                       const float *alpha) {
@@ -402,14 +400,6 @@ static void pf_rows_bf16(const float *x, int n, int D, float *out) {
         if (NK > 2) a##z##2 = _mm512_dpbf16_ps(a##z##2, w, k2);                                    \
         if (NK > 3) a##z##3 = _mm512_dpbf16_ps(a##z##3, w, k3);                                    \
     }
-#define PFB_STORE(z)                                                                               \
-    if (z < nz) {                                                                                  \
-        float *sz = s + (int64_t)(z) * BSP;                                                        \
-        _mm512_store_ps(sz, a##z##0);                                                              \
-        if (NK > 1) _mm512_store_ps(sz + 16, a##z##1);                                             \
-        if (NK > 2) _mm512_store_ps(sz + 32, a##z##2);                                             \
-        if (NK > 3) _mm512_store_ps(sz + 48, a##z##3);                                             \
-    }
 PKV_INLINE void pf_scores_bf_nk(const int NK, const float *kt, int D2, const float *const *qz, float *s, int BSP,
                                 int nz) {
     const float *q0 = qz[0], *q1 = qz[1], *q2 = qz[2], *q3 = qz[3], *q4 = qz[4], *q5 = qz[5];
@@ -427,12 +417,11 @@ PKV_INLINE void pf_scores_bf_nk(const int NK, const float *kt, int D2, const flo
         const __m512bh k3 = NK > 3 ? (__m512bh)_mm512_load_si512((const __m512i *)(kd + 3 * gs)) : zb;
         PFB_ROW(0) PFB_ROW(1) PFB_ROW(2) PFB_ROW(3) PFB_ROW(4) PFB_ROW(5)
     }
-    PFB_STORE(0) PFB_STORE(1) PFB_STORE(2) PFB_STORE(3) PFB_STORE(4) PFB_STORE(5)
+    PF5_STORE(0) PF5_STORE(1) PF5_STORE(2) PF5_STORE(3) PF5_STORE(4) PF5_STORE(5)
     (void)a01; (void)a02; (void)a03; (void)a11; (void)a12; (void)a13; (void)a21; (void)a22; (void)a23;
     (void)a31; (void)a32; (void)a33; (void)a41; (void)a42; (void)a43; (void)a51; (void)a52; (void)a53;
 }
 #undef PFB_ROW
-#undef PFB_STORE
 
 /* pf_scores with bf16 pairs: kt from pf_panel_bf16, qz rows of D/2 pairs */
 static void pf_scores_bf(const float *kt, int BSP, int D, const float *const *qz, float *S, int nz) {
@@ -447,12 +436,6 @@ static void pf_scores_bf(const float *kt, int BSP, int D, const float *const *qz
     }
 }
 
-#define PFB_VLOAD(z)                                                                               \
-    const __m512 al##z = _mm512_set1_ps(alpha[z]);                                                 \
-    __m512 c##z##0 = _mm512_mul_ps(_mm512_load_ps(accz[z] + dc), al##z);                           \
-    __m512 c##z##1 = NC > 1 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 16), al##z) : zero;      \
-    __m512 c##z##2 = NC > 2 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 32), al##z) : zero;      \
-    __m512 c##z##3 = NC > 3 ? _mm512_mul_ps(_mm512_load_ps(accz[z] + dc + 48), al##z) : zero;
 #define PFB_VFMA(z)                                                                                \
     {                                                                                              \
         const __m512bh w = (__m512bh)_mm512_set1_epi32(p##z[ip]);                                  \
@@ -461,11 +444,6 @@ static void pf_scores_bf(const float *kt, int BSP, int D, const float *const *qz
         if (NC > 2) c##z##2 = _mm512_dpbf16_ps(c##z##2, w, v2);                                    \
         if (NC > 3) c##z##3 = _mm512_dpbf16_ps(c##z##3, w, v3);                                    \
     }
-#define PFB_VSTORE(z)                                                                              \
-    _mm512_store_ps(accz[z] + dc, c##z##0);                                                        \
-    if (NC > 1) _mm512_store_ps(accz[z] + dc + 16, c##z##1);                                       \
-    if (NC > 2) _mm512_store_ps(accz[z] + dc + 32, c##z##2);                                       \
-    if (NC > 3) _mm512_store_ps(accz[z] + dc + 48, c##z##3);
 /* Pb: 6 rows of BSP/2 bf16 pairs of p (row stride BSP/2 dwords); vb from pf_vpanel_bf16 */
 PKV_INLINE void pf_values_bf_nc(const int NC, const float *vb, int np, int D, int dc, const int32_t *Pb, int BSP,
                                 float *const *accz, const float *alpha) {
@@ -473,7 +451,7 @@ PKV_INLINE void pf_values_bf_nc(const int NC, const float *vb, int np, int D, in
     const __m512bh zb = (__m512bh)_mm512_setzero_si512();
     const int B2 = BSP / 2;
     const int32_t *p0 = Pb, *p1 = Pb + B2, *p2 = Pb + 2 * B2, *p3 = Pb + 3 * B2, *p4 = Pb + 4 * B2, *p5 = Pb + 5 * B2;
-    PFB_VLOAD(0) PFB_VLOAD(1) PFB_VLOAD(2) PFB_VLOAD(3) PFB_VLOAD(4) PFB_VLOAD(5)
+    PF5_VLOAD(0) PF5_VLOAD(1) PF5_VLOAD(2) PF5_VLOAD(3) PF5_VLOAD(4) PF5_VLOAD(5)
     for (int ip = 0; ip < np; ip++) {
         const float *v = vb + (int64_t)ip * D + dc;
         const __m512bh v0 = (__m512bh)_mm512_load_si512((const __m512i *)v);
@@ -482,11 +460,9 @@ PKV_INLINE void pf_values_bf_nc(const int NC, const float *vb, int np, int D, in
         const __m512bh v3 = NC > 3 ? (__m512bh)_mm512_load_si512((const __m512i *)(v + 48)) : zb;
         PFB_VFMA(0) PFB_VFMA(1) PFB_VFMA(2) PFB_VFMA(3) PFB_VFMA(4) PFB_VFMA(5)
     }
-    PFB_VSTORE(0) PFB_VSTORE(1) PFB_VSTORE(2) PFB_VSTORE(3) PFB_VSTORE(4) PFB_VSTORE(5)
+    PF5_VSTORE(0) PF5_VSTORE(1) PF5_VSTORE(2) PF5_VSTORE(3) PF5_VSTORE(4) PF5_VSTORE(5)
 }
-#undef PFB_VLOAD
 #undef PFB_VFMA
-#undef PFB_VSTORE
 
 /* pf_values with bf16 pairs: p rows converted here (into Pb: 6 x BSP/2 dwords), key pairs up to nt */
 static void pf_values_bf(const float *vb, int nt, int D, const float *P, int BSP, float *const *accz,
@@ -510,6 +486,9 @@ static void pf_values_bf(const float *vb, int nt, int D, const float *P, int BSP
     }
 }
 #endif /* __AVX512BF16__ */
+#undef PF5_STORE  /* the score and value tiles' shared loads and stores, exact and bf16 */
+#undef PF5_VLOAD
+#undef PF5_VSTORE
 #endif
 
 typedef struct {
