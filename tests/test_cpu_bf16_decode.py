@@ -24,9 +24,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers.approx_checks import assert_within_score_bound, simulated_decode, skip_unless_kernel_reads
 from helpers.backend_check import CheckCase, all_pairs
 
-from pagedkv.codecs import wht
 from pagedkv.codecs.catalogue import CODECS
 from pagedkv.codecs.derive import DecodeKind
 from pagedkv.formats import all_formats
@@ -85,19 +85,8 @@ def score_error_bound(case, params) -> torch.Tensor:
     return out
 
 
-def v_norm_max(case) -> torch.Tensor:
-    """max_j |v_j|_2 per (sequence, kv head) of the stored values (the output's basis): [B, H]."""
-    return torch.stack([v.norm(dim=-1).amax(0) if v.shape[0] else torch.zeros(v.shape[1], dtype=v.dtype)
-                        for v in case.v_deq]).double()
-
-
 def check_within_bound(cc: CheckCase):
-    from pagedkv.ops.cpu.attention import ATTENTION_SUPPORT
-
-    why = ATTENTION_SUPPORT.refusal(CODECS[cc.k_codec], store=False) or \
-        ATTENTION_SUPPORT.refusal(CODECS[cc.v_codec], store=False)
-    if why is not None:  # the dispatcher hands such pairs to the reference ops
-        pytest.skip(f"the CPU kernel does not read {cc.k_codec}/{cc.v_codec}: {why}")
+    skip_unless_kernel_reads(cc.k_codec, cc.v_codec)
     case = cc.build()
     exact_params = cc.params()
     args = (case.q_decode, case.layer, case.block_tables, case.seq_lens)
@@ -107,14 +96,8 @@ def check_within_bound(cc: CheckCase):
         assert torch.equal(approx, exact), cc.label
         return
     assert not torch.equal(approx, exact), f"{cc.label}: the bf16 path was not taken"
-    ref = reference.decode_attention(*args, exact_params).double()
-    eps = score_error_bound(case, exact_params)  # [B, Hq]
-    g = case.num_q_heads // case.layer.num_kv_heads
-    vmax = v_norm_max(case).repeat_interleave(g, dim=1)  # [B, Hq]
-    rms_v = torch.cat([x.reshape(-1) for x in case.v_deq]).pow(2).mean().sqrt()
-    tol = torch.expm1(2 * eps) * vmax + 2e-4 * rms_v
-    err = (approx.double() - ref).abs().amax(-1)  # [B, Hq]
-    assert bool((err <= tol).all()), f"{cc.label}: err {err.max():.3g} > tol {tol[err > tol].min():.3g}"
+    ref = reference.decode_attention(*args, exact_params)
+    assert_within_score_bound(cc.label, case, approx, ref, score_error_bound(case, exact_params))
 
 
 @pytest.mark.parametrize("k,v", all_pairs())
@@ -160,21 +143,8 @@ def test_bf16_dots_other_keys_exact_with_settings(k):
 def simulated_bf16_decode(case, params) -> torch.Tensor:
     """Decode attention computed in float64 with the bf16 path's one rounding (q to bf16, as the
     kernel rounds it): [B, Hq, D] in the output basis (no transform, sinks, window or cap)."""
-    layer = case.layer
-    h, d = layer.num_kv_heads, layer.head_dim
     qb = kernel_query(case, params).to(torch.bfloat16).double()  # round to nearest even, as vcvtne2ps2bf16
-    b_, hq, _ = qb.shape
-    out = torch.zeros(b_, hq, d, dtype=torch.float64)
-    for b in range(b_):
-        n = int(case.seq_lens[b])
-        if n == 0:
-            continue
-        k = stored_keys(case, b, n).repeat_interleave(hq // h, dim=1)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", qb[b], k), dim=-1)
-        v = gather_rows(layer, layer.v_codec, layer.v_pool, layer.v_scale, case.block_tables[b], n).double()
-        o = torch.einsum("hn,nhd->hd", w, v.repeat_interleave(hq // h, dim=1))
-        out[b] = wht.unrotate(o.float()).double() if layer.v_codec.rotated else o
-    return out
+    return simulated_decode(case, qb, lambda b, n: stored_keys(case, b, n))
 
 
 @pytest.mark.parametrize("k", sorted({f.k.name for f in all_formats()}))

@@ -20,6 +20,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers.approx_checks import assert_within_score_bound, simulated_decode, skip_unless_kernel_reads
 from helpers.backend_check import CheckCase, all_pairs
 
 from pagedkv.formats import all_formats
@@ -83,12 +84,6 @@ def score_error_bound(case, params, rho: float) -> torch.Tensor:
     return out
 
 
-def v_norm_max(case) -> torch.Tensor:
-    """max_j |v_j|_2 per (sequence, kv head) of the stored values (the output's basis): [B, H]."""
-    return torch.stack([v.norm(dim=-1).amax(0) if v.shape[0] else torch.zeros(v.shape[1], dtype=v.dtype)
-                        for v in case.v_deq]).double()
-
-
 @pytest.mark.parametrize("k,v", all_pairs())
 def test_int8_scores_within_derived_bound(k, v):
     check_int8_within_bound(k, v, 64)
@@ -102,11 +97,7 @@ def test_int8_scores_head_dims_not_multiple_of_64(k, head_dim):
 
 
 def check_int8_within_bound(k, v, head_dim):
-    from pagedkv.ops.cpu.attention import ATTENTION_SUPPORT
-
-    why = ATTENTION_SUPPORT.refusal(CODECS[k], store=False) or ATTENTION_SUPPORT.refusal(CODECS[v], store=False)
-    if why is not None:  # the dispatcher hands such pairs to the reference ops
-        pytest.skip(f"the CPU kernel does not read {k}/{v}: {why}")
+    skip_unless_kernel_reads(k, v)
     cc = CheckCase(k, v, seq_lens=(45, 1, 70), num_kv_heads=2, group=3, head_dim=head_dim)
     case = cc.build()
     exact_params = cc.params()
@@ -120,13 +111,7 @@ def check_int8_within_bound(k, v, head_dim):
         assert torch.equal(approx, exact), cc.label
         return
     assert not torch.equal(approx, exact), f"{cc.label}: the integer path was not taken"
-    eps = score_error_bound(case, exact_params, rho)  # [B, Hq]
-    g = case.num_q_heads // case.layer.num_kv_heads
-    vmax = v_norm_max(case).repeat_interleave(g, dim=1)  # [B, Hq]
-    rms_v = torch.cat([x.reshape(-1) for x in case.v_deq]).pow(2).mean().sqrt()
-    tol = torch.expm1(2 * eps) * vmax + 2e-4 * rms_v
-    err = (approx.double() - ref).abs().amax(-1)  # [B, Hq]
-    assert bool((err <= tol).all()), f"{cc.label}: err {err.max():.3g} > tol {tol[err > tol].min():.3g}"
+    assert_within_score_bound(cc.label, case, approx, ref, score_error_bound(case, exact_params, rho))
 
 
 def kernel_basis_query(case, params) -> torch.Tensor:
@@ -144,27 +129,19 @@ def simulated_integer_decode(case, params) -> torch.Tensor:
     image = level_image(codec)
     g = codec.traits.group
     qk = kernel_basis_query(case, params)
-    b_, hq, _ = qk.shape
-    out = torch.zeros(b_, hq, d, dtype=torch.float64)
-    for b in range(b_):
-        n = int(case.seq_lens[b])
-        if n == 0:
-            continue
+    sq = qk.abs().amax(-1, keepdim=True) / 127
+    q8 = (qk / sq).round().clamp(-127, 127) * sq  # [B, Hq, D]
+
+    def keys(b, n):
         ids = case.block_tables[b][: -(-n // bs)].long()
         rows = data[ids].reshape(-1, h, data.shape[-1])[:n]
         srows = scales[ids].reshape(-1, h, scales.shape[-1])[:n]
         sc = from_e4m3_bytes(srows) if codec.scale_type is ScaleType.FP8_E4M3 else \
             from_half_bytes(srows, torch.bfloat16 if codec.scale_type is ScaleType.BF16 else torch.float16)
         codes = packing.unpack(rows, codec.code_bits, d).long()
-        k = (image[codes].reshape(n, h, d // g, g) * sc.double().reshape(n, h, d // g, 1)).reshape(n, h, d)
-        sq = qk[b].abs().amax(-1, keepdim=True) / 127
-        q8 = (qk[b] / sq).round().clamp(-127, 127) * sq  # [Hq, D]
-        k = k.repeat_interleave(hq // h, dim=1)  # [n, Hq, D]
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q8, k), dim=-1)
-        v = gather_rows(layer, layer.v_codec, layer.v_pool, layer.v_scale, case.block_tables[b], n).double()
-        o = torch.einsum("hn,nhd->hd", w, v.repeat_interleave(hq // h, dim=1))
-        out[b] = wht.unrotate(o.float()).double() if layer.v_codec.rotated else o
-    return out
+        return (image[codes].reshape(n, h, d // g, g) * sc.double().reshape(n, h, d // g, 1)).reshape(n, h, d)
+
+    return simulated_decode(case, q8, keys)
 
 
 @pytest.mark.parametrize("k", sorted({f.k.name for f in all_formats()}))
