@@ -36,7 +36,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -148,11 +148,10 @@ def baseline_contenders(shape: BenchShape, context: int, batch: int) -> list[Con
             for name, fn in (("sdpa_gqa", sdpa_gqa), ("sdpa_folded", sdpa_folded), ("matmul_folded", matmul_folded))]
 
 
-def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable,
-                   int8_scores: bool = False, bf16_dots: bool = False) -> Contender:
-    """The fast kernel over paged pools of `fmt` (random block tables, bf16 q); int8_scores: the
-    approximate integer q.k (`AttentionParams.int8_scores`); bf16_dots: bf16 products
-    (`AttentionParams.bf16_dots`)."""
+def ours_contenders(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable,
+                    ways: Sequence[dict] = ({},)) -> list[Contender]:
+    """The fast kernel over paged pools of `fmt` (random block tables, bf16 q): one contender per
+    `ways` entry, AttentionParams switches to set (`{}` exact, `{"int8_scores": True}`, ...), same pools."""
     bs = shape.block_size
     blocks_per_seq = -(-context // bs)
     num_blocks = blocks_per_seq * batch
@@ -164,12 +163,14 @@ def ours_contender(fmt: KVFormat, shape: BenchShape, context: int, batch: int, a
     lens = torch.full((batch,), context, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, generator=gen).to(torch.bfloat16)
-    params = AttentionParams(scale=shape.head_dim ** -0.5, int8_scores=int8_scores, bf16_dots=bf16_dots)
 
-    def step(i, threads=shape.threads):
-        return attention(q, layers[i], tables, lens, qsl, params, num_threads=threads)
+    def contender(params: AttentionParams) -> Contender:
+        def step(i, threads=shape.threads):
+            return attention(q, layers[i], tables, lens, qsl, params, num_threads=threads)
 
-    return Contender(fmt.name, step, n, per_layer * shape.layers)
+        return Contender(fmt.name, step, n, per_layer * shape.layers)
+
+    return [contender(AttentionParams(scale=shape.head_dim ** -0.5, **kw)) for kw in ways]
 
 
 def thread_scaling_point(fmt: KVFormat, shape: BenchShape, context: int, batch: int, attention: Callable,
@@ -178,7 +179,7 @@ def thread_scaling_point(fmt: KVFormat, shape: BenchShape, context: int, batch: 
     and at `threads` threads, timed once per repeat each, interleaved, on the wall clock (CPU time
     would count every thread's work); speedup = ms at 1 thread / ms at `threads`. The machine load
     is printed beside it: on a shared machine other processes take cores from the wider run."""
-    one = ours_contender(fmt, shape, context, batch, attention)
+    one = ours_contenders(fmt, shape, context, batch, attention)[0]
     wide = Contender(fmt.name, lambda i: one.fn(i, threads=threads), one.timed_layers, one.bytes_per_step)
     for c in (one, wide):
         c.fn(0)
@@ -201,7 +202,8 @@ def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, bat
     base = baseline_contenders(shape, context, batch)
     ways = [("fp32", {})] + [(n, {k: True}) for n, k, on in (("int8", "int8_scores", int8_scores),
                                                              ("bf16", "bf16_dots", bf16_dots)) if on]
-    ours = [ours_contender(f, shape, context, batch, attention, **kw) for _, kw in ways for f in fmts]
+    per_fmt = [ours_contenders(f, shape, context, batch, attention, [kw for _, kw in ways]) for f in fmts]
+    ours = [cs[w] for w in range(len(ways)) for cs in per_fmt]  # the grid's order: by way, then format
     scores = [n for n, _ in ways for _ in fmts]
     everyone = base + ours
     for c in everyone:  # warm-up: first touch, allocator, thread pool
