@@ -146,10 +146,25 @@ def simulated_integer_decode(case, params) -> torch.Tensor:
 
 @pytest.mark.parametrize("k", sorted({f.k.name for f in all_formats()}))
 def test_int8_scores_match_simulated_integer_arithmetic(k):
-    codec = CODECS[k]
-    if not takes_integer_path(codec):
+    check_simulated(CheckCase(k, "bf16", seq_lens=(45, 1, 70), num_kv_heads=2, group=3))
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(8, 2, 64), (24, 2, 64), (16, 8, 64),
+                                                              (16, 2, 128), (32, 3, 64)])
+def test_int8_scores_scale_layouts(block_size, num_kv_heads, head_dim):
+    """The AVX-512 integer path reads a chunk's K group scales transposed (i8_scales_t): by byte
+    permutes where a 16-token group's scales are one run of at most 16 bytes per token, else decoded
+    and transposed in registers. Blocks of 8 and 24 tokens put 16-token groups across blocks, 8 kv
+    heads x 4 chunks are 32 scales per token, head_dim 128 x 2 heads exactly 16, blocks of 32 two
+    groups per block: a scale in the wrong lane moves the output far past summation order."""
+    check_simulated(CheckCase("turbo3", "bf16", seq_lens=(45, 1, 70, 33), num_kv_heads=num_kv_heads, group=2,
+                              head_dim=head_dim, block_size=block_size))
+
+
+def check_simulated(cc):
+    k = cc.k_codec
+    if not takes_integer_path(CODECS[k]):
         pytest.skip(f"{k}: no integer path (exact scores, tested above)")
-    cc = CheckCase(k, "bf16", seq_lens=(45, 1, 70), num_kv_heads=2, group=3)
     case = cc.build()
     params = cc.params()
     approx = cpu.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
@@ -157,7 +172,7 @@ def test_int8_scores_match_simulated_integer_arithmetic(k):
     oracle = simulated_integer_decode(case, params)
     rms_v = torch.cat([x.reshape(-1) for x in case.v_deq]).pow(2).mean().sqrt()
     err = float((approx - oracle).abs().max())
-    assert err < 2e-4 * float(rms_v), f"{k}: |kernel - simulated integer path| = {err:.3g}"
+    assert err < 2e-4 * float(rms_v), f"{cc.label}: |kernel - simulated integer path| = {err:.3g}"
 
 
 def test_int8_scores_is_off_by_default_and_validated():

@@ -102,6 +102,9 @@ typedef struct {
     const uint8_t **pf_data; /* the next chunk's rows, prefetched one row per row processed */
     const uint8_t **pf_sraw;
     int pf_nt;
+    float *sclt;             /* or NULL; [H * nc][sclt_ld] the same scales transposed (AVX-512
+                                integer scores: one aligned load per 16 tokens, i8_scales_t) */
+    int sclt_ld;
 } pkv_rows;
 
 /* While row i of kv head h is processed, fetch row i of the next chunk (same head) and its scales:
@@ -1641,6 +1644,8 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
             r2[y]->scl = xalloc(sizeof(float) * (size_t)CH * H * nc);
             r2[y]->pf_data = r2[y]->pf_sraw = NULL;
             r2[y]->pf_nt = 0;
+            r2[y]->sclt = NULL;
+            r2[y]->sclt_ld = BSP;
             rows_ok &= r2[y]->data && r2[y]->sraw && r2[y]->scl;
         }
     }
@@ -1691,7 +1696,7 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
 #endif
 #ifdef PKV_SIMD
     i8_ctx ik;
-    i8_ctx_init(&ik, ks, D);
+    i8_ctx_init(&ik, ks, H, D);
     if (a->int8_scores && ik.ok && M <= SMALL_M) {
 #ifdef PKV_AVX512
         const int QD = (D + 63) & ~63;  /* each vector zero-padded to 64-dim passes */
@@ -1702,6 +1707,10 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
         sc.qc = xalloc(sizeof(int32_t) * (size_t)hpt * M * (QD / 4));
         sc.qmul = xalloc(sizeof(float) * (size_t)hpt * M);
         if (!sc.q8 || !sc.qc || !sc.qmul) { rc = -1; goto done; }
+#ifdef PKV_AVX512
+        for (int z = 0; z < 2; z++)
+            if (!(krs[z].sclt = xalloc(sizeof(float) * (size_t)H * nc * BSP))) { rc = -1; goto done; }
+#endif
         for (int m = 0; m < hpt * M; m++)
             i8_prepare_queries(ik.ls, sc.q + (int64_t)m * D, 1, D, sc.q8 + (int64_t)m * QD, sc.qc + (int64_t)m * (QD / 4),
                                sc.qmul + m);
@@ -1732,7 +1741,11 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
         vr->pf_data = vrs[cur ^ 1].data; vr->pf_sraw = vrs[cur ^ 1].sraw; vr->pf_nt = nt2;
         if (nt > 0) {
 #ifdef PKV_SIMD
-            decode_scales(ks, kr, nt, H, D);
+#ifdef PKV_AVX512
+            if (kr->sclt) i8_scales_t(ks, &ik, kr, nt, H, D);
+            else
+#endif
+                decode_scales(ks, kr, nt, H, D);
             decode_scales(vs, vr, nt, H, D);
 #endif
             for (int hh = 0; hh < hpt; hh++) {
@@ -1768,7 +1781,7 @@ done:
 #endif
     free(sinkv); free(st_m); free(st_l); free(st_acc);
     for (int z = 0; z < 2; z++) {
-        free(krs[z].data); free(krs[z].sraw); free(krs[z].scl);
+        free(krs[z].data); free(krs[z].sraw); free(krs[z].scl); free(krs[z].sclt);
         free(vrs[z].data); free(vrs[z].sraw); free(vrs[z].scl);
     }
     return rc;
