@@ -1495,9 +1495,13 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
     if (!any_row) return;
 
     /* V rows that some query needs -> fp32 tile */
-    for (int i = 0; i < nt; i++) {
-        if (thr > 0 && !sc->need[i]) (*nskip)++;
-        else (*nv)++;
+    if (thr > 0) {
+        int64_t skipped = 0;
+        for (int i = 0; i < nt; i++) skipped += !sc->need[i];
+        *nskip += skipped;
+        *nv += nt - skipped;
+    } else {
+        *nv += nt;
     }
 #ifdef PKV_AVX512
     if (M <= VACC_MAX_M) {  /* few query vectors: V decoded into registers, accumulators too */
