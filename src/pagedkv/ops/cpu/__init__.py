@@ -127,7 +127,13 @@ thread CPU time, 32k b1, medians):
   gathered scales. A first version kept dims in lanes (one vpdpbusd per query and 64 dims, then
   the 16-token shuffle tree): only 0.90x the exact time for turbo3, 1.0x for turbo4, since the
   reduction and partial stores, not the decode, dominated. Transposed: turbo3 int8 34.5 ms vs
-  58.2 ms exact on the previous main (min of 21, load 3.9).
+  58.2 ms exact on the previous main (min of 21, load 3.9). Later (0ee0fec): the 16-lane gather
+  of the group scales (per 16 tokens, 16-dim group and kv head: ~13% of scores_i8_t's samples)
+  replaced by one aligned load from the chunk's K scales transposed once per chunk
+  (i8_scales_t: a block's raw E4M3 scale bytes, up to 16 per token, through 3 byte permutes per
+  4 outputs, no decode_scales for K; other layouts decoded and transposed 16 x 16 in registers):
+  turbo3 0.89x / 0.86x, turbo4 0.91x / 0.95x the int8 time at 32k b1 / b8 (A/B of the two builds
+  in one process, 41 repeats, load 1.2-1.5).
 `pagedkv bench attention --formats turbo3,turbo4,fp8k_turbo3v --contexts 32k --batch 1,8
 --repeats 5 --int8-scores --no-memory --no-prefill`, 1 thread, load 3.5-3.7 (the baseline itself
 moved 84-125 ms between runs): 32k b1 exact 0.56 / 0.54 / 0.50, int8 0.42 / 0.43 (fp8k_turbo3v:
