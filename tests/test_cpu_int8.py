@@ -186,3 +186,21 @@ def test_int8_scores_is_off_by_default_and_validated():
     with pytest.raises(InvalidInput, match="int8_scores"):
         ops.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
                              replace(cc.params(), int8_scores="yes"))
+
+
+def test_int8_scores_split_across_threads():
+    """A sequence split into block ranges over threads (partial softmax states merged by
+    log-sum-exp) gives the 1-thread integer result to summation order: each split reads its own
+    chunks' transposed scales (i8_scales_t), whatever block a range starts at."""
+    if not takes_integer_path(CODECS["turbo3"]):
+        pytest.skip("no integer path on this kernel build")
+    cc = CheckCase("turbo3", "turbo3", seq_lens=(700, 3, 260), num_kv_heads=3, group=3, block_size=8)
+    case = cc.build()
+    params = replace(cc.params(), int8_scores=True)
+    qsl = torch.arange(case.batch + 1, dtype=torch.int32)
+    outs = [cpu.attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, qsl, params, num_threads=t)
+            for t in (1, 2, 4)]
+    exact = cpu.attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, qsl, cc.params(), num_threads=1)
+    assert not torch.equal(outs[0], exact), "the integer path was not taken"
+    for t, got in zip((2, 4), outs[1:]):
+        assert (got - outs[0]).abs().max() < 2e-5, t
