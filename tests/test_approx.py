@@ -17,6 +17,8 @@ from pagedkv.approx import Approximation
 from pagedkv.errors import ConfigError
 from pagedkv.ops import AttentionParams
 
+from helpers.tiny_llama import approx_model
+
 
 def test_text_form_round_trips():
     assert Approximation.parse(None) == Approximation.parse("") == Approximation.parse("exact") == Approximation()
@@ -73,24 +75,7 @@ def test_cli_refuses_a_bad_spec_in_one_line(capsys):
 
 
 # ---------------------------------------------------------------------------- the drop-in
-transformers = pytest.importorskip("transformers")
-
-
-def _model(head_dim=64):
-    from pagedkv.integrations.transformers import register
-
-    register()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=192, intermediate_size=192, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=head_dim,
-                                   max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(4.0)
-    model.set_attn_implementation("pagedkv")
-    return model
+pytest.importorskip("transformers")
 
 
 def _run(model, approx, spy):
@@ -122,7 +107,7 @@ def seen(monkeypatch):
 
 
 def test_drop_in_passes_it_to_every_call(seen):
-    model = _model()
+    model = approx_model()
     exact = _run(model, None, seen)
     assert {n for n, _ in seen} == {"decode_attention", "prefill_attention"}
     assert not any(p.int8_scores or p.bf16_dots or p.sparse_v_threshold for _, p in seen)
@@ -141,7 +126,7 @@ def test_drop_in_int8_scores_change_the_decode_where_the_kernel_has_them():
 
     if cpu.kernel_info().get("variant") not in ("avx2", "avx512"):
         pytest.skip("no integer score path in this build")
-    model = _model()
+    model = approx_model()
     exact = _run(model, None, [])
     approx = _run(model, "int8_scores", [])
     assert torch.equal(approx[:40], exact[:40])
@@ -152,7 +137,7 @@ def test_drop_in_refuses_a_bad_setting_before_building():
     from pagedkv.integrations.transformers import PagedKVCache
 
     with pytest.raises(ConfigError, match="unknown item 'int4'"):
-        PagedKVCache(_model(), "turbo3", approx="int4")
+        PagedKVCache(approx_model(), "turbo3", approx="int4")
 
 
 def test_eval_keeps_its_bf16_reference_exact():
@@ -164,7 +149,7 @@ def test_eval_keeps_its_bf16_reference_exact():
     from pagedkv.ops import cpu
 
     att = importlib.import_module("pagedkv.ops.cpu.attention")  # the module (cpu.attention is a function)
-    model = _model(head_dim=64)
+    model = approx_model(head_dim=64)
     windows = make_windows(torch.randint(3, 96, (400,)), 2, 48, bos=1)
     cfg = EvalConfig(formats=("bf16", "turbo3"), windows=2, window_tokens=48, memory_bytes=2**20, decode_steps=0,
                      approx=Approximation(bf16_dots=True))

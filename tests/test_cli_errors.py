@@ -94,6 +94,8 @@ CASES = [  # (argv with {file} placeholders, a word the one line must contain)
     (["eval", "--threads", "-1"], "--threads"),
     (["eval", "--threads", "0"], "--threads"),
     (["eval", "--workers", "0"], "--workers"),
+    (["eval", "--decode-tail", "-1"], "--decode-tail must be an integer >= 0 and < --window-tokens (1024), got -1"),
+    (["eval", "--window-tokens", "64", "--decode-tail", "64"], "got 64"),
     (["generate", "hi", "--threads", "-1"], "--threads"),
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "  "], "empty"),

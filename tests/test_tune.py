@@ -21,11 +21,13 @@ from pagedkv.codecs import CODECS  # noqa: E402
 from pagedkv.errors import ConfigError  # noqa: E402
 from pagedkv.eval.runner import parse_choice  # noqa: E402
 from pagedkv.formats import read_plan  # noqa: E402
-from pagedkv.integrations.transformers import ATTN_IMPLEMENTATION, PagedKVCache, register  # noqa: E402
+from pagedkv.integrations.transformers import ATTN_IMPLEMENTATION, PagedKVCache  # noqa: E402
 from pagedkv.integrations.vllm.fit import calibration_text  # noqa: E402
 from pagedkv.ops.recent import RecentWindow  # noqa: E402
 from pagedkv.tune import WINDOW_CANDIDATES, tune  # noqa: E402
 from pagedkv.tune.choose import choose, write_plan  # noqa: E402
+
+from helpers.tiny_llama import peaked_llama  # noqa: E402
 
 VOCAB = 96
 
@@ -44,17 +46,8 @@ class CharTokenizer:
 
 
 def _model():
-    register()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(4.0)
-    return model
+    return peaked_llama(pagedkv_attention=False, vocab_size=VOCAB, hidden_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, head_dim=32)
 
 
 @pytest.fixture(scope="module")

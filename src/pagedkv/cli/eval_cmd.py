@@ -49,6 +49,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--approx", default="exact", metavar="SPEC",
                    help="approximate attention paths for the listed formats (the bf16 reference stays exact): "
                         "exact (default) or a comma list of int8_scores, bf16_dots, sparse_v_threshold=T")
+    p.add_argument("--decode-tail", type=int, default=D.decode_tail, metavar="N",
+                   help="score only the last N tokens of each window, each predicted by a one-token decode step "
+                        "(teacher-forced, after a prefill of the rest; the bf16 reference split the same way): "
+                        "the decode paths --approx int8_scores / bf16_dots change, which a prefill never takes "
+                        "(default 0: every position, one prefill per window)")
     add_compute_arguments(p, workers=True)
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write KL/PPL vs bits plot")
@@ -63,7 +68,7 @@ def run(args) -> int:
     cfg = EvalConfig(model=args.model, text=args.text, formats=formats, windows=args.windows, subset=args.subset,
                      window_tokens=args.window_tokens, memory_bytes=parse_bytes(args.memory, "--memory"),
                      decode_steps=args.decode_steps, compute=compute_from_args(args, parallel_work=args.subset or args.windows),
-                     approx=Approximation.parse(args.approx))
+                     approx=Approximation.parse(args.approx), decode_tail=args.decode_tail)
     check_output_file(args.plot, "--plot", ".png")
     if args.plot:
         from ..eval.plot import require_matplotlib
@@ -105,8 +110,10 @@ def run(args) -> int:
                   r["top1"], r["decode_tok_s"] if r["decode_tok_s"] else "-", r["max_context_tokens"]]
                  for r in rows]
         approx = "" if cfg.approx.exact else f"; attention approx {cfg.approx.name} (KL against the exact bf16 cache)"
+        scored = (f"; PPL / KL / top-1 over the last {cfg.decode_tail} tokens of each window only, decoded one "
+                  f"token at a time (the reference too)" if cfg.decode_tail else "")
         print_table(f"{source.label}: {len(windows)} windows{of} x {cfg.window_tokens} tokens, "
-                    f"teacher-forced on the compressed cache; decode tok/s: 1 thread, thread CPU time "
+                    f"teacher-forced on the compressed cache{scored}; decode tok/s: 1 thread, thread CPU time "
                     f"per step on window 1{approx}", cols, table)
     sys.stdout.flush()
     if args.plot:

@@ -53,6 +53,9 @@ class EvalConfig:
     block_size: int = BLOCK_SIZE
     compute: Compute = Compute()
     approx: Approximation = Approximation()  # the listed formats' attention; the bf16 reference stays exact
+    # > 0: score only the last N tokens of each window, each predicted by a one-token decode step
+    # (the decode paths `approx` may change), the first L - N tokens a prefill (see `runner`)
+    decode_tail: int = 0
 
     def __post_init__(self):
         if not self.formats:
@@ -64,7 +67,17 @@ class EvalConfig:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
         if self.subset is not None and not (isinstance(self.subset, int) and 1 <= self.subset <= self.windows):
             raise ConfigError(f"--subset must be between 1 and --windows ({self.windows}), got {self.subset!r}")
+        t = self.decode_tail
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.window_tokens:
+            raise ConfigError(f"--decode-tail must be an integer >= 0 and < --window-tokens ({self.window_tokens}), "
+                              f"got {t!r}")
 
     @property
     def evaluated_windows(self) -> int:
         return self.subset or self.windows
+
+    @property
+    def scored_positions(self) -> Optional[str]:
+        """With a decode tail, which predictions of a window the metrics cover, in words (the
+        JSON's `scored_positions`); None without one (every position, as before: no field)."""
+        return f"last {self.decode_tail}, decoded one token at a time" if self.decode_tail else None

@@ -14,10 +14,20 @@ high-precision layers included; a recent window's tail blocks as held at the end
 KV bytes per token, the longest context that fits a memory
 budget, and decode tokens/s (median of a few greedy steps on the first window, 1 thread, timed in
 the thread's CPU time so that other processes on the machine do not count).
+
+A prefill never takes the kernel's decode paths (calls whose sequences each have one query
+token), which is where most approximations (`pagedkv.approx`: int8_scores, bf16 decode scores)
+live. With `decode_tail` N > 0 the metrics cover the last N tokens of each window only, each
+predicted by a decode step: tokens 0..L-N-2 are one prefill, then tokens L-N-1..L-2 are fed one
+at a time on the same cache (teacher-forced: the window's true tokens), and the logits of those N
+steps are scored against tokens L-N..L-1. The bf16 reference runs the same split, so the
+comparison is like for like (its first chunk also fixes the key centre and fp8 scales, as it
+does for the formats).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import statistics
@@ -109,6 +119,7 @@ class FormatResult:
     sums: MetricSums = field(default_factory=MetricSums)
     decode_times: list = field(default_factory=list)
     approx: str = "exact"  # the attention approximation of the pass (`pagedkv.approx`)
+    scored_positions: Optional[str] = None  # set with a decode tail (EvalConfig.scored_positions)
 
     def as_dict(self) -> dict:
         dt = statistics.median(self.decode_times) if self.decode_times else float("nan")
@@ -126,6 +137,7 @@ class FormatResult:
             "max_context_tokens": self.max_context_tokens,
             "tokens": self.sums.tokens,
             "kl_per_window": self.sums.per_window_kl,
+            **({"scored_positions": self.scored_positions} if self.scored_positions else {}),
         }
 
 
@@ -189,7 +201,7 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
         cache = cache_for(model, c, cfg.block_size)
         bits, bpt, fits = layout_numbers(cache, cfg.memory_bytes, c.recent, cfg.window_tokens)
         results.append(FormatResult(c, bits, bpt, fits, cache.config.num_high_precision_layers,
-                                    approx=cfg.approx.name))
+                                    approx=cfg.approx.name, scored_positions=cfg.scored_positions))
         del cache
     if cfg.compute.workers > 1 and len(windows) > 1:
         from .workers import parallel_windows
@@ -218,18 +230,19 @@ def window_parts(model, wi: int, window: torch.Tensor, choices: Sequence[FormatC
                  on_pass: Optional[Callable[[str], None]] = None) -> list[dict]:
     """Every format's pass over window `wi`: per format {"sums": WindowSums} (+ "decode_times"
     for window 0). The bf16 reference runs first (or once more, when it is not a listed format,
-    or when `cfg.approx` makes the listed bf16 pass approximate: the reference stays exact)."""
+    or when `cfg.approx` makes the listed bf16 pass approximate: the reference stays exact).
+    The sums cover the window's scored predictions (`_forward`)."""
     ids = window[None]
-    targets = window[1:]
+    targets = window[-cfg.decode_tail:] if cfg.decode_tail else window[1:]
     ref_choice = parse_choice(REFERENCE_FORMAT)
     order = sorted(range(len(choices)), key=lambda i: choices[i].label != ref_choice.label)
     ref_logp = None
     if choices[order[0]].label != ref_choice.label or not cfg.approx.exact:
-        ref_logp = log_probs(_forward(model, ids, ref_choice, cfg, exact=True)[0][0, :-1])
+        ref_logp = log_probs(_forward(model, ids, ref_choice, cfg, exact=True)[0][0, :targets.numel()])
     parts: list = [None] * len(choices)
     for i in order:
         logits, cache = _forward(model, ids, choices[i], cfg)
-        lp_logits = logits[0, :-1]
+        lp_logits = logits[0, :targets.numel()]
         if choices[i].label == ref_choice.label and ref_logp is None:
             ref_logp = log_probs(lp_logits)
         parts[i] = {"sums": window_sums(lp_logits, targets, ref_logp)}
@@ -243,10 +256,23 @@ def window_parts(model, wi: int, window: torch.Tensor, choices: Sequence[FormatC
 
 @torch.inference_mode()
 def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig, exact: bool = False):
+    """(logits float [1, T, V] on the CPU, the cache) of one teacher-forced pass over ids [1, L]
+    on a fresh cache of `choice`. Without a decode tail: one prefill, T = L (the last row predicts
+    past the window). With tail N: a prefill of ids[:, :L-N-1] (none when that is empty), then
+    ids[:, L-N-1:L-1] one token per call, T = N rows, each from a decode step, predicting the
+    window's last N tokens; the cache then holds L - 1 tokens."""
     cache = cache_for(model, choice, cfg.block_size, checks=False,  # model K/V: skip NaN scans
                       approx=Approximation() if exact else cfg.approx)
-    out = model(ids.to(model.device), **with_cache(model, cache), use_cache=True)
-    return out.logits.float().cpu(), cache
+    kw = with_cache(model, cache)
+    ids = ids.to(model.device)
+    if not cfg.decode_tail:
+        return model(ids, **kw, use_cache=True).logits.float().cpu(), cache
+    start = ids.shape[1] - 1 - cfg.decode_tail
+    if start:  # its logits are not scored: only the last row computed where the model allows it
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        model(ids[:, :start], **kw, use_cache=True, **keep)
+    steps = [model(ids[:, p:p + 1], **kw, use_cache=True).logits.float().cpu() for p in range(start, ids.shape[1] - 1)]
+    return torch.cat(steps, dim=1), cache
 
 
 @torch.inference_mode()
