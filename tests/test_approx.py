@@ -1,8 +1,7 @@
 """`pagedkv.approx.Approximation`: the approximate attention paths as one setting every front door
 carries (the transformers drop-in, vLLM's settings, `pagedkv eval / generate --approx`).
 
-The paths' own error bounds are tested at the kernel (test_cpu_int8.py, test_cpu_int8_values.py,
-test_cpu_prefill.py);
+The paths' own error bounds are tested at the kernel (test_cpu_int8.py, test_cpu_prefill.py);
 here: the text form, its refusals, and that each front door puts the setting into the
 AttentionParams of every attention call it makes, and nowhere else (eval's bf16 reference).
 """
@@ -27,9 +26,6 @@ def test_text_form_round_trips():
     assert a == Approximation(int8_scores=True, bf16_dots=True, sparse_v_threshold=0.001)
     assert a.name == "int8_scores,bf16_dots,sparse_v_threshold=0.001"
     assert Approximation.parse(a.name) == a and Approximation.parse(a) is a
-    b = Approximation.parse("int8_values, int8_scores")
-    assert b == Approximation(int8_scores=True, int8_values=True) and b.name == "int8_scores,int8_values"
-    assert Approximation.parse(b.name) == b
     assert Approximation().name == "exact" and Approximation().exact and not a.exact
 
 
@@ -37,7 +33,6 @@ def test_text_form_round_trips():
     ("int8", "unknown item 'int8'"), ("int8_scores=1", "unknown item"), ("sparse_v_threshold", "unknown item"),
     ("sparse_v_threshold=x", "must be a number"), ("sparse_v_threshold=0", "in (0, 1)"),
     ("sparse_v_threshold=1.5", "in (0, 1)"), ("int8_scores,int8_scores", "twice"), (3, "must be a string"),
-    ("int8_values=1", "unknown item 'int8_values=1'"), ("int8_values,int8_values", "names int8_values twice"),
 ])
 def test_bad_text_is_refused_naming_it(bad, says):
     with pytest.raises(ConfigError, match=r"approx") as exc:
@@ -48,8 +43,6 @@ def test_bad_text_is_refused_naming_it(bad, says):
 def test_bad_fields_are_refused():
     with pytest.raises(ConfigError, match="int8_scores must be True or False"):
         Approximation(int8_scores=1)
-    with pytest.raises(ConfigError, match="int8_values must be True or False, got 'on'"):
-        Approximation(int8_values="on")
     with pytest.raises(ConfigError, match=r"sparse_v_threshold must be a number in \[0, 1\)"):
         Approximation(sparse_v_threshold=float("nan"))
 
@@ -59,8 +52,7 @@ def test_apply_sets_the_switches_and_keeps_the_rest():
     assert Approximation().apply(p) is p
     q = Approximation(int8_scores=True, sparse_v_threshold=0.01).apply(p)
     assert (q.scale, q.sliding_window, q.soft_cap) == (0.125, 8, 30.0)
-    assert (q.int8_scores, q.int8_values, q.bf16_dots, q.sparse_v_threshold) == (True, False, False, 0.01)
-    assert Approximation(int8_values=True).apply(p).int8_values is True
+    assert (q.int8_scores, q.bf16_dots, q.sparse_v_threshold) == (True, False, 0.01)
 
 
 def test_vllm_settings_take_it():
@@ -118,28 +110,25 @@ def test_drop_in_passes_it_to_every_call(seen):
     model = approx_model()
     exact = _run(model, None, seen)
     assert {n for n, _ in seen} == {"decode_attention", "prefill_attention"}
-    assert not any(p.int8_scores or p.int8_values or p.bf16_dots or p.sparse_v_threshold for _, p in seen)
+    assert not any(p.int8_scores or p.bf16_dots or p.sparse_v_threshold for _, p in seen)
     seen.clear()
-    approx = _run(model, "int8_scores,int8_values,bf16_dots", seen)
-    assert seen and all(p.int8_scores and p.int8_values and p.bf16_dots and p.sparse_v_threshold == 0
-                        for _, p in seen)
+    approx = _run(model, "int8_scores,bf16_dots", seen)
+    assert seen and all(p.int8_scores and p.bf16_dots and p.sparse_v_threshold == 0 for _, p in seen)
     # the paths' bounds are the kernel tests'; here only that the model's logits stay close
     scale = float(exact.abs().max())
     torch.testing.assert_close(approx, exact, atol=0.05 * scale, rtol=0)
 
 
-@pytest.mark.parametrize("setting, variants", [("int8_scores", ("avx2", "avx512")), ("int8_values", ("avx512",))])
-def test_drop_in_int8_paths_change_the_decode_where_the_kernel_has_them(setting, variants):
-    """On a CPU build with the integer path (scores: AVX2, AVX-512; values: AVX-512) the decode
-    logits move (the setting reaches the kernel); the prefill, which neither touches, stays
-    bit-identical."""
+def test_drop_in_int8_scores_change_the_decode_where_the_kernel_has_them():
+    """On a CPU build with the integer path (AVX2, AVX-512) the decode logits move (the setting
+    reaches the kernel); the prefill, which int8_scores does not touch, stays bit-identical."""
     from pagedkv.ops import cpu
 
-    if cpu.kernel_info().get("variant") not in variants:
-        pytest.skip(f"no integer {setting} path in this build")
+    if cpu.kernel_info().get("variant") not in ("avx2", "avx512"):
+        pytest.skip("no integer score path in this build")
     model = approx_model()
     exact = _run(model, None, [])
-    approx = _run(model, setting, [])
+    approx = _run(model, "int8_scores", [])
     assert torch.equal(approx[:40], exact[:40])
     assert not torch.equal(approx[40:], exact[40:])
 

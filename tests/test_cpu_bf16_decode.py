@@ -24,8 +24,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers.approx_checks import (assert_switch_off_by_default_and_validated, assert_within_score_bound, simulated_decode,
-                                   skip_unless_kernel_reads)
+from helpers.approx_checks import assert_within_score_bound, simulated_decode, skip_unless_kernel_reads
 from helpers.backend_check import CheckCase, all_pairs
 
 from pagedkv.codecs.catalogue import CODECS
@@ -179,4 +178,13 @@ def test_bf16_dots_with_int8_scores():
 
 
 def test_bf16_dots_is_off_by_default_and_validated():
-    assert_switch_off_by_default_and_validated("bf16_dots", "fp8", "turbo3")
+    from pagedkv import ops
+    from pagedkv.errors import InvalidInput
+    from pagedkv.ops import AttentionParams
+
+    assert AttentionParams(scale=1.0).bf16_dots is False
+    cc = CheckCase("fp8", "turbo3", seq_lens=(20,))
+    case = cc.build()
+    with pytest.raises(InvalidInput, match="bf16_dots must be True or False"):
+        ops.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
+                             replace(cc.params(), bf16_dots="yes"))

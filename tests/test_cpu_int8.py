@@ -20,15 +20,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers.approx_checks import (assert_switch_off_by_default_and_validated, assert_within_score_bound, integer_keys,
-                                   integer_query, level_image, simulated_decode, skip_unless_kernel_reads)
+from helpers.approx_checks import assert_within_score_bound, simulated_decode, skip_unless_kernel_reads
 from helpers.backend_check import CheckCase, all_pairs
 
 from pagedkv.formats import all_formats
 
-from pagedkv.codecs import wht
-from pagedkv.codecs.catalogue import CODECS
+from pagedkv.codecs import packing, wht
+from pagedkv.codecs.catalogue import CODECS, ScaleType
 from pagedkv.codecs.derive import DecodeKind
+from pagedkv.codecs.floats import from_e4m3_bytes, from_half_bytes
+from pagedkv.codecs.layout import block_views
 from pagedkv.ops import reference, transform
 from pagedkv.ops.reference.attention import gather_rows
 
@@ -41,6 +42,15 @@ def takes_integer_path(codec) -> bool:
     t = codec.traits
     return (cpu.kernel_info().get("variant") in ("avx2", "avx512") and t.decode in (DecodeKind.TABLE, DecodeKind.INT_OFFSET)
             and t.bits <= 4 and t.per_group_scale)
+
+
+def level_image(codec) -> torch.Tensor:
+    """float64 [2**bits]: each code level as the kernel rounds it (7-bit integer x ls)."""
+    levels = codec.value_table().double().reshape(-1)
+    amax = float(levels.abs().max())
+    integral = bool((levels == levels.round()).all())
+    ls = 1.0 if integral and amax <= 63 else amax / 63
+    return (levels / ls).round().clamp(-63, 63) * ls
 
 
 def level_rounding(codec) -> float | None:
@@ -104,10 +114,34 @@ def check_int8_within_bound(k, v, head_dim):
     assert_within_score_bound(cc.label, case, approx, ref, score_error_bound(case, exact_params, rho))
 
 
+def kernel_basis_query(case, params) -> torch.Tensor:
+    """q as the kernel dots it: [B, Hq, D] float64 (transform, rotation, scale)."""
+    qk = transform.query_for_keys(case.layer, case.q_decode).float()
+    return (wht.rotate(qk) if case.layer.k_codec.rotated else qk).double() * params.scale
+
+
 def simulated_integer_decode(case, params) -> torch.Tensor:
     """Decode attention computed in float64 with the integer path's roundings (the oracle of the
     approximation): [B, Hq, D] in the output basis."""
-    return simulated_decode(case, integer_query(case, params), lambda b, n: integer_keys(case, b, n))
+    layer = case.layer
+    codec, h, d, bs = layer.k_codec, layer.num_kv_heads, layer.head_dim, layer.block_size
+    data, scales = block_views(codec, layer.k_pool, bs, h, d)
+    image = level_image(codec)
+    g = codec.traits.group
+    qk = kernel_basis_query(case, params)
+    sq = qk.abs().amax(-1, keepdim=True) / 127
+    q8 = (qk / sq).round().clamp(-127, 127) * sq  # [B, Hq, D]
+
+    def keys(b, n):
+        ids = case.block_tables[b][: -(-n // bs)].long()
+        rows = data[ids].reshape(-1, h, data.shape[-1])[:n]
+        srows = scales[ids].reshape(-1, h, scales.shape[-1])[:n]
+        sc = from_e4m3_bytes(srows) if codec.scale_type is ScaleType.FP8_E4M3 else \
+            from_half_bytes(srows, torch.bfloat16 if codec.scale_type is ScaleType.BF16 else torch.float16)
+        codes = packing.unpack(rows, codec.code_bits, d).long()
+        return (image[codes].reshape(n, h, d // g, g) * sc.double().reshape(n, h, d // g, 1)).reshape(n, h, d)
+
+    return simulated_decode(case, q8, keys)
 
 
 @pytest.mark.parametrize("k", sorted({f.k.name for f in all_formats()}))
@@ -142,7 +176,16 @@ def check_simulated(cc):
 
 
 def test_int8_scores_is_off_by_default_and_validated():
-    assert_switch_off_by_default_and_validated("int8_scores")
+    from pagedkv import ops
+    from pagedkv.errors import InvalidInput
+    from pagedkv.ops import AttentionParams
+
+    assert AttentionParams(scale=1.0).int8_scores is False
+    cc = CheckCase("turbo3", "turbo3", seq_lens=(20,))
+    case = cc.build()
+    with pytest.raises(InvalidInput, match="int8_scores"):
+        ops.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
+                             replace(cc.params(), int8_scores="yes"))
 
 
 def test_int8_scores_split_across_threads():

@@ -1,18 +1,18 @@
 """The opt-in approximate attention paths as one setting that every front door carries.
 
-`AttentionParams` has four switches that trade exactness for speed (each off by default, each
+`AttentionParams` has three switches that trade exactness for speed (each off by default, each
 with a stated, tested bound: see its docstring): `int8_scores` (integer q.k on 2/3/4-bit table
-keys, decode), `int8_values` (integer P.V on 2/3/4-bit table values, AVX-512 decode), `bf16_dots`
-(bf16 products: the CPU prefill tile, and decode scores over bf16 / fp8 keys) and
-`sparse_v_threshold` (skip V rows whose weight is below it). A front door builds its own AttentionParams per call
+keys, decode), `bf16_dots` (bf16 products: the CPU prefill tile, and decode scores over bf16 /
+fp8 keys) and `sparse_v_threshold`
+(skip V rows whose weight is below it). A front door builds its own AttentionParams per call
 (the transformers drop-in from the HF attention call, the vLLM backend from the layer), so the
 user's choice travels as an `Approximation` given once to the front door, which applies it to
 every AttentionParams it builds: `PagedKVCache(..., approx=...)`, vLLM's
 `{"pagedkv": {"approx": ...}}`, `pagedkv eval / generate --approx ...`.
 
 The text form is the same everywhere: "exact" (or ""), or a comma list of the switches by their
-AttentionParams names, `int8_scores`, `int8_values`, `bf16_dots`, `sparse_v_threshold=T`
-(0 < T < 1), e.g. "int8_scores,int8_values". It changes no stored byte: a cache's format and prefix keys are the
+AttentionParams names, `int8_scores`, `bf16_dots`, `sparse_v_threshold=T` (0 < T < 1), e.g.
+"int8_scores,bf16_dots". It changes no stored byte: a cache's format and prefix keys are the
 same with or without it.
 """
 
@@ -27,19 +27,18 @@ from .errors import ConfigError
 if TYPE_CHECKING:  # torch-free at import: the CLI checks settings before torch loads
     from .ops.batch import AttentionParams
 
-_FLAGS = ("int8_scores", "int8_values", "bf16_dots")
-_ACCEPTED = "'exact', or a comma list of int8_scores, int8_values, bf16_dots, sparse_v_threshold=T (0 < T < 1)"
+_FLAGS = ("int8_scores", "bf16_dots")
+_ACCEPTED = "'exact', or a comma list of int8_scores, bf16_dots, sparse_v_threshold=T (0 < T < 1)"
 
 
 @dataclass(frozen=True)
 class Approximation:
     """Which approximate paths a front door permits in the attention calls it makes.
 
-    int8_scores / int8_values / bf16_dots / sparse_v_threshold: as in `AttentionParams` (a backend without
+    int8_scores / bf16_dots / sparse_v_threshold: as in `AttentionParams` (a backend without
     such a path computes exactly). The default, `Approximation()`, is exact."""
 
     int8_scores: bool = False
-    int8_values: bool = False
     bf16_dots: bool = False
     sparse_v_threshold: float = 0.0
 
@@ -68,8 +67,8 @@ class Approximation:
         """`params` with these switches set (the same object when exact: nothing to change)."""
         if self.exact:
             return params
-        return replace(params, int8_scores=self.int8_scores, int8_values=self.int8_values,
-                       bf16_dots=self.bf16_dots, sparse_v_threshold=self.sparse_v_threshold)
+        return replace(params, int8_scores=self.int8_scores, bf16_dots=self.bf16_dots,
+                       sparse_v_threshold=self.sparse_v_threshold)
 
     @staticmethod
     def parse(value: Union[None, str, "Approximation"]) -> "Approximation":

@@ -194,17 +194,14 @@ def thread_scaling_point(fmt: KVFormat, shape: BenchShape, context: int, batch: 
 
 
 def decode_grid_point(fmts: list[KVFormat], shape: BenchShape, context: int, batch: int,
-                      attention: Callable, int8_scores: bool = False, bf16_dots: bool = False,
-                      int8_values: bool = False) -> list[dict]:
+                      attention: Callable, int8_scores: bool = False, bf16_dots: bool = False) -> list[dict]:
     """Rows for one (context, batch): every contender timed once per repeat, interleaved, so the
     baseline and each format see the same machine conditions; medians over repeats. int8_scores:
     each format also with the approximate integer q.k (rows with "scores": "int8"); bf16_dots: also
-    with bf16 products (rows with "scores": "bf16"; a K codec without a bf16 path computes exactly);
-    int8_values: also with integer q.k and integer P.V (rows with "scores": "i8sv")."""
+    with bf16 products (rows with "scores": "bf16"; a K codec without a bf16 path computes exactly)."""
     base = baseline_contenders(shape, context, batch)
-    ways = [("fp32", {})] + [(n, kw) for n, kw, on in (
-        ("int8", {"int8_scores": True}, int8_scores), ("bf16", {"bf16_dots": True}, bf16_dots),
-        ("i8sv", {"int8_scores": True, "int8_values": True}, int8_values)) if on]
+    ways = [("fp32", {})] + [(n, {k: True}) for n, k, on in (("int8", "int8_scores", int8_scores),
+                                                             ("bf16", "bf16_dots", bf16_dots)) if on]
     per_fmt = [ours_contenders(f, shape, context, batch, attention, [kw for _, kw in ways]) for f in fmts]
     ours = [cs[w] for w in range(len(ways)) for cs in per_fmt]  # the grid's order: by way, then format
     scores = [n for n, _ in ways for _ in fmts]
@@ -253,9 +250,12 @@ def peak_memory_decode(fmt: KVFormat, shape: BenchShape, context: int, attention
     def status_kb(key: str) -> Optional[int]:
         try:
             with open("/proc/self/status") as fh:
-                return next((int(line.split()[1]) for line in fh if line.startswith(key + ":")), None)
+                for line in fh:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1])
         except OSError:
             return None
+        return None
 
     try:
         with open("/proc/self/clear_refs", "w") as fh:
@@ -300,7 +300,8 @@ def prefill_row(fmt: KVFormat, shape: BenchShape, context: int, q_len: int, atte
     params = AttentionParams(scale=d ** -0.5)
     kb = [torch.randn(1, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
     vb = [torch.randn(1, h, context, d, generator=gen).to(torch.bfloat16) for _ in range(n)]
-    ke, ve = ([x.repeat_interleave(g, dim=1) for x in xs] for xs in (kb, vb))
+    ke = [k.repeat_interleave(g, dim=1) for k in kb]
+    ve = [v.repeat_interleave(g, dim=1) for v in vb]
     qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
     pos = torch.arange(context - q_len, context)
     mask = torch.arange(context)[None, :] <= pos[:, None]
@@ -342,12 +343,12 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
         prefill: bool = True, memory: bool = True, progress: Optional[Callable[[str], None]] = None,
         prefill_shapes: tuple = ((4096, 512),), bandwidth_bytes: int = 1 << 29,
         int8_scores: bool = False, scaling_threads: Optional[int] = None, decode: bool = True,
-        bf16_dots: bool = False, int8_values: bool = False) -> BenchResult:
+        bf16_dots: bool = False) -> BenchResult:
     """Run the benchmark grid; formats are KV format names (parsed here, the config edge).
-    int8_scores / bf16_dots / int8_values: decode rows also with those approximate paths (see
-    `decode_grid_point`). scaling_threads: also a thread-scaling row (1 vs that many threads, wall
-    clock) per format, context and batch. decode: False skips the decode grid (prefill, scaling
-    and memory rows only).
+    int8_scores: decode rows also with the approximate integer q.k; bf16_dots: decode rows also
+    with bf16 products (`AttentionParams.bf16_dots`). scaling_threads: also a
+    thread-scaling row (1 vs that many threads, wall clock) per format, context and batch.
+    decode: False skips the decode grid (prefill, scaling and memory rows only).
 
     prefill_shapes: (context, query count) of each chunked-prefill row (q_len queries at the end
     of the context); bandwidth_bytes: buffer of the streaming-read probe (larger than the caches)."""
@@ -370,8 +371,7 @@ def run(formats: list[str], contexts: list[int], batches: list[int], shape: Benc
     say = progress or (lambda s: None)
     for batch in batches if decode else ():
         for context in contexts:
-            for row in decode_grid_point(fmts, shape, context, batch, cpu.attention, int8_scores, bf16_dots,
-                                         int8_values):
+            for row in decode_grid_point(fmts, shape, context, batch, cpu.attention, int8_scores, bf16_dots):
                 res.rows.append(row)
                 say(f"{row['format']:>14} {row['scores']} ctx {context:>6} batch {batch}: {row['ms']:.1f} ms vs "
                     f"{row['baseline_ms']:.1f} ms ({row['baseline']}) ratio {row['ratio']:.2f}, "

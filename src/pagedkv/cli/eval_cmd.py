@@ -48,13 +48,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--approx", default="exact", metavar="SPEC",
                    help="approximate attention paths for the listed formats (the bf16 reference stays exact): "
-                        "exact (default) or a comma list of int8_scores, int8_values, bf16_dots, "
-                        "sparse_v_threshold=T")
+                        "exact (default) or a comma list of int8_scores, bf16_dots, sparse_v_threshold=T")
     p.add_argument("--decode-tail", type=int, default=D.decode_tail, metavar="N",
                    help="score only the last N tokens of each window, each predicted by a one-token decode step "
                         "(teacher-forced, after a prefill of the rest; the bf16 reference split the same way): "
-                        "the decode paths --approx int8_scores / int8_values / bf16_dots change, which a prefill "
-                        "never takes (default 0: every position, one prefill per window)")
+                        "the decode paths --approx int8_scores / bf16_dots change, which a prefill never takes "
+                        "(default 0: every position, one prefill per window)")
     add_compute_arguments(p, workers=True)
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write KL/PPL vs bits plot")

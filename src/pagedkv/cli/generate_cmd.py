@@ -27,7 +27,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_compute_arguments(p)
     p.add_argument("--approx", default="exact", metavar="SPEC",
                    help="approximate attention paths: exact (default) or a comma list of int8_scores, "
-                        "int8_values, bf16_dots, sparse_v_threshold=T")
+                        "bf16_dots, sparse_v_threshold=T")
     p.add_argument("--json", action="store_true", help="print one JSON object (reply, sizes, speed)")
     return p
 

@@ -72,16 +72,6 @@ class AttentionParams:
     kernel's AVX2 and AVX-512 decode paths for 2/3/4-bit table codes with group scales: the query quantized
     to int8 per vector, levels to 7 bits; the score error bound is in ops/cpu/attention_i8.h).
     Backends without such a path compute exactly.
-    int8_values: False is exact; True permits a backend an approximate P.V in integers (the CPU
-    kernel's AVX-512 decode, tasks of at most 8 query vectors, V codes of 2/3/4-bit tables with group
-    scales, head_dim a multiple of 64; ops/cpu/attention_v8.h). Per query and chunk C of the
-    kernel's (64 tokens at block size 16) the weights w_ic = p_i s(i, c) (softmax weight times the
-    scale of token i's 16-dim chunk c) are rounded to int8 steps of wsc = max_{i in C, c} |w_ic| / 127,
-    the levels to 7-bit steps of ls (as int8_scores), and vpdpbusd sums their products. Per output
-    dim d (V's stored basis, p divided by the softmax denominator, sinks included):
-    |out_d - exact_d| <= sum_i (wsc_C(i) / 2) ls |lev_id| + sum_i |w_i,c(d)| |ls lev_id - level_id|,
-    |ls lev - level| <= ls / 2 (tests/test_cpu_int8_values.py). Other backends, builds and V codecs
-    compute exactly.
     bf16_dots: False is exact; True permits a backend bf16 products (u = 2^-8: the relative
     rounding of bf16, round to nearest even, 8 significant bits). Two paths of the CPU kernel, on
     AVX-512 BF16 builds (elsewhere, and for other keys, it computes exactly):
@@ -105,7 +95,6 @@ class AttentionParams:
     sparse_v_threshold: float = 0.0
     int8_scores: bool = False
     bf16_dots: bool = False
-    int8_values: bool = False
 
 
 def make_layer(k_codec: Codec, v_codec: Codec, num_blocks: int, block_size: int,

@@ -145,8 +145,6 @@ def check_params(params, num_q_heads: int, device: torch.device) -> None:
         raise InvalidInput(f"params.sparse_v_threshold must be in [0, 1), got {t!r}")
     if not isinstance(params.int8_scores, bool):
         raise InvalidInput(f"params.int8_scores must be True or False, got {params.int8_scores!r}")
-    if not isinstance(params.int8_values, bool):
-        raise InvalidInput(f"params.int8_values must be True or False, got {params.int8_values!r}")
     if not isinstance(params.bf16_dots, bool):
         raise InvalidInput(f"params.bf16_dots must be True or False, got {params.bf16_dots!r}")
     if params.sinks is not None:

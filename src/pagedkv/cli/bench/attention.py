@@ -80,9 +80,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     cpu.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     cpu.add_argument("--int8-scores", action="store_true",
                      help="decode rows also with the approximate integer q.k (AttentionParams.int8_scores)")
-    cpu.add_argument("--int8-values", action="store_true",
-                     help="decode rows also with integer q.k and integer P.V (AttentionParams.int8_scores and "
-                          "int8_values: 2/3/4-bit table values on AVX-512 builds; others exact), scores \"i8sv\"")
     cpu.add_argument("--bf16-dots", action="store_true",
                      help="decode rows also with bf16 products (AttentionParams.bf16_dots: bf16 and fp8 E4M3 "
                           "keys on AVX-512 BF16 builds; other keys compute exactly), scores \"bf16\"")
@@ -115,7 +112,7 @@ def run(args) -> int:
     progress = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     res = ba.run(formats, contexts, batches, shape, prefill=CPU.prefill and not args.no_prefill,
                  memory=CPU.memory and not args.no_memory, progress=progress, int8_scores=args.int8_scores,
-                 bf16_dots=args.bf16_dots, int8_values=args.int8_values, scaling_threads=args.scaling_threads, prefill_shapes=tuple(prefill_shapes),
+                 bf16_dots=args.bf16_dots, scaling_threads=args.scaling_threads, prefill_shapes=tuple(prefill_shapes),
                  decode=not args.no_decode)
 
     mem = {(m["format"], m["context"]): m for m in res.memory}

@@ -36,8 +36,8 @@ Keys (anything else is refused, naming the key):
 - backend: the pagedkv ops backend ("cpu", "triton", "reference"; default: automatic).
 - checks: run the ops' value checks on every call (default false: vLLM's inputs are trusted).
 - approx: the approximate attention paths permitted (`pagedkv.approx`): "exact" (default) or
-  a comma list of int8_scores, int8_values, bf16_dots, sparse_v_threshold=T, as in
-  `PagedKVCache(approx=...)` and `pagedkv eval --approx`. No stored byte changes.
+  a comma list of int8_scores, bf16_dots, sparse_v_threshold=T, as in `PagedKVCache(approx=...)`
+  and `pagedkv eval --approx`. No stored byte changes.
 
 Nothing here imports vLLM, so the main test suite checks the parsing without it.
 """

@@ -36,8 +36,7 @@ F/BW/VL/VBMI/BF16, a shared 2-core VM; `pagedkv bench attention`, 1 thread, the 
   instead of transposes for few queries 2.1 -> 64-token chunks and scales decoded per token for
   all heads 1.64 -> V in registers 1.56.
 - The kernel is exact fp32 by default (|out - reference| ~1e-6); the AVX2 and AVX-512 builds
-  have an opt-in integer score path (`AttentionParams.int8_scores`, below), the AVX-512 build
-  an opt-in integer P.V (`AttentionParams.int8_values`, below).
+  have an opt-in integer score path (`AttentionParams.int8_scores`, below).
 
 Measured ratios (ms / fastest torch way over a contiguous bf16 cache, which is always the plain
 bf16 matmul -> softmax -> matmul with the group folded; `pagedkv bench attention`):
@@ -135,6 +134,18 @@ thread CPU time, 32k b1, medians):
   4 outputs, no decode_scales for K; other layouts decoded and transposed 16 x 16 in registers):
   turbo3 0.89x / 0.86x, turbo4 0.91x / 0.95x the int8 time at 32k b1 / b8 (A/B of the two builds
   in one process, 41 repeats, load 1.2-1.5).
+- tried, did not pay: an integer P.V (`int8_values`, 9beecda, reverted by the next commit). Per
+  (query, 64-token chunk) the weights p * group scale quantized to s8 (one step wmax / 127), the
+  V levels as the score path's 7-bit images, vpdpbusd over 4 tokens x 4 dims per lane (a quad's
+  code rows interleaved by vpermi2b + vpmultishiftqb + vpermb), the offset removed exactly; error
+  bound sum_i (wsc / 2) ls |lev| + sum_i |w| |ls lev - level|, tested against a float64 oracle of
+  the same arithmetic; on the bench's data 0.013 of the output RMS next to the codec's own 0.21
+  (turbo3). The product loop is ~17 instructions per token and kv head against the exact V's ~39,
+  but the weight preparation (scale transpose, quantization, offset sums) took a third of the
+  path: A/B in one process against int8 scores with the exact V, 41 interleaved repeats, 32k, load
+  0.3: turbo3 0.96x / 0.96x, turbo4 1.01x / 1.02x the time (b1 / b8 medians of per-repeat ratios;
+  the fastest repeats 1.00-1.02x); 0.91-0.96x only at load 2.8-4.2. An approximation that buys no
+  time on a quiet core is not offered.
 `pagedkv bench attention --formats turbo3,turbo4,fp8k_turbo3v --contexts 32k --batch 1,8
 --repeats 5 --int8-scores --no-memory --no-prefill`, 1 thread, load 3.5-3.7 (the baseline itself
 moved 84-125 ms between runs): 32k b1 exact 0.56 / 0.54 / 0.50, int8 0.42 / 0.43 (fp8k_turbo3v:
@@ -172,30 +183,6 @@ three formats and both thread counts interleaved (load 2.3), exact, ms per step 
 setup) is ~50 us of ~1.4 ms per layer. The bench's wall-clock medians swung 0.7-1.8x between
 runs at load 1.6-2.7 on this VM: two copies of a pure-compute loop ran at 1.9x the throughput of
 one when the machine was quiet and at 0.9-1.3x when other jobs were active.
-Integer P.V (`AttentionParams.int8_values`, off by default; attention_v8.h; AVX-512 decode,
-2/3/4-bit table values with group scales, head_dim a multiple of 64): per (query, 64-token chunk)
-the weights p * group scale are quantized to int8 (one step wsc = max / 127 per chunk), the
-levels are the 7-bit images of the integer scores, and vpdpbusd sums 4 tokens x 4 dims per lane:
-a quad's code rows are loaded two per register and one vpermi2b + vpmultishiftqb + vpermb per
-16-dim column group interleaves and looks up their levels (counted from the code: ~17
-instructions per token and kv head in the product loop, ~39 in the exact V's). Steps, A/B in one process against int8 scores
-with the exact V (thread CPU time, 32k b1, turbo3): the first version (per-16-token weight step,
-gathered scales, 8 byte / word unpacks per quad) 1.04x the time (5 repeats); scales loaded per token and
-transposed, one step per chunk: 0.94x; vpermi2b interleave: ~1.0x until the accumulators stopped
-spilling (offset correction computed with the weights, 2 shift controls instead of 4): medians
-0.91-0.96x at load 2.8-4.2 (41-101 repeats), 0.95-0.99x at load 1.1 (101-151 repeats; b8
-0.95-0.97x), the fastest quarter of the repeats at load 1.1 1.02-1.08x; the next chunk's
-prefetches moved from the product loop (bursts of 12 per quad) to the scale reads: medians
-0.93-0.94x at load 0.9 (101-151 repeats, b1; b8 0.93x), fastest tenth 0.92-1.04x. `pagedkv
-bench attention --int8-scores --int8-values` (before the prefetch move; 11 repeats, load
-2.8-2.9), ratio to torch int8 -> i8sv: 32k b1 turbo3 0.40 -> 0.38, turbo4 0.45 -> 0.41; b8
-0.42 -> 0.43, 0.45 -> 0.43. The weight preparation (scale transpose,
-quantization, the offset sums) is still a third of the path's samples, the V-row prefetches
-another tenth; the product loop itself takes about half the samples of the exact V.
-Error on the bench's data (SmolLM2 shape, 32k, random K/V/q), relative to the output RMS, int8
-values vs exact: turbo3 b1 rms 0.013 / max 0.040, turbo4 0.013 / 0.050 (int8 scores alone: 0.011 /
-0.037, 0.014 / 0.069), against the codec's own error (exact kernel vs the unquantized K/V) of rms
-0.21 / 0.11: both integer paths together move it to 0.212 / 0.110.
 
 Sparse V (threshold t > 0): a V row is skipped when exp(s - m_run) < t * Z_run for every query of
 the tile, where m_run / Z_run are the running max / denominator (sinks included). Since the final

@@ -59,7 +59,7 @@ class _Args(ctypes.Structure):
                 ("soft_cap", _f32), ("sinks", _p), ("sparse_thr", _f32), ("out_scale", _f32),
                 ("out", _p), ("num_threads", _i32), ("rows_per_tile", _i32), ("heads_per_task", _i32),
                 ("num_splits", _i32), ("stats", _p), ("int8_scores", _i32), ("lse", _p),
-                ("key_start", _i32), ("bf16_dots", _i32), ("int8_values", _i32)]
+                ("key_start", _i32), ("bf16_dots", _i32)]
 
 
 @dataclass(frozen=True)
@@ -221,12 +221,11 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
         lse = torch.empty(tq, hq, dtype=torch.float32)  # which rows see a key (the value centre's weight)
     a.lse = lse.data_ptr() if lse is not None else None
     a.key_start = int(key_start)
-    a.int8_values = int(bool(params.int8_values))  # decode P.V (AVX-512; see attention_v8.h)
     a.bf16_dots = int(bool(params.bf16_dots))  # decode scores (AVX-512 BF16, bf16-exact K; see the C source)
     entry = kernel.lib.pkv_attention
     if max_q > 1 and _prefill_tile(kernel, params, prefill_tile):
         entry, a.rows_per_tile = _prefill_entry(kernel, params.bf16_dots), _prefill_task_rows(g)
-        a.int8_scores = a.int8_values = 0  # the tile is exact (int8_scores / int8_values: decode paths)
+        a.int8_scores = 0  # the tile's scores are exact (int8_scores is a decode path)
     rc = entry(ctypes.byref(a), ctypes.byref(ks), ctypes.byref(vs))
     if rc == -1:
         raise MemoryError("pagedkv CPU attention kernel: out of memory for its working set")

@@ -24,7 +24,6 @@
  * with AVX2 + FMA + F16C the same technique on 8 lanes (a broadcast word + variable shift per
  * 8 codes, vpermps as an 8-entry table, two for 4-bit codes); otherwise portable C.
  * Opt-in approximate integer scores for the AVX2 and AVX-512 decode (args int8_scores): attention_i8.h.
- * Opt-in approximate integer P.V for the AVX-512 decode (args int8_values): attention_v8.h.
  * Opt-in bf16 scores for the AVX-512 BF16 decode (args bf16_dots, K sides whose values are exact in
  * bf16 and carry no group scale: bf16, E4M3): scores_bf16_t.
  */
@@ -47,7 +46,7 @@
 #define PKV_SIMD 1
 #endif
 
-#define PKV_ABI_VERSION 7
+#define PKV_ABI_VERSION 6
 #define SMALL_M 8
 
 
@@ -92,7 +91,6 @@ typedef struct {
     int32_t key_start;            /* keys j < key_start are not read (0 = all) */
     int32_t bf16_dots;            /* 1: bf16 products where implemented (decode scores: scores_bf16_t;
                                      prefill tile: pkv_prefill_bf16 is its own entry point) */
-    int32_t int8_values;          /* 1: approximate integer P.V where implemented (attention_v8.h; decode) */
 } pkv_args;
 
 /* Rows of one chunk: row i of kv head h has its codes at data[i] + h * row_data_bytes; with
@@ -1256,9 +1254,6 @@ static inline __m256 softcap256(__m256 s, float cap) {
 #ifdef PKV_SIMD
 #include "attention_i8.h"
 #endif
-#ifdef PKV_AVX512
-#include "attention_v8.h"
-#endif
 
 /* ---------------------------------------------------------------- per-task state */
 typedef struct {
@@ -1282,13 +1277,6 @@ typedef struct {
 #ifdef PKV_BF16DOT
     uint16_t *qb;   /* [hpt, M, 2D] bf16 queries in the pair layout, or NULL: fp32 scores (bf16_dots) */
     bf16_ctx bc;
-#endif
-#ifdef PKV_AVX512
-    int8_t *vq;     /* [M, BSP/16, D/16, 16] s8 weights of the integer P.V (int8_values), or NULL: exact */
-    float *vw;      /* [M] their scale times the level unit */
-    float *vs;      /* [BSP/16, D/16, 16] V's scales, transposed (tokens in lanes) */
-    int32_t *vc;    /* [M, D/64, 16] the weights' offset corrections */
-    v8_ctx iv;      /* V's 7-bit levels and interleave tables */
 #endif
 } pkv_scratch;
 
@@ -1516,10 +1504,6 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
         *nv += nt;
     }
 #ifdef PKV_AVX512
-    if (sc->vq) {  /* approximate integer P.V (int8_values; sparse-skipped rows have P == 0) */
-        vacc_i8(vs, &sc->iv, vr, h, nt, H, D, M, S, BSP, st_acc, alpha, sc->vs, sc->vq, sc->vw, sc->vc);
-        return;
-    }
     if (M <= VACC_MAX_M) {  /* few query vectors: V decoded into registers, accumulators too */
         vacc_fused(vs, vlc, vr, h, nt, H, D, M, S, BSP, st_acc, alpha, thr > 0 ? sc->need : NULL);
         return;
@@ -1744,16 +1728,6 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
         bf16_ctx_init(&sc.bc);
     }
 #endif
-#ifdef PKV_AVX512
-    if (a->int8_values) v8_ctx_init(&sc.iv, vs, H, D);
-    if (a->int8_values && sc.iv.lv.ok && D % 64 == 0 && M <= SMALL_M) {
-        sc.vq = xalloc((size_t)M * BSP * D / 16);
-        sc.vw = xalloc(sizeof(float) * (size_t)M);
-        sc.vs = xalloc(sizeof(float) * (size_t)BSP * D / 16);
-        sc.vc = xalloc(sizeof(int32_t) * (size_t)M * D / 4);
-        if (!sc.vq || !sc.vw || !sc.vs || !sc.vc) { rc = -1; goto done; }
-    }
-#endif
     const int32_t *bt = a->block_tables + (int64_t)t->b * a->bt_stride;
 #ifdef PKV_SIMD
     const unsigned csr = _mm_getcsr();
@@ -1808,9 +1782,6 @@ done:
     free(sc.q8); free(sc.qc); free(sc.qmul);
 #ifdef PKV_BF16DOT
     free(sc.qb);
-#endif
-#ifdef PKV_AVX512
-    free(sc.vq); free(sc.vw); free(sc.vs); free(sc.vc);
 #endif
     free(sinkv); free(st_m); free(st_l); free(st_acc);
     for (int z = 0; z < 2; z++) {

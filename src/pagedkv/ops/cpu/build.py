@@ -48,9 +48,8 @@ SOURCE = Path(__file__).with_name("attention_kernel.c")
 STORE_SOURCE = Path(__file__).with_name("store_kernel.c")
 SOURCES = (SOURCE, STORE_SOURCE)
 HEADERS = (Path(__file__).with_name("attention_i8.h"),  # included by SOURCE: part of the hash
-           Path(__file__).with_name("attention_v8.h"),
            Path(__file__).with_name("prefill_kernel.h"))
-ABI_VERSION = 7  # must match PKV_ABI_VERSION in the C source
+ABI_VERSION = 6  # must match PKV_ABI_VERSION in the C source
 STORE_ABI_VERSION = 1  # must match pkv_store_abi() in store_kernel.c
 
 VARIANT_FLAGS = {

@@ -700,7 +700,7 @@ static int pf_run(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, con
 static int pf_prefill(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, int bf_mode) {
     const int B = a->num_seqs, H = a->num_kv_heads, Hq = a->num_q_heads, D = a->head_dim;
     if (B < 0 || H <= 0 || Hq % H || D <= 0 || D % 16 || D > 1024 || a->block_size <= 0 || a->rows_per_tile <= 0 ||
-        a->sparse_thr > 0 || a->int8_scores || a->int8_values)
+        a->sparse_thr > 0 || a->int8_scores)
         return -2;
     if (!side_ok(ks, D)) return -3;
     if (!side_ok(vs, D)) return -4;
