@@ -78,6 +78,16 @@ def _join_negative_values(argv: list[str], options: set[str]) -> list[str]:
     return out
 
 
+def _import_numpy_before_torch() -> None:
+    """torch's C module imports numpy and swallows whatever that import raises, a Ctrl-C included
+    (a `pagedkv eval` interrupted while torch loaded ran to its end, exit 0); with numpy imported
+    first, where an interrupt raises as usual, torch finds it loaded and that window is gone."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     command = "pagedkv"
     try:
@@ -85,6 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         args = parser.parse_args(_join_negative_values(argv, _value_options(parser)))
         command = " ".join(["pagedkv", args.command] + ([args.target] if getattr(args, "target", None) else []))
+        _import_numpy_before_torch()
         return int(args._run(args) or 0)
     except PagedKVError as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
