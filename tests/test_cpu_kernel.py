@@ -61,6 +61,11 @@ SHAPES = [
     (("fp8", "turbo3"), 1, 6, 80, 16),  # 6 query vectors: V weights as memory operands, 2-vector passes
     (("turbo3", "turbo4"), 2, 7, 64, 16),  # 7 query vectors: 1-vector V passes
     (("q4_0", "fp8"), 1, 5, 64, 16),  # 5 query vectors, group-32 K scales
+    # table keys with <= 4 query vectors take the tokens-in-lanes scores (scores_lut) over the
+    # chunk's transposed K scales: group-32 fp16 scales decoded then transposed, 8 kv heads (32
+    # scales per token), blocks of 24 and 8 (16-token groups across blocks)
+    (("q4_0", "turbo3"), 8, 2, 64, 24),
+    (("nvfp4", "turbo4"), 2, 4, 128, 8),
 ]
 
 

@@ -134,6 +134,15 @@ thread CPU time, 32k b1, medians):
   4 outputs, no decode_scales for K; other layouts decoded and transposed 16 x 16 in registers):
   turbo3 0.89x / 0.86x, turbo4 0.91x / 0.95x the int8 time at 32k b1 / b8 (A/B of the two builds
   in one process, 41 repeats, load 1.2-1.5).
+- exact scores over table keys with the integer path's layout (scores_lut_t in attention_i8.h;
+  2/3/4-bit table keys with group scales, head_dim a multiple of 64, <= 4 query vectors per
+  task): the 16 tokens' code bytes of a 64-dim pass (load, vpermb, vpmultishiftqb) transposed as
+  dwords, then per dim one shift + vpermps (the 16-entry table) gives the 16 tokens' fp32 key
+  values and one FMA per query adds them to 16 tokens' scores; per 16-dim group one FMA with the
+  transposed scales. ~27 instructions per token and kv head for 3 queries against scores_dot_t's
+  ~45 (decode64, 4 scale multiplies, partial vectors, the 16-token reduction tree). A/B in one
+  process against the previous build (31 repeats, 32k, load 3-4 while CI ran): turbo3 0.84x /
+  0.82x, turbo4 0.84x / 0.85x the exact decode time (b1 / b8).
 - tried, did not pay: an integer P.V (`int8_values`, 9beecda, reverted by the next commit). Per
   (query, 64-token chunk) the weights p * group scale quantized to s8 (one step wmax / 127), the
   V levels as the score path's 7-bit images, vpdpbusd over 4 tokens x 4 dims per lane (a quad's

@@ -256,11 +256,13 @@ static void i8_scales_t(const pkv_side *sd, const i8_ctx *c, pkv_rows *rows, int
 
 /* 64 codes (dims 64p .. 64p+63 of a row; n <= 64 of them read, the rest of the bytes zero) -> 64
    u8 levels: 8 * bits bytes loaded (n = 32: 4 * bits), three byte ops (see the file comment). */
-PKV_INLINE __m512i i8_levels64(const int bits, const i8_ctx *c, const uint8_t *drow, int p, int n) {
+PKV_INLINE __m512i i8_codes64(const int bits, const i8_ctx *c, const uint8_t *drow, int p, int n) {
     const __mmask32 k = (__mmask32)((1ull << (n / 8 * bits)) - 1u);
     const __m512i x = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(k, drow + 8 * bits * p));
-    const __m512i y = _mm512_multishift_epi64_epi8(c->mshift, _mm512_permutexvar_epi8(c->spread, x));
-    return _mm512_permutexvar_epi8(y, c->lut);
+    return _mm512_multishift_epi64_epi8(c->mshift, _mm512_permutexvar_epi8(c->spread, x));
+}
+PKV_INLINE __m512i i8_levels64(const int bits, const i8_ctx *c, const uint8_t *drow, int p, int n) {
+    return _mm512_permutexvar_epi8(i8_codes64(bits, c, drow, p, n), c->lut);
 }
 
 /* acc + 16 sums of 4 products u8 a x s8 b */
@@ -330,6 +332,83 @@ PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, co
         for (int m = 0; m < MM; m++) _mm512_store_ps(S + (int64_t)m * BSP + g0, _mm512_mul_ps(facc[m], _mm512_set1_ps(qmul[m])));
     }
 }
+
+/* EXACT fp32 scores over the same keys (2/3/4-bit table codes with group scales, head_dim a multiple
+   of 64, MM <= 4 query vectors; the default path, not an approximation), with the integer path's
+   layout: the 16 tokens' code bytes of a 64-dim pass (i8_codes64: byte j holds code j in its low
+   bits, the next code's bits above) transposed as dwords, so register k holds dims 4k .. 4k+3 of
+   every token; each dim's 16 codes are then one shift (byte b of the dword) + vpermps from the
+   16-entry table away from 16 fp32 key values, and one FMA per query against the query's value
+   broadcast adds them to 16 tokens' partial scores at once; per 16-dim group, one FMA with the 16
+   tokens' scales (rows->sclt) adds the group to the scores. vpermps reads the index's low 4 bits
+   only: the code's, with the next code's bits above bit `bits`, which the table replicated to 16
+   entries ignores. Against scores_dot_t (decode64, a scale multiply per 16 values, partial vectors
+   per token and a 16-token reduction tree): no horizontal sums, no partial stores, the scale
+   once per 16 tokens. Sums in another order than scores_dot_t's: exact fp32 both. */
+PKV_INLINE void scores_lut_t(const int bits, const int MM, const pkv_side *sd, const i8_ctx *ic, const pkv_rows *rw,
+                             int h, int nt, int D, const float *qv, float *S, int BSP) {
+    const i8_ctx c = *ic;  /* a local copy, kept in registers (see scores_dot_t) */
+    const __m512 table = _mm512_loadu_ps(sd->table);
+    const int np = D >> 6, nc = D >> 4, rd = sd->row_data_bytes, ld = rw->sclt_ld;
+    const int64_t hoff = (int64_t)h * rd;
+    for (int g0 = 0; g0 < nt; g0 += 16) {
+        const int n16 = imin(16, nt - g0);
+        const __mmask16 tm = (__mmask16)(n16 == 16 ? 0xffff : (1u << n16) - 1u);
+        __m512 sacc[4];
+        for (int m = 0; m < MM; m++) sacc[m] = _mm512_setzero_ps();
+        for (int p = 0; p < np; p++) {
+            __m512i L[16];
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) {
+                if (t < n16) {
+                    if (p == 0) prefetch_next(rw, g0 + t, hoff, rd);
+                    L[t] = i8_codes64(bits, &c, rw->data[g0 + t] + hoff, p, 64);
+                } else {
+                    L[t] = _mm512_setzero_si512();
+                }
+            }
+            transpose16i(L);
+            const float *sb = rw->sclt + ((int64_t)h * nc + 4 * p) * ld + g0;
+            for (int z = 0; z < 4; z++) {
+                __m512 acc[4];
+                for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();
+                for (int k = 0; k < 4; k++) {
+                    const __m512i w = L[4 * z + k];
+                    const __m512 v[4] = {_mm512_permutexvar_ps(w, table),
+                                         _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8), table),
+                                         _mm512_permutexvar_ps(_mm512_srli_epi32(w, 16), table),
+                                         _mm512_permutexvar_ps(_mm512_srli_epi32(w, 24), table)};
+                    const int d = 64 * p + 16 * z + 4 * k;
+                    for (int b = 0; b < 4; b++)
+                        for (int m = 0; m < MM; m++)
+                            acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(qv[(int64_t)m * D + d + b]), v[b], acc[m]);
+                }
+                const __m512 sv = _mm512_maskz_load_ps(tm, sb + (int64_t)z * ld);
+                for (int m = 0; m < MM; m++) sacc[m] = _mm512_fmadd_ps(acc[m], sv, sacc[m]);
+            }
+        }
+        for (int m = 0; m < MM; m++) _mm512_store_ps(S + (int64_t)m * BSP + g0, sacc[m]);
+    }
+}
+
+#define PKV_LUT_M(B)                                                                   \
+    switch (M) {                                                                       \
+    case 1: scores_lut_t(B, 1, sd, c, rw, h, nt, D, qv, S, BSP); break;               \
+    case 2: scores_lut_t(B, 2, sd, c, rw, h, nt, D, qv, S, BSP); break;               \
+    case 3: scores_lut_t(B, 3, sd, c, rw, h, nt, D, qv, S, BSP); break;               \
+    default: scores_lut_t(B, 4, sd, c, rw, h, nt, D, qv, S, BSP); break;              \
+    }
+/* scores_lut_t for M <= LUT_MAX_M query vectors (the caller checks; see run_task). */
+#define LUT_MAX_M 4
+static void scores_lut(const pkv_side *sd, const i8_ctx *c, const pkv_rows *rw, int h, int nt, int D, int M,
+                       const float *qv, float *S, int BSP) {
+    switch (sd->bits) {
+    case 2: PKV_LUT_M(2) break;
+    case 3: PKV_LUT_M(3) break;
+    default: PKV_LUT_M(4) break;
+    }
+}
+#undef PKV_LUT_M
 
 #define PKV_I8_M(B)                                                                                          \
     for (int m0 = 0; m0 < M; m0 += 4) {                                                                      \

@@ -1308,6 +1308,8 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
     } else if (sc->qb) {  /* bf16 products (bf16_dots; M <= SMALL_M, checked by the caller) */
         scores_bf16(ks, &sc->bc, kr, h, nt, D, M, sc->qb + (int64_t)hh * M * 2 * D, sc->kt, S, BSP);
 #endif
+    } else if (kr->sclt) {  /* exact, table keys with group scales, tokens in lanes (scores_lut) */
+        scores_lut(ks, ik, kr, h, nt, D, M, qv, S, BSP);
     } else if (M <= SMALL_M) {  /* few query vectors: K rows decoded into registers, dot + tree reduce */
         scores_dot(ks, klc, kr, h, nt, H, D, M, qv, sc->kt, S, BSP);
     } else {  /* many: decode into a tile, transpose, broadcast-FMA every query against it */
@@ -1719,6 +1721,13 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
             i8_prepare_queries(ik.ls, sc.q + (int64_t)m * D, 1, D, sc.q8 + (int64_t)m * QD, sc.qc + (int64_t)m * (QD / 4),
                                sc.qmul + m);
     }
+#endif
+#ifdef PKV_AVX512
+    /* the exact tokens-in-lanes scores (scores_lut) where the integer path is off; bf16_dots never
+       takes table keys (bf16_side_ok), so it does not compete for them */
+    const int lut_scores = ik.ok && !sc.q8 && D % 64 == 0 && M <= LUT_MAX_M;
+    for (int z = 0; z < 2 && lut_scores; z++)
+        if (!(krs[z].sclt = xalloc(sizeof(float) * (size_t)H * nc * BSP))) { rc = -1; goto done; }
 #endif
 #ifdef PKV_BF16DOT
     if (a->bf16_dots && !sc.q8 && M <= SMALL_M && bf16_side_ok(ks)) {
