@@ -255,14 +255,13 @@ static void i8_scales_t(const pkv_side *sd, const i8_ctx *c, pkv_rows *rows, int
 }
 
 /* 64 codes (dims 64p .. 64p+63 of a row; n <= 64 of them read, the rest of the bytes zero) -> 64
-   u8 levels: 8 * bits bytes loaded (n = 32: 4 * bits), three byte ops (see the file comment). */
+   bytes, byte j's low bits holding code j (the next code's bits above): 8 * bits bytes loaded
+   (n = 32: 4 * bits), vpermb + vpmultishiftqb (a vpermb through c->lut then gives the 7-bit
+   levels: see the file comment). */
 PKV_INLINE __m512i i8_codes64(const int bits, const i8_ctx *c, const uint8_t *drow, int p, int n) {
     const __mmask32 k = (__mmask32)((1ull << (n / 8 * bits)) - 1u);
     const __m512i x = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(k, drow + 8 * bits * p));
     return _mm512_multishift_epi64_epi8(c->mshift, _mm512_permutexvar_epi8(c->spread, x));
-}
-PKV_INLINE __m512i i8_levels64(const int bits, const i8_ctx *c, const uint8_t *drow, int p, int n) {
-    return _mm512_permutexvar_epi8(i8_codes64(bits, c, drow, p, n), c->lut);
 }
 
 /* acc + 16 sums of 4 products u8 a x s8 b */
@@ -283,9 +282,28 @@ PKV_INLINE void transpose16i(__m512i x[16]) {
     for (int i = 0; i < 16; i++) x[i] = _mm512_castps_si512(r[i]);
 }
 
+/* The 16 rows g0 .. g0+15 of a 64-dim pass (n dims read), transposed as dwords: L[k] lane t holds
+   dims 4k .. 4k+3 of row g0 + t, as code bytes (levels = 0: byte j's low bits hold code j, the
+   next code's bits above) or as their 7-bit levels (levels = 1); rows past n16 are zero and read
+   nothing; the first pass prefetches the next chunk's rows, one per row. */
+PKV_INLINE void i8_pass16(const int bits, const int levels, const i8_ctx *c, const pkv_rows *rw, int g0, int n16,
+                          int64_t hoff, int rd, int p, int n, __m512i L[16]) {
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+        if (t < n16) {
+            if (p == 0) prefetch_next(rw, g0 + t, hoff, rd);
+            const __m512i x = i8_codes64(bits, c, rw->data[g0 + t] + hoff, p, n);
+            L[t] = levels ? _mm512_permutexvar_epi8(x, c->lut) : x;
+        } else {
+            L[t] = _mm512_setzero_si512();
+        }
+    }
+    transpose16i(L);
+}
+
 /* Raw scores S[m][i] ~ q_m . k_i of the nt rows of a chunk (MM query vectors, compile-time), 16
    tokens at a time with the tokens in the lanes: the 16 rows' levels of a 64-dim pass (one
-   register each, i8_levels64) are transposed as dwords, so that register k holds dims 4k .. 4k+3
+   register each, i8_pass16) are transposed as dwords, so that register k holds dims 4k .. 4k+3
    of every token; then per query one vpdpbusd per 4 dims against the query's 4 bytes broadcast
    (an embedded broadcast) accumulates each token's score in its own lane: no horizontal sums.
    Per 16-dim group the accumulator starts at the offset correction (-64 * the group's query
@@ -307,16 +325,7 @@ PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, co
         for (int p = 0; p < np; p++) {
             const int n = imin(64, D - 64 * p);
             __m512i L[16];
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; t++) {
-                if (t < n16) {
-                    if (p == 0) prefetch_next(rw, g0 + t, hoff, rd);
-                    L[t] = i8_levels64(bits, &c, rw->data[g0 + t] + hoff, p, n);
-                } else {
-                    L[t] = _mm512_setzero_si512();
-                }
-            }
-            transpose16i(L);
+            i8_pass16(bits, 1, &c, rw, g0, n16, hoff, rd, p, n, L);
             const float *sb = rw->sclt + ((int64_t)h * nc + 4 * p) * ld + g0;
             for (int z = 0; z < n / 16; z++) {
                 const __m512 sv = _mm512_maskz_load_ps(tm, sb + (int64_t)z * ld);
@@ -335,7 +344,7 @@ PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, co
 
 /* EXACT fp32 scores over the same keys (2/3/4-bit table codes with group scales, head_dim a multiple
    of 64, MM <= 4 query vectors; the default path, not an approximation), with the integer path's
-   layout: the 16 tokens' code bytes of a 64-dim pass (i8_codes64: byte j holds code j in its low
+   layout: the 16 tokens' code bytes of a 64-dim pass (i8_pass16: byte j holds code j in its low
    bits, the next code's bits above) transposed as dwords, so register k holds dims 4k .. 4k+3 of
    every token; each dim's 16 codes are then one shift (byte b of the dword) + vpermps from the
    16-entry table away from 16 fp32 key values, and one FMA per query against the query's value
@@ -358,16 +367,7 @@ PKV_INLINE void scores_lut_t(const int bits, const int MM, const pkv_side *sd, c
         for (int m = 0; m < MM; m++) sacc[m] = _mm512_setzero_ps();
         for (int p = 0; p < np; p++) {
             __m512i L[16];
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; t++) {
-                if (t < n16) {
-                    if (p == 0) prefetch_next(rw, g0 + t, hoff, rd);
-                    L[t] = i8_codes64(bits, &c, rw->data[g0 + t] + hoff, p, 64);
-                } else {
-                    L[t] = _mm512_setzero_si512();
-                }
-            }
-            transpose16i(L);
+            i8_pass16(bits, 0, &c, rw, g0, n16, hoff, rd, p, 64, L);
             const float *sb = rw->sclt + ((int64_t)h * nc + 4 * p) * ld + g0;
             for (int z = 0; z < 4; z++) {
                 __m512 acc[4];
