@@ -1,5 +1,7 @@
 /* Approximate integer scores for the SIMD decode paths (included by attention_kernel.c after its
- * AVX2 / AVX-512 sections; `AttentionParams.int8_scores`, off by default).
+ * AVX2 / AVX-512 sections; `AttentionParams.int8_scores`, off by default), and, on AVX-512, the
+ * EXACT decode scores over the same table keys in the same tokens-in-lanes layout (scores_lut_t,
+ * the default path for them, below).
  *
  * Only for K sides whose codes are 2/3/4-bit table lookups with per-group scales (turbo*, q4_0,
  * ...), head_dim a multiple of 32, few query vectors per task (decode). What changes:
