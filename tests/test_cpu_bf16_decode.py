@@ -24,7 +24,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers.approx_checks import assert_within_score_bound, simulated_decode, skip_unless_kernel_reads
+from helpers.approx_checks import (assert_matches_simulation, assert_switch_off_by_default_and_validated,
+                                   assert_within_score_bound, simulated_decode, skip_unless_kernel_reads)
 from helpers.backend_check import CheckCase, all_pairs
 
 from pagedkv.codecs.catalogue import CODECS
@@ -156,11 +157,8 @@ def test_bf16_dots_match_simulated_bf16_arithmetic(k):
         case = cc.build()
         params = cc.params()
         approx = cpu.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
-                                      replace(params, bf16_dots=True)).double()
-        oracle = simulated_bf16_decode(case, params)
-        rms_v = torch.cat([x.reshape(-1) for x in case.v_deq]).pow(2).mean().sqrt()
-        err = float((approx - oracle).abs().max())
-        assert err < 2e-5 * float(rms_v), f"{cc.label}: |kernel - simulated bf16 path| = {err:.3g}"
+                                      replace(params, bf16_dots=True))
+        assert_matches_simulation(cc.label, case, approx, simulated_bf16_decode(case, params), 2e-5, "bf16 path")
 
 
 def test_bf16_dots_with_int8_scores():
@@ -178,13 +176,4 @@ def test_bf16_dots_with_int8_scores():
 
 
 def test_bf16_dots_is_off_by_default_and_validated():
-    from pagedkv import ops
-    from pagedkv.errors import InvalidInput
-    from pagedkv.ops import AttentionParams
-
-    assert AttentionParams(scale=1.0).bf16_dots is False
-    cc = CheckCase("fp8", "turbo3", seq_lens=(20,))
-    case = cc.build()
-    with pytest.raises(InvalidInput, match="bf16_dots must be True or False"):
-        ops.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
-                             replace(cc.params(), bf16_dots="yes"))
+    assert_switch_off_by_default_and_validated("bf16_dots", "fp8", "bf16_dots must be True or False")

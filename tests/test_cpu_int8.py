@@ -20,7 +20,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers.approx_checks import assert_within_score_bound, simulated_decode, skip_unless_kernel_reads
+from helpers.approx_checks import (assert_matches_simulation, assert_switch_off_by_default_and_validated,
+                                   assert_within_score_bound, simulated_decode, skip_unless_kernel_reads)
 from helpers.backend_check import CheckCase, all_pairs
 
 from pagedkv.formats import all_formats
@@ -168,24 +169,12 @@ def check_simulated(cc):
     case = cc.build()
     params = cc.params()
     approx = cpu.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
-                                  replace(params, int8_scores=True)).double()
-    oracle = simulated_integer_decode(case, params)
-    rms_v = torch.cat([x.reshape(-1) for x in case.v_deq]).pow(2).mean().sqrt()
-    err = float((approx - oracle).abs().max())
-    assert err < 2e-4 * float(rms_v), f"{cc.label}: |kernel - simulated integer path| = {err:.3g}"
+                                  replace(params, int8_scores=True))
+    assert_matches_simulation(cc.label, case, approx, simulated_integer_decode(case, params), 2e-4, "integer path")
 
 
 def test_int8_scores_is_off_by_default_and_validated():
-    from pagedkv import ops
-    from pagedkv.errors import InvalidInput
-    from pagedkv.ops import AttentionParams
-
-    assert AttentionParams(scale=1.0).int8_scores is False
-    cc = CheckCase("turbo3", "turbo3", seq_lens=(20,))
-    case = cc.build()
-    with pytest.raises(InvalidInput, match="int8_scores"):
-        ops.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
-                             replace(cc.params(), int8_scores="yes"))
+    assert_switch_off_by_default_and_validated("int8_scores", "turbo3", "int8_scores")
 
 
 def test_int8_scores_split_across_threads():

@@ -59,3 +59,30 @@ def simulated_decode(case, q: torch.Tensor, keys: Callable[[int, int], torch.Ten
         o = torch.einsum("hn,nhd->hd", w, v.repeat_interleave(hq // h, dim=1))
         out[b] = wht.unrotate(o.float()).double() if layer.v_codec.rotated else o
     return out
+
+
+def assert_matches_simulation(label: str, case, got: torch.Tensor, oracle: torch.Tensor, rel: float, what: str) -> None:
+    """The kernel's output `got` within rel * rms(v) of the float64 simulation of its path's
+    roundings `oracle` (what is left is summation order)."""
+    rms_v = torch.cat([x.reshape(-1) for x in case.v_deq]).pow(2).mean().sqrt()
+    err = float((got.double() - oracle).abs().max())
+    assert err < rel * float(rms_v), f"{label}: |kernel - simulated {what}| = {err:.3g}"
+
+
+def assert_switch_off_by_default_and_validated(name: str, k: str, match: str) -> None:
+    """AttentionParams.<name> is False by default, and a non-bool value is refused by the ops
+    (InvalidInput matching `match`) on a `k`-keyed layer."""
+    from dataclasses import replace
+
+    from helpers.backend_check import CheckCase
+
+    from pagedkv import ops
+    from pagedkv.errors import InvalidInput
+    from pagedkv.ops import AttentionParams
+
+    assert getattr(AttentionParams(scale=1.0), name) is False
+    cc = CheckCase(k, "turbo3", seq_lens=(20,))
+    case = cc.build()
+    with pytest.raises(InvalidInput, match=match):
+        ops.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens,
+                             replace(cc.params(), **{name: "yes"}))
