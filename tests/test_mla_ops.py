@@ -166,7 +166,7 @@ def test_layout_arithmetic_and_rope_choice():
         assert spec.block_bytes(16) == c.block_bytes(16, 1, 576)
     mixed = LatentSpec(512, 64, get_codec("turbo3"), get_codec("bf16"))
     assert mixed.block_bytes(16) == get_codec("turbo3").block_bytes(16, 1, 512) + 16 * 64 * 2
-    # rope codec "auto" follows the measurement (benchmarks/mla_rope_precision.py)
+    # rope codec "auto" follows the measurement (benchmarks/studies/mla_rope_precision.py)
     auto = LatentLayout(512, 64)
     from pagedkv.formats import parse_format
     assert auto.spec(parse_format("fp8")).name == "fp8+q8_0rope"

@@ -1,4 +1,4 @@
-"""CI version of the storage-tier fault suite (benchmarks/offload_faults.py, one round): Redis
+"""CI version of the storage-tier fault suite (benchmarks/faults/offload_faults.py, one round): Redis
 killed, hung, full, flushed and fed damaged or forged values; disk entries flipped, truncated,
 forged, replaced by FIFOs, symlinks, directories and sparse giants; disk full and removed; swap
 full; two processes racing on one disk store and one Redis. No run may use wrong K/V."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_faults.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "faults" / "offload_faults.py"
 
 
 def _suite():

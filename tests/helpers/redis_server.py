@@ -1,5 +1,5 @@
 """A private redis-server on a free loopback port, for the Redis tier tests and the fault suite
-(benchmarks/offload_faults.py imports it too): start, kill (also when stopped by SIGSTOP),
+(benchmarks/faults/offload_faults.py imports it too): start, kill (also when stopped by SIGSTOP),
 restart on the same port."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ centre and the fp8 tensor scales, fixed once from the first chunk a layer stores
 Every transformation here is exact for attention (softmax is invariant to a shared score shift;
 (q / m) . (k * m) == q . k; the weights sum to one) or is the codec's own scale, so they change
 only what quantization loses. Kept apart from the cache so the estimators can be studied and
-swapped without touching the storage code (benchmarks/calibration_study.py compares them).
+swapped without touching the storage code (benchmarks/studies/calibration_study.py compares them).
 
 The key centre minimises the first chunk's expected attention-output error under the K codec's
 error model, from the chunk's keys, values and queries (`attention_key_centre`; rotated codecs
@@ -211,7 +211,7 @@ def attention_value_centre(keys: torch.Tensor, values: torch.Tensor, queries: to
     element for fp8, per row for the block/rotated codecs), so c is the mean of the values
     weighted by u_j = sum_q p_qj^2 (queries as in `attention_key_centre`). The plain mean,
     skewed by many rarely-read tokens, raised KL on SmolLM2; this weighting lowered
-    fp8k_turbo3v 0.0234 -> 0.0197 on 4 eval windows (benchmarks/calibration_study.py).
+    fp8k_turbo3v 0.0234 -> 0.0197 on 4 eval windows (benchmarks/studies/calibration_study.py).
     keys/values float32 [B, H, T, D]; queries float32 [B, Hq, Tq, D]. Deterministic."""
     b, h, t, d = keys.shape
     q, pos = _spaced_queries(queries, h, t, max_queries)
@@ -251,7 +251,7 @@ def bias_aware_key_centre(keys: torch.Tensor, values: torch.Tensor, queries: tor
     when it fits one slice of _CHUNK_ELEMENTS (B Hq n T floats; a 1024-token chunk of SmolLM2:
     150k), else recomputed slice by slice at each CG step (long prompts: bounded memory, ~6x the
     attention work). Deterministic. Heads without weight fall back to `key_centre`.
-    SmolLM2, 8 windows: see benchmarks/calibration_study.py (variant attn2).
+    SmolLM2, 8 windows: see benchmarks/studies/calibration_study.py (variant attn2).
     """
     b, h, t, d = keys.shape
     q, pos = _spaced_queries(queries, h, t, max_queries)

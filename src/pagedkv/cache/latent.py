@@ -8,7 +8,7 @@ bytes, `v_block_bytes = 0` and `latent` = the resolved `LatentSpec`.
 
 Codecs: the latent serves as both K and V, so it takes the MORE precise codec of the layer's
 format pair (`turbo3` -> turbo3; `bf16k_turbo3v` -> bf16), high-precision layers included.
-The rope part: `rope_format=None` ("auto") picks by measurement (`benchmarks/mla_rope_precision.py`,
+The rope part: `rope_format=None` ("auto") picks by measurement (`benchmarks/studies/mla_rope_precision.py`,
 numbers in docs/mla.md, attention output error vs fp32):
 - fp8 and turbo8 latents keep the rope part in q8_0: fp8 + q8_0 rope cuts the error by 12 % (34 %
   with strong rope outliers) for +4 bytes/token (+0.7 %); turbo8 + q8_0 rope is both smaller

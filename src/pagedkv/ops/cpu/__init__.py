@@ -206,7 +206,7 @@ error in torch's order, so even exact ties resolve alike). The reference encoder
 short-lived temporaries per call (10 scale candidates x a few full-size tensors) and ran at 7-18 M
 elements/s for the table codecs; the C store allocates nothing but the rotated copy (after 200
 chunk stores glibc holds 0.5-1.4 MB of free heap against the reference's 1-6 MB; in a whole
-model run the free-but-held heap comes mostly from elsewhere: `bench_store.py --model-memory`). Measured (`benchmarks/bench_store.py`, 1 thread, one 256-token SmolLM2 chunk,
+model run the free-but-held heap comes mostly from elsewhere: `bench_store.py --model-memory`). Measured (`benchmarks/perf/bench_store.py`, 1 thread, one 256-token SmolLM2 chunk,
 K and V, M elements/s reference -> C, medians of 9): turbo3 10 -> 134, turbo4 7 -> 116, turbo2
 13 -> 152, nvfp4 9 -> 164, turbo8 145 -> 388, q8_0 230 -> 841, q4_0 127 -> 347, fp8 274 -> 2025,
 bf16 265 -> 1953; a one-token (decode) call of turbo3 1474 -> 25 us. SmolLM2 end to end (1024-

@@ -1,7 +1,7 @@
 """Fault suite of the storage tiers: kill, slow, fill and corrupt the Redis and disk prefix stores,
 fill the swap file, and race two processes on one store; every run must stay bit-identical.
 
-    .venv/bin/python benchmarks/offload_faults.py [--rounds 3] [--json]
+    .venv/bin/python benchmarks/faults/offload_faults.py [--rounds 3] [--json]
 
 Each run generates a prompt with the toy model (`pagedkv.bench.toy`) on a fresh `PagedCache`
 while one fault is injected, and compares the generated tokens and every step's attention output
@@ -38,7 +38,7 @@ from pagedkv.cache import CacheConfig, PagedCache
 from pagedkv.offload import OffloadConfig, TierWarning, TierWriteError
 from pagedkv.offload.record import RecordError, encode_record, parse_header
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers.redis_server import RedisServer  # noqa: E402  (one copy, shared with the tests)
 
 CFG = dict(num_layers=2, num_kv_heads=2, head_dim=32, kv_format="q8_0", block_size=8,
@@ -298,7 +298,7 @@ def race_child(counts: Counts, disk_root: str, redis_url, rounds: int, seed: int
 def race(counts: Counts, disk_root: Path, redis_url, rounds: int) -> None:
     """Two processes publish and load the same prompts on one disk store and one Redis."""
     here = str(Path(__file__).resolve().parent)
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD, here,

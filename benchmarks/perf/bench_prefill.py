@@ -7,7 +7,7 @@ causal mask (thread CPU time, medians), once with the prefill tile (`pkv_prefill
 and once on the general kernel (`run_attention(prefill_tile=False)`); the 1-minute load is
 printed beside every row. Shapes: "CONTEXT:QUERIES" (q_len queries at the end of the context).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_prefill.py [--formats turbo3,turbo4,fp8k_turbo3v]
+    PYTHONPATH=src .venv/bin/python benchmarks/perf/bench_prefill.py [--formats turbo3,turbo4,fp8k_turbo3v]
         [--shapes 4096:512,16384:2048] [--repeats 3] [--no-general] [--threads 1] [--bf16]
 
 --bf16 adds a row for the tile with bf16 products (`AttentionParams.bf16_dots`; AVX-512 BF16

@@ -1,6 +1,6 @@
 """vLLM serving throughput: vLLM's own KV formats against pagedkv's, same prompts, one run.
 
-    .venv-vllm/bin/python benchmarks/vllm_serving.py [--budgets 64MiB,1GiB] [--json]
+    .venv-vllm/bin/python benchmarks/perf/vllm_serving.py [--budgets 64MiB,1GiB] [--json]
 
 Configurations: vLLM bf16 (its CPU backend, model in bf16), vLLM auto (its CPU backend, KV in the
 model's --dtype, e.g. float32), vLLM fp8 (kv_cache_dtype=fp8; needs AVX-512 on CPU, reported as
@@ -19,7 +19,7 @@ vllm-bf16 / vllm-auto row) under the same budget; and the engine process's CPU t
 second: on a shared machine wall-clock rows taken minutes apart see different loads (the load
 column), CPU time much less so. `--threads` threads per engine (default 1: on
 a shared 2-core machine loaded past its cores, OpenMP's spinning threads cost more than a
-second thread gives; `benchmarks/vllm_attention_step.py` measures it). Each engine runs in a fresh child process (one vLLM engine per process), one after the
+second thread gives; `benchmarks/perf/vllm_attention_step.py` measures it). Each engine runs in a fresh child process (one vLLM engine per process), one after the
 other, so every row sees the same machine state; the table prints at the end (`--json` prints
 the rows as JSON instead).
 """
@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = os.path.join(ROOT, ".venv-vllm", "smollm2-hf")
 CONFIGS = ("vllm-bf16", "vllm-auto", "vllm-fp8", "pagedkv-fp8", "pagedkv-turbo4", "pagedkv-turbo3",
            "pagedkv-fp8k_turbo3v")

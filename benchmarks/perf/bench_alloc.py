@@ -7,7 +7,7 @@ Prints medians over repeats:
 - one decode step for 64 sequences: slot allocation + block-table / slot-mapping / seq-len
   tensors (`PagedCache.step`), target <= 200 us; and the commit that follows it.
 
-Run: .venv/bin/python benchmarks/bench_alloc.py [--quick]
+Run: .venv/bin/python benchmarks/perf/bench_alloc.py [--quick]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ context and threshold, the fraction of V rows skipped, the softmax mass dropped 
 the relative output error (`pagedkv.ops.reference.measure_sparse_v`). bf16 cache, so the error
 is the threshold's alone.
 
-    .venv/bin/python benchmarks/sparse_v_error.py [--contexts 1024,4096,16384] [--json]
+    .venv/bin/python benchmarks/studies/sparse_v_error.py [--contexts 1024,4096,16384] [--json]
 """
 
 from __future__ import annotations

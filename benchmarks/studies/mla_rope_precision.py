@@ -12,7 +12,7 @@ have) times a log-normal per-channel gain; rope keys = RoPE(position) of a per-p
 amplitude times (a fixed direction + noise), half-split pairs, theta 10000; queries scaled so the
 latent logits have std 2.0 and the rope logits std 1.2 across keys (moderately peaked softmax).
 
-    .venv/bin/python benchmarks/mla_rope_precision.py [--tokens 2048] [--heads 16] [--seed 0]
+    .venv/bin/python benchmarks/studies/mla_rope_precision.py [--tokens 2048] [--heads 16] [--seed 0]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One layer's decode attention with a recent window: the split path against the torch path, side by side.
 
-    PYTHONPATH=src python benchmarks/recent_decode_step.py [--contexts 300,1k,4k,16k] [--batches 1,8]
+    PYTHONPATH=src python benchmarks/perf/recent_decode_step.py [--contexts 300,1k,4k,16k] [--batches 1,8]
         [--format turbo3] [--window r64s16q8_0] [--page-block 32] [--tail-block 32] [--reps 7]
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), B sequences of L cached
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 HQ, H, D = 9, 3, 64

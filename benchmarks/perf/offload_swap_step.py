@@ -1,6 +1,6 @@
 """Decode-step time of a capped PagedCache vs the same run uncapped (same tokens required).
 
-    .venv/bin/python benchmarks/offload_swap_step.py
+    .venv/bin/python benchmarks/perf/offload_swap_step.py
 
 Toy model (pagedkv.bench.toy) over q8_0, 8 layers x 4 KV heads x 128, a 1024-token prompt, then
 decode; cap = 8 resident blocks of 65. Prints median ms per decode step (1 thread) for: uncapped,

@@ -20,7 +20,7 @@ Per codec, one process, one thread:
   resident set less the pools after malloc_trim(0) (what the allocator could give back).
 The default shape is one SmolLM2 prefill chunk: 256 tokens x 3 KV heads x head_dim 64.
 
-    .venv/bin/python benchmarks/bench_store.py [--codecs turbo3,q8_0] [--no-memory]
+    .venv/bin/python benchmarks/perf/bench_store.py [--codecs turbo3,q8_0] [--no-memory]
         [--model-prefill] [--model-memory]
 """
 

@@ -2,10 +2,10 @@
 on the embedded SmolLM2: mean KL of the next-token distribution vs the bf16 cache, per format and
 per estimator variant, all in one process with the model loaded once (1 thread).
 
-    .venv/bin/python benchmarks/calibration_study.py --windows 8 \
+    .venv/bin/python benchmarks/studies/calibration_study.py --windows 8 \
         --formats fp8,turbo4,turbo3,fp8k_turbo3v --variants base,current
-    .venv/bin/python benchmarks/calibration_study.py --text stdlib --windows 8 ...
-    .venv/bin/python benchmarks/calibration_study.py --windows 8 --only 0,2,5,7 ...  # a subset
+    .venv/bin/python benchmarks/studies/calibration_study.py --text stdlib --windows 8 ...
+    .venv/bin/python benchmarks/studies/calibration_study.py --windows 8 --only 0,2,5,7 ...  # a subset
 
 A variant is a function (keys, values, queries, k_codec, v_codec) -> Calibration, patched in place
 of `pagedkv.integrations.transformers.calibrate` (the cache's own hook; the cache passes each

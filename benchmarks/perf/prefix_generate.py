@@ -4,7 +4,7 @@ A long shared system prompt, then a short question: the time of `generate(max_ne
 (the prefill) on the same cache with the prefix hits (`cache.begin(ids)`) and without them
 (`cache.begin(ids, reuse=False)`), medians of 5 back-to-back pairs, 1 thread, in one process.
 
-    PYTHONPATH=src HF_HUB_OFFLINE=1 python benchmarks/prefix_generate.py
+    PYTHONPATH=src HF_HUB_OFFLINE=1 python benchmarks/perf/prefix_generate.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Decode speed of latent (MLA) attention per layout and path: automatic (fused kernel for one-codec
 rows), chunked torch, reference. 1 thread, medians of 5.
 
-    .venv/bin/python benchmarks/mla_decode_speed.py
+    .venv/bin/python benchmarks/perf/mla_decode_speed.py
 """
 import torch, time, statistics
 torch.set_num_threads(1)

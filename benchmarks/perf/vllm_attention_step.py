@@ -1,6 +1,6 @@
 """One layer's attention work per serving step, vLLM's CPU_ATTN against the pagedkv backend, side by side.
 
-    .venv-vllm/bin/python benchmarks/vllm_attention_step.py [--threads 1] [--formats turbo3,fp8k_turbo3v]
+    .venv-vllm/bin/python benchmarks/perf/vllm_attention_step.py [--threads 1] [--formats turbo3,fp8k_turbo3v]
 
 What one attention layer does per step inside a vLLM engine (SmolLM2-135M shape: 9 query heads,
 3 KV heads, head_dim 64; vLLM's CPU block size 128), timed without the rest of the model so the
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 HQ, H, D, BS = 9, 3, 64, 128

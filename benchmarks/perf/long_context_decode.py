@@ -1,6 +1,6 @@
 """Long-context decode speed end to end: pagedkv formats against the same engine's own cache.
 
-    python benchmarks/long_context_decode.py [--contexts 8k,16k] [--batches 1,8] [--steps 8]
+    python benchmarks/perf/long_context_decode.py [--contexts 8k,16k] [--batches 1,8] [--steps 8]
         [--formats turbo3,fp8k_turbo3v] [--front-doors vllm,transformers] [--json] [--save FILE]
 
 A format may name the approximate attention paths after an @ (`turbo3@int8_scores`: the
@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = os.path.join(ROOT, ".venv-vllm", "smollm2-hf")
 TAIL = 64  # distinct tokens per vLLM prompt after the shared prefix
 
