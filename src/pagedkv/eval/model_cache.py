@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..integrations.hf_folder import write_folder
-from ..ops.cpu.build import private_problem
+from ..private import private_problem
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

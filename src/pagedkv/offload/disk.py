@@ -110,7 +110,8 @@ class DiskTier(Tier):
         self.read_only = False
         self._why_read_only = ""
         try:
-            (self.root / _TMP).mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # private when new
+            (self.root / _TMP).mkdir(mode=0o700, exist_ok=True)
             if not os.access(self.root / _TMP, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, "permission denied", str(self.root / _TMP))
         except OSError as exc:

@@ -29,12 +29,12 @@ import hmac
 import os
 import re
 import secrets
-import stat
 import tempfile
 from hashlib import blake2b
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
+from ..private import private_problem, stat_problem
 from .record import BlockLayout, encode_record, record_size, try_decode_record
 
 KEY_SCHEME = "pkv2"  # v1 keys hashed the chain without a secret
@@ -137,12 +137,23 @@ class StoreKeys:
 def disk_secret(root: os.PathLike) -> bytes:
     """The secret of a disk store that was given none: `root/.secret` (32 random bytes, created
     0600 by the first process; whoever can read it can use the store, as whoever can read the
-    directory can read its entries). ConfigError if it cannot be created or read."""
-    path = os.path.join(os.fspath(root), SECRET_FILE)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+    directory can read its entries). Trusted only when the directory and the file are private to
+    this user (`pagedkv.private`: owned by this user, no symbolic link, not writable by group or
+    others): another local user who made the directory first, or can replace the file, would
+    know the secret and could seal K/V this store then loads. ConfigError naming `store_secret`
+    otherwise, or if it cannot be created or read."""
+    root = os.fspath(root)
+    path = os.path.join(root, SECRET_FILE)
+    hint = ("pass OffloadConfig(store_secret=...) (the same secret in every process that shares "
+            "the store)")
+    problem = private_problem(root, directory=True)
+    if problem is not None:
+        raise ConfigError(f"the disk prefix store's directory {root!r} {problem}: another user "
+                          "could have planted its secret (and K/V sealed with it); make it "
+                          f"private to this user (chmod 700) or {hint}")
     if not os.path.lexists(path):
         try:  # write it whole, then link it into place: a reader never sees half a secret
-            fd, tmp = tempfile.mkstemp(prefix=".secret.", dir=os.fspath(root))
+            fd, tmp = tempfile.mkstemp(prefix=".secret.", dir=root)
         except OSError:
             pass  # read-only directory: it must already be there
         else:
@@ -154,18 +165,20 @@ def disk_secret(root: os.PathLike) -> bytes:
                 pass  # another process linked its own first: use that one
             finally:
                 os.unlink(tmp)
-    hint = ("pass OffloadConfig(store_secret=...) (the same secret in every process that shares "
-            "the store)")
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError(f"the prefix store's secret file {path!r} cannot be read ({exc}); "
                           f"{hint}") from None
     try:
         st = os.fstat(fd)
-        data = os.read(fd, 64) if stat.S_ISREG(st.st_mode) and st.st_size == 32 else b""
+        problem = stat_problem(st, directory=False)
+        data = os.read(fd, 64) if problem is None and st.st_size == 32 else b""
     finally:
         os.close(fd)
+    if problem is not None:
+        raise ConfigError(f"the prefix store's secret file {path!r} {problem}: another user "
+                          f"could have planted it; remove it or {hint}")
     if len(data) != 32:  # a concurrent creator has not finished writing, or it was replaced
         raise ConfigError(f"the prefix store's secret file {path!r} is not 32 bytes; remove it "
                           f"or {hint}")

@@ -34,13 +34,14 @@ import logging
 import os
 import platform
 import shutil
-import stat
 import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from ...private import private_dir, private_problem
 
 log = logging.getLogger(__name__)
 
@@ -132,38 +133,6 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "pagedkv" / "kernels"
 
 
-def private_problem(path: Path, *, directory: bool) -> Optional[str]:
-    """Why `path` may hold code planted by someone else (None: it may not): missing, a symbolic
-    link, not a directory / regular file, owned by another user, or writable by group or others."""
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        return f"cannot be inspected ({exc.strerror or exc})"
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    if directory and not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
-    if not directory and not stat.S_ISREG(st.st_mode):
-        return "is not a regular file"
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    if st.st_mode & 0o022:
-        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
-    return None
-
-
-def _private_dir(path: Path) -> Optional[str]:
-    """Create `path` private (0700) if missing; None when it is safe to build and load in."""
-    try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        return f"cannot be created ({exc.strerror or exc})"
-    problem = private_problem(path, directory=True)
-    if problem is None and not os.access(path, os.W_OK):
-        problem = "is not writable"
-    return problem
-
-
 def _candidate_dirs(preferred: Optional[str]):
     """(directory, explicit) to build into, in order; the caller takes the first that passes."""
     if preferred:
@@ -251,7 +220,7 @@ def build_and_load(config: KernelConfig = KernelConfig()) -> LoadedKernel:
         raise KernelUnavailable(f"unknown kernel variant {variant!r}; valid: {', '.join(VARIANT_FLAGS)}")
     cc = find_compiler(config.compiler)
     for directory, explicit in _candidate_dirs(config.cache_dir):
-        problem = _private_dir(directory)
+        problem = private_dir(directory)
         if problem is None:
             kernel, last_err, problem = _load_from(directory, variant, cc)
             if kernel is not None:
