@@ -81,3 +81,114 @@ def test_a_secret_another_user_can_replace_is_refused(tmp_path, baseline):
     secret.symlink_to(real)
     with pytest.raises(ConfigError, match="store_secret="):
         _disk(tmp_path / "p")
+
+
+# ---- N2: the vLLM statistics cache --------------------------------------------------------------
+def _fit_setup(tmp_path):
+    """A model folder (its identity names the statistics file), a fit plan and one layer's
+    fitted statistics (2 kv heads, head dim 64)."""
+    import torch
+
+    from pagedkv.cache.calibration import CalibrationOptions, calibrate
+    from pagedkv.formats import parse_format
+    from pagedkv.integrations.vllm.fit import FitPlan
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    plan = FitPlan.build([parse_format("turbo3")], None, None, False)
+    g = torch.Generator().manual_seed(0)
+    k, v, q = (torch.randn(1, h, 40, 64, generator=g) for h in (2, 2, 4))
+    cal = calibrate(k, v, q, "turbo3", "turbo3", CalibrationOptions(True, False, True), "cpu")
+    return str(model), plan, cal
+
+
+def _stats_name(model, plan):
+    from pagedkv.integrations.vllm.fit import model_identity
+
+    return plan.key(model_identity(model), 512) + ".pt"
+
+
+def _stats_bytes(tmp_path, layers) -> bytes:
+    import torch
+
+    from pagedkv.integrations.vllm.fit import FIT_VERSION
+
+    p = tmp_path / "made.pt"
+    torch.save({"version": FIT_VERSION, "layers": layers}, p)
+    return p.read_bytes()
+
+
+def test_statistics_planted_by_another_user_are_refused(tmp_path):
+    if skip_reason():
+        pytest.skip(skip_reason())
+    import torch
+
+    from pagedkv.integrations.vllm.fit import fit
+
+    model, plan, cal = _fit_setup(tmp_path)
+    hostile = {"k_centre": torch.full((2, 64), 3.0), "v_centre": torch.full((2, 64), -5.0)}
+    with shared_dir() as shared:
+        cache = os.path.join(shared, "vllm")
+        plant_tree(cache, {_stats_name(model, plan): _stats_bytes(tmp_path, [hostile])})
+        with pytest.raises(ConfigError, match=r"cache_dir .*owned by uid 65534"):
+            fit(model, plan, 512, cache)  # main loaded it: the hostile centres in every output
+
+
+def test_statistics_files_are_checked_before_use(tmp_path):
+    import torch
+
+    from pagedkv.integrations.vllm.fit import fit, load, save
+
+    model, plan, cal = _fit_setup(tmp_path)
+    cache = tmp_path / "vllm"
+    name = cache / _stats_name(model, plan)
+    save(str(name), [cal])
+    assert cache.stat().st_mode & 0o777 == 0o700 and name.stat().st_mode & 0o077 == 0
+    got = fit(model, plan, 512, str(cache), [(2, 64)])  # read back, not fitted (no model there)
+    assert torch.equal(got[0].k_centre, cal.k_centre)
+    for bad, match in (([{"k_centre": torch.full((2, 64), float("nan"))}], "finite"),
+                       ([{"k_centre": torch.zeros(4, 64)}], r"shape \(2, 64\)"),
+                       ([{"v_scale": torch.zeros(1)}], r"> 0"),
+                       ([{"k_centre": torch.zeros(2, 64, dtype=torch.float64)}], "float32"),
+                       ([1], "not a mapping"), ({"x": 1}, "not a pagedkv statistics file")):
+        name.write_bytes(_stats_bytes(tmp_path, bad))
+        with pytest.raises(ConfigError, match=match):
+            fit(model, plan, 512, str(cache), [(2, 64)])
+        with pytest.raises(ConfigError, match=match):
+            load(str(name), 1, [(2, 64)])
+    name.unlink()
+    os.mkfifo(name)  # never blocks
+    with pytest.raises(ConfigError, match="not a regular file"):
+        fit(model, plan, 512, str(cache), [(2, 64)])
+    name.unlink()
+    name.symlink_to(tmp_path / "made.pt")
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        fit(model, plan, 512, str(cache), [(2, 64)])
+    name.unlink()
+    os.chmod(cache, 0o777)
+    with pytest.raises(ConfigError, match=r"cache_dir .*writable by group or others"):
+        fit(model, plan, 512, str(cache), [(2, 64)])
+
+
+def test_saving_statistics_never_follows_a_planted_temporary_name(tmp_path):
+    from pagedkv.integrations.vllm.fit import load, save
+
+    _, _, cal = _fit_setup(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = tmp_path / "vllm" / "x.pt"
+    path.parent.mkdir()
+    (tmp_path / "vllm" / f"x.pt.{os.getpid()}.tmp").symlink_to(victim)  # the old temporary name
+    save(str(path), [cal])
+    assert victim.read_bytes() == b"precious"
+    assert load(str(path), 1, [(2, 64)])[0].v_centre is not None
+
+
+def test_cache_dir_type_is_checked_when_the_settings_are_parsed():
+    from pagedkv.integrations.vllm.settings import parse_settings
+
+    for bad in (5, ["a"], "", {"x": 1}):
+        with pytest.raises(ConfigError, match="cache_dir must be a directory path"):
+            parse_settings({"kv_format": "turbo3", "cache_dir": bad})
+    assert parse_settings({"kv_format": "turbo3", "cache_dir": None}).cache_dir is None

@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
 import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from ...errors import ConfigError
+from ...private import private_dir, stat_problem
 from ...formats import KVFormat
 from ...cache.calibration import Calibration, CalibrationOptions, calibrate
 
@@ -33,6 +37,7 @@ CALIBRATION_MODULES = ("collections", "functools", "itertools", "json", "pathlib
 FIT_VERSION = "pagedkv-vllm-fit-v1"
 _FIELDS = ("k_centre", "k_mult", "v_centre", "k_scale", "v_scale")
 _CAPTURE = "pagedkv_capture"
+MAX_FILE_BYTES = 256 << 20  # a statistics file is a few float32 [H, D] per layer: far less
 
 
 def calibration_text() -> str:
@@ -143,14 +148,27 @@ def capture(model_dir: str, tokens: int) -> list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
-def fit(model_dir: str, plan: FitPlan, tokens: int, cache_dir: Optional[str]) -> list[Calibration]:
+def fit(model_dir: str, plan: FitPlan, tokens: int, cache_dir: Optional[str],
+        geometry: Optional[Sequence[tuple[int, int]]] = None) -> list[Calibration]:
     """One Calibration per attention layer (in layer order), read from `cache_dir` when an
-    earlier start fitted the same plan, else fitted now (and written there)."""
+    earlier start fitted the same plan, else fitted now (and written there). geometry: per layer
+    (kv heads, head dim), what a stored file's tensors must match.
+
+    The file's name is computable by anyone who can list the model folder, so the statistics
+    cache trusts nothing another user could have written: `cache_dir` is made private (0700) and
+    must be owned by this user and not writable by others, as must the file (`pagedkv.private`);
+    otherwise ConfigError naming `cache_dir`."""
     path = None
     if cache_dir:
+        problem = private_dir(cache_dir)
+        if problem is not None:
+            raise ConfigError(f"pagedkv cache_dir {cache_dir!r} {problem}: statistics kept there "
+                              "could have been planted by another user; use a directory owned by "
+                              "this user and not writable by others (chmod 700), or cache_dir "
+                              "null to fit at every engine start")
         path = os.path.join(cache_dir, plan.key(model_identity(model_dir), tokens) + ".pt")
-        if os.path.isfile(path):
-            return load(path, len(plan.formats))
+        if os.path.lexists(path):
+            return load(path, len(plan.formats), geometry, private=True)
     layers = capture(model_dir, tokens)
     if len(layers) != len(plan.formats):
         raise ConfigError(f"pagedkv: the transformers model has {len(layers)} attention layers, "
@@ -165,26 +183,83 @@ def fit(model_dir: str, plan: FitPlan, tokens: int, cache_dir: Optional[str]) ->
 
 
 def save(path: str, cals: Sequence[Calibration]) -> None:
-    """Write the per-layer statistics (a torch file of plain tensors; atomic rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Write the per-layer statistics (a torch file of plain tensors) through an exclusive
+    temporary file (`mkstemp`: never a name planted in advance) renamed into place."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     data = {"version": FIT_VERSION,
             "layers": [{f: getattr(c, f) for f in _FIELDS if getattr(c, f) is not None} for c in cals]}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    torch.save(data, tmp)
-    os.replace(tmp, path)
-
-
-def load(path: str, num_layers: int) -> list[Calibration]:
-    """Read a statistics file; ConfigError if it is not one or its layer count differs."""
+    fd, tmp = tempfile.mkstemp(prefix=".fit-", suffix=".tmp", dir=directory)
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(data, fh)
+        os.replace(tmp, path)
+        tmp = None
+    finally:
+        if tmp is not None:
+            os.unlink(tmp)
+
+
+def _read(path: str, private: bool) -> bytes:
+    """The bytes of a statistics file: a regular file (no symlink, FIFO or device; never
+    blocks), at most MAX_FILE_BYTES, and with `private` owned by this user and not writable by
+    others."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ConfigError(f"pagedkv calibration file {path!r} cannot be opened ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)
+        problem = stat_problem(st, directory=False) if private else \
+            (None if stat.S_ISREG(st.st_mode) else "is not a regular file")
+        if problem is None and st.st_size > MAX_FILE_BYTES:
+            problem = f"is {st.st_size} bytes (a statistics file is at most {MAX_FILE_BYTES})"
+        if problem is not None:
+            raise ConfigError(f"pagedkv calibration file {path!r} {problem}; not loaded (remove it "
+                              "to fit the statistics again)")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read(MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+def _checked(path: str, layers, geometry) -> list[Calibration]:
+    """Calibrations from the file's layer dicts, each tensor checked: float, finite, the
+    layer's shape ([H, D] for centres and multipliers, [1] for scales), scales > 0."""
+    out = []
+    for i, d in enumerate(layers):
+        if not isinstance(d, dict) or not set(d) <= set(_FIELDS):
+            raise ConfigError(f"pagedkv calibration file {path!r}: layer {i} is not a mapping of "
+                              f"{', '.join(_FIELDS)}")
+        for f, x in d.items():
+            want = (1,) if f.endswith("_scale") else (tuple(geometry[i]) if geometry else None)
+            bad = (not isinstance(x, torch.Tensor) or x.dtype != torch.float32
+                   or (want is not None and tuple(x.shape) != want) or not bool(torch.isfinite(x).all())
+                   or (f.endswith("_scale") and not bool((x > 0).all())))
+            if bad:
+                got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ConfigError(f"pagedkv calibration file {path!r}: layer {i} {f} must be a finite "
+                                  f"float32 tensor of shape {want or '[H, D]'}"
+                                  f"{' (> 0)' if f.endswith('_scale') else ''}, got {got}")
+        out.append(Calibration(**{f: d.get(f) for f in _FIELDS}))
+    return out
+
+
+def load(path: str, num_layers: int, geometry: Optional[Sequence[tuple[int, int]]] = None, *,
+         private: bool = False) -> list[Calibration]:
+    """Read a statistics file; ConfigError if it is not one (see `_read`, `_checked`), its
+    layer count differs, or (with `geometry`: per layer (kv heads, head dim)) a shape differs."""
+    raw = _read(path, private)
+    try:
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         layers = data["layers"]
-        assert data["version"] == FIT_VERSION
+        assert data["version"] == FIT_VERSION and isinstance(layers, (list, tuple))
     except Exception as exc:
-        raise ConfigError(f"pagedkv calibration file {path!r} is not a pagedkv statistics file ({exc})") from None
+        raise ConfigError(f"pagedkv calibration file {path!r} is not a pagedkv statistics file "
+                          f"({type(exc).__name__}: {exc})") from None
     if len(layers) != num_layers:
         raise ConfigError(f"pagedkv calibration file {path!r} has {len(layers)} layers, the model {num_layers}")
-    return [Calibration(**{f: d.get(f) for f in _FIELDS}) for d in layers]
+    return _checked(path, layers, geometry)
 
 
 def describe(cals: Sequence[Calibration]) -> str:

@@ -282,10 +282,11 @@ def prepare_layers(vllm_config) -> None:
     s = impls[0].settings
     has_sinks = [i.sinks is not None for i in impls]
     plan = FitPlan.build([i.fmt for i in impls], s.key_centring, s.value_centring, s.key_scaling, has_sinks)
+    geometry = [(i.num_kv_heads, i.head_size) for i in impls]
     if s.calibration is not None:
-        cals = load(s.calibration, len(impls))
+        cals = load(s.calibration, len(impls), geometry)
     elif plan.needed:
-        cals = fit(vllm_config.model_config.model, plan, s.calibration_tokens, s.cache_dir)
+        cals = fit(vllm_config.model_config.model, plan, s.calibration_tokens, s.cache_dir, geometry)
     else:
         cals = [Calibration() for _ in impls]
     for impl, cal in zip(impls, cals):

@@ -160,6 +160,9 @@ class VllmSettings:
             raise ConfigError(f"pagedkv calibration {self.calibration!r} is not a file; pass a file "
                               "written by `python -m pagedkv.integrations.vllm.calibrate`, or null "
                               "to fit at engine start")
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir.strip()):
+            raise ConfigError(f"pagedkv cache_dir must be a directory path (a non-empty string) or "
+                              f"null (no statistics cache), got {self.cache_dir!r}")
         if self.backend is not None and self.backend not in ("cpu", "triton", "reference"):
             raise ConfigError(f"pagedkv backend must be cpu, triton, reference or null, got {self.backend!r}")
 
