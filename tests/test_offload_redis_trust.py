@@ -89,3 +89,36 @@ def test_tenant_namespaces_and_acl_users(server, baseline):  # noqa: F811
     assert rb.hit_tokens == 0 and rb.tokens == baseline.tokens
     with pytest.raises(redis.exceptions.NoPermissionError):
         redis.Redis.from_url(bob).get(_keys(server, "pagedkv:a:pkv2.*")[0])
+
+
+def test_a_password_in_the_url_is_never_printed_and_noperm_says_so(server, baseline, caplog):  # noqa: F811
+    """Issue 28 N3: the URL's password stays out of warnings, log lines, reprs and errors; a user
+    the ACL denies gets a warning that says so (not "failed its checks; deleted it")."""
+    import logging
+    import warnings
+
+    pw = "pw-Zq81-carol"
+    server.client.execute_command("ACL", "SETUSER", "carol", "on", f">{pw}", "resetkeys",
+                                  "~other:*", "-@all", "+get", "+set", "+strlen", "+getrange",
+                                  "+mget", "+del", "+ping", "+client", "+hello")
+    url = f"redis://carol:{pw}@127.0.0.1:{server.port}/0"
+    cfg = OffloadConfig(prefix_store="redis", redis_url=url, store_secret=SECRET)
+    assert pw not in repr(cfg) and "carol:***@127.0.0.1" in repr(cfg)
+    with pytest.raises(ConfigError) as err:
+        PagedCache(CacheConfig(**CFG), OffloadConfig(prefix_store="redis", redis_url=url))
+    assert pw not in str(err.value)
+    caplog.set_level(logging.INFO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = _cache(url, redis_retry_after_s=0)
+        run = ToyLM(cache).generate(PROMPT, 8)
+        server.kill()  # and a dead server's warning
+        ToyLM(_cache(url, redis_retry_after_s=0)).generate(PROMPT, 8)
+    assert run.tokens == baseline.tokens and run.hit_tokens == 0
+    texts = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records]
+    assert texts and all(pw not in t for t in texts), texts
+    assert any("ACL denies" in t and "NOPERM" in t for t in texts), texts
+    assert any("unreachable" in t for t in texts), texts
+    assert not any("failed its checks" in t for t in texts), texts
+    assert cache.offload_stats()["prefix"]["damaged_removed"] == 0
+    assert pw not in cache.prefix.tier.name

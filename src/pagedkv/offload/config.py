@@ -17,9 +17,10 @@ environment is read): library callers pass paths explicitly or accept `~/.cache/
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping, Optional, Union
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..errors import ConfigError
 from .keys import check_namespace, secret_bytes
@@ -35,6 +36,27 @@ def default_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
     base = env.get("XDG_CACHE_HOME") or ""
     root = Path(base) if base and os.path.isabs(base) else Path("~/.cache").expanduser()
     return root / "pagedkv"
+
+
+def redact_url(url) -> str:
+    """`url` with its password (userinfo, or a `password=` query parameter) shown as `***`: what
+    every message, log line and repr prints of a Redis URL."""
+    if not isinstance(url, str):
+        return repr(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<an unparsable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, host = netloc.rsplit("@", 1)
+        netloc = (user.split(":", 1)[0] + ":***" if ":" in user else "***") + "@" + host
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs],
+                          safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def _pos_int_or_none(name: str, v) -> None:
@@ -56,7 +78,7 @@ class OffloadConfig:
     store_secret: the operator's secret (str or bytes, >= 16 bytes) that store keys and record
     MACs are derived from (`keys.py`); required for Redis (every process sharing the server
     passes the same one), a disk store without one uses `<prefix_dir>/.secret` (generated 0600).
-    Never printed in the config's repr.
+    Never printed in the config's repr (nor is a password in `redis_url`: `redact_url`).
     store_namespace: a key namespace (`[0-9A-Za-z_-]`, e.g. one per tenant): Redis keys start
     `redis_prefix + namespace + ":"` (confine a Redis ACL user to that pattern), a disk store
     lives in `<prefix_dir>/<namespace>/`; mixed into every key and MAC.
@@ -99,6 +121,14 @@ class OffloadConfig:
         check_namespace(self.store_namespace)
         if not isinstance(self.prefetch, bool):
             raise ConfigError(f"prefetch must be a bool, got {self.prefetch!r}")
+
+    def __repr__(self) -> str:  # the secret is left out, the Redis password shown as ***
+        shown = []
+        for f in fields(self):
+            if f.repr:
+                v = getattr(self, f.name)
+                shown.append(f"{f.name}={redact_url(v) if f.name == 'redis_url' else repr(v)}")
+        return f"OffloadConfig({', '.join(shown)})"
 
     @property
     def enabled(self) -> bool:

@@ -9,7 +9,10 @@ that can go wrong with the server is a miss, never an exception in the caller's 
   misses are instant) before it tries the server again; on success it logs that it is back;
 - full (`OOM command not allowed`, maxmemory without eviction): the write is skipped with one
   warning; reads continue;
+- denied by the server's ACL (NOPERM): a miss or a skipped write, with one warning that says so
+  (never reported as a damaged entry, never deleted);
 - any other Redis error: a miss with one warning.
+The tier's name (in every warning and log line) is its URL with the password shown as `***`.
 The client retries nothing itself (a dead server must cost one timeout, not several).
 
 Requires the `redis` package (`pip install redis`, or the `test` extra).
@@ -22,6 +25,7 @@ import time
 from typing import Optional
 
 from ..errors import ConfigError
+from .config import redact_url
 from .tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -56,7 +60,7 @@ class RedisTier(Tier):
         super().__init__()
         redis, Retry, NoBackoff = _import_redis()
         if not isinstance(url, str) or "://" not in url:
-            raise ConfigError(f"redis url must look like redis://host:port/db, got {url!r}")
+            raise ConfigError(f"redis url must look like redis://host:port/db, got {redact_url(url)!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"redis timeout_s must be a number > 0, got {timeout_s!r}")
         if isinstance(retry_after_s, bool) or not isinstance(retry_after_s, (int, float)) \
@@ -71,8 +75,8 @@ class RedisTier(Tier):
                 retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
             )
         except ValueError as exc:
-            raise ConfigError(f"redis url {url!r} is not valid: {exc}") from None
-        self.name = f"redis tier {url}"
+            raise ConfigError(f"redis url {redact_url(url)!r} is not valid: {exc}") from None
+        self.name = f"redis tier {redact_url(url)}"  # in every warning and log line: no password
         self.url = url
         self.prefix = prefix
         self.retry_after_s = float(retry_after_s)
@@ -92,6 +96,12 @@ class RedisTier(Tier):
                 isinstance(exc, e.ResponseError) and str(exc).startswith("OOM")):
             self._warn_once("full", f"server out of memory while {doing} ({exc}); writes are "
                                     "skipped until it has room")
+            return
+        if isinstance(exc, e.NoPermissionError) or str(exc).startswith("NOPERM"):
+            self._warn_once("noperm", f"the server's ACL denies this user (NOPERM) while "
+                                      f"{doing} ({exc}); reads are misses and writes are "
+                                      "skipped: allow the user GET, SET, STRLEN, GETRANGE, MGET "
+                                      "and DEL on the store's keys")
             return
         if isinstance(exc, (e.ConnectionError, e.TimeoutError, OSError)):
             self._down_until = time.monotonic() + self.retry_after_s
@@ -152,7 +162,11 @@ class RedisTier(Tier):
             return [None] * len(keys)
         out: list[Optional[bytes]] = []
         for n, v in zip(res[0::2], res[1::2]):
-            if isinstance(n, Exception) or isinstance(v, Exception):
+            err = n if isinstance(n, Exception) else v if isinstance(v, Exception) else None
+            if err is not None and not str(err).startswith("WRONGTYPE"):
+                self._fault(err, "reading")  # NOPERM or another refusal: not the entry's fault
+                out.append(None)
+            elif err is not None:
                 out.append(b"")  # WRONGTYPE: something else lives under the key
             elif n == 0:
                 out.append(None)

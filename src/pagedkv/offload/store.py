@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import ConfigError
-from .config import OffloadConfig
+from .config import OffloadConfig, redact_url
 from .disk import DiskTier
 from .identity import CacheIdentity, store_identity
 from .keys import StoreKeys, disk_secret, process_secret, secret_bytes
@@ -64,7 +64,7 @@ def open_prefix_store(config: CacheIdentity, offload: OffloadConfig,
         return None
     identity = store_identity(config)  # ConfigError without a model identity
     if offload.prefix_store == "redis" and tier is None and offload.store_secret is None:
-        raise _needs_secret(f"redis tier {offload.redis_url}")
+        raise _needs_secret(f"redis tier {redact_url(offload.redis_url)}")
     if tier is None:
         tier = make_prefix_tier(offload)
     assert tier is not None
