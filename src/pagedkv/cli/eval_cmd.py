@@ -1,5 +1,6 @@
 """`pagedkv eval`: perplexity, KL vs the bf16 cache, top-1 agreement, size and decode speed of KV
 formats on a real model (default: the embedded SmolLM2 over Python's pydoc topics), offline.
+Windows longer than 1k tokens also print KL by position (0-1k, 1-2k, 2-4k, 4-8k, ...).
 
 Every input is checked before the model loads (formats, sizes, --text, --model, --device, the
 --plot file); the table or JSON is printed before the plot is drawn, so a finished run is never
@@ -115,6 +116,7 @@ def run(args) -> int:
         print_table(f"{source.label}: {len(windows)} windows{of} x {cfg.window_tokens} tokens, "
                     f"teacher-forced on the compressed cache{scored}; decode tok/s: 1 thread, thread CPU time "
                     f"per step on window 1{approx}", cols, table)
+        _print_by_position(rows, len(windows))
     sys.stdout.flush()
     if args.plot:
         from ..eval.plot import plot_results
@@ -126,6 +128,25 @@ def run(args) -> int:
         f"(the passes {_minutes(elapsed)}); CPU {cpu_eval - cpu0:.0f} s before the passes (imports, "
         f"load) + {cpu - cpu_eval:.0f} s in them; {cfg.compute.describe()}")
     return 0
+
+
+def _print_by_position(rows, windows: int) -> None:
+    """Where a window spans more than one position bucket (0-1k, 1-2k, 2-4k, ...): KL vs bf16 by
+    bucket, each cell the mean over the windows and, with several, the range of the windows' means."""
+    buckets = rows[0]["kl_by_position"] if rows else []
+    if len(buckets) < 2 or all(b["kl"] is None for b in buckets):
+        return
+    table = []
+    for r in rows:
+        cells = []
+        for b in r["kl_by_position"]:
+            per = b["kl_per_window"]
+            cells.append(f"{b['kl']:.4f}" + (f" ({min(per):.4f}-{max(per):.4f})" if len(per) > 1 else ""))
+        table.append([r["format"], r["bits_per_element"], *cells])
+    spread = "; in brackets the lowest and highest window" if windows > 1 else ""
+    print_table(f"KL vs bf16 by position (positions 0-based in the window; mean over {windows} window"
+                f"{'s' if windows > 1 else ''}{spread}); bits/elem as stored at the window's end",
+                ["format", "bits/elem", *[f"KL {b['positions']}" for b in buckets]], table)
 
 
 def _cpu_seconds() -> float:

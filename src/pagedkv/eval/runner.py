@@ -9,11 +9,14 @@ decoding. (Key centring and fp8 tensor scales are fixed from the window's K/V, a
 from a prompt of that length.)
 
 Metrics against the pagedkv bf16 cache run on the same window (the reference): mean KL of the
-next-token distribution, top-1 agreement; plus perplexity, bits/element (averaged over layers,
+next-token distribution, top-1 agreement, also by position bucket (0-1k, 1-2k, 2-4k, 4-8k, ...:
+`kl_by_position`; a long window's late positions read apart from its early ones); plus perplexity, bits/element (averaged over layers,
 high-precision layers included; a recent window's tail blocks as held at the end of the window),
 KV bytes per token, the longest context that fits a memory
 budget, and decode tokens/s (median of a few greedy steps on the first window, 1 thread, timed in
-the thread's CPU time so that other processes on the machine do not count).
+the thread's CPU time so that other processes on the machine do not count). A pass keeps the
+model's final hidden states, not its logits; the metrics form the logits a chunk of positions at
+a time (`metrics.hidden_window_sums`), so a 16k-token window of a 262k-word vocabulary fits.
 
 A prefill never takes the kernel's decode paths (calls whose sequences each have one query
 token), which is where most approximations (`pagedkv.approx`: int8_scores, bf16 decode scores)
@@ -40,12 +43,12 @@ import torch
 from ..approx import Approximation
 from ..cache.config import split_hp
 from ..defaults import BLOCK_SIZE
-from ..errors import ConfigError
+from ..errors import ConfigError, PagedKVError
 from ..formats import KVFormat, is_plan_path, parse_format, read_plan
 from ..integrations.hf_compat import with_cache
 from ..ops.recent import RecentWindow, split_window_suffix, stored_tail_tokens, window_from_label
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
-from .metrics import MetricSums, log_probs, window_sums
+from .metrics import MetricSums, hidden_window_sums
 from .tuned import resolve_tuned, tuned_bits
 
 def parse_window(spec: str, what: str = "recent window") -> RecentWindow:
@@ -137,6 +140,7 @@ class FormatResult:
             "max_context_tokens": self.max_context_tokens,
             "tokens": self.sums.tokens,
             "kl_per_window": self.sums.per_window_kl,
+            "kl_by_position": self.sums.by_position(),
             **({"scored_positions": self.scored_positions} if self.scored_positions else {}),
         }
 
@@ -231,48 +235,106 @@ def window_parts(model, wi: int, window: torch.Tensor, choices: Sequence[FormatC
     """Every format's pass over window `wi`: per format {"sums": WindowSums} (+ "decode_times"
     for window 0). The bf16 reference runs first (or once more, when it is not a listed format,
     or when `cfg.approx` makes the listed bf16 pass approximate: the reference stays exact).
-    The sums cover the window's scored predictions (`_forward`)."""
+    The sums cover the window's scored predictions (`_forward`), by position too; they are formed
+    after the last pass, from every pass's final hidden states (`metrics.hidden_window_sums`)."""
     ids = window[None]
     targets = window[-cfg.decode_tail:] if cfg.decode_tail else window[1:]
+    positions = torch.arange(window.numel() - 1 - targets.numel(), window.numel() - 1)
     ref_choice = parse_choice(REFERENCE_FORMAT)
     order = sorted(range(len(choices)), key=lambda i: choices[i].label != ref_choice.label)
-    ref_logp = None
+    ref_hidden = None
     if choices[order[0]].label != ref_choice.label or not cfg.approx.exact:
-        ref_logp = log_probs(_forward(model, ids, ref_choice, cfg, exact=True)[0][0, :targets.numel()])
-    parts: list = [None] * len(choices)
+        ref_hidden = _forward(model, ids, ref_choice, cfg, exact=True)[0][:targets.numel()]
+    parts: list = [{} for _ in choices]
+    hidden: list = [None] * len(choices)
     for i in order:
-        logits, cache = _forward(model, ids, choices[i], cfg)
-        lp_logits = logits[0, :targets.numel()]
-        if choices[i].label == ref_choice.label and ref_logp is None:
-            ref_logp = log_probs(lp_logits)
-        parts[i] = {"sums": window_sums(lp_logits, targets, ref_logp)}
+        h, last, cache = _forward(model, ids, choices[i], cfg)
+        hidden[i] = h[:targets.numel()]
+        if choices[i].label == ref_choice.label and ref_hidden is None:
+            ref_hidden = hidden[i]
         if wi == 0 and cfg.decode_steps:
-            parts[i]["decode_times"] = _decode_times(model, cache, logits, cfg.decode_steps)
-        del cache, logits
+            parts[i]["decode_times"] = _decode_times(model, cache, last, cfg.decode_steps)
+        del cache, last, h
         if on_pass:
             on_pass(choices[i].label)
+    sums = hidden_window_sums(output_head(model), hidden, targets.to(hidden[0].device), ref_hidden,
+                              positions.to(hidden[0].device), window.numel())
+    for part, ws in zip(parts, sums):
+        part["sums"] = ws
     return parts
+
+
+def output_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """h [t, H] (final hidden states, after the last norm) -> float logits [t, V] as the model's
+    forward forms them: its output embeddings, then the final soft-cap where the config has one
+    (Gemma). `_forward` checks it against the model's own last logit row on every pass."""
+    emb = model.get_output_embeddings()
+    conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(conf, "final_logit_softcapping", None)
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        x = emb(h).float()
+        return x if cap is None else cap * torch.tanh(x / cap)
+
+    return head
+
+
+class _FinalHidden:
+    """While open, records the decoder's output (final hidden states [T, H] of sequence 0) on
+    every call of the model (a forward hook on `model.get_decoder()`)."""
+
+    def __init__(self, model):
+        self.rows: list = []
+        self._handle = model.get_decoder().register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        h = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        self.rows.append(h[0].detach())
+
+    def close(self) -> torch.Tensor:
+        self._handle.remove()
+        return torch.cat(self.rows)
+
+
+def _check_head(model, hidden: torch.Tensor, last: torch.Tensor) -> None:
+    """The metrics' logits (`output_head` of the hidden states) must be the model's: its last
+    logit row against the head of the last hidden row; PagedKVError naming the gap otherwise."""
+    want = last.reshape(-1).float()
+    got = output_head(model)(hidden[-1:]).reshape(-1)
+    gap = float((got - want.to(got.device)).abs().max())
+    if not gap <= 1e-4 * max(1.0, float(want.abs().max())):
+        raise PagedKVError(f"eval: this model's logits are not its output embeddings of the final hidden "
+                           f"state (max gap {gap:.3g}); the eval cannot score it")
 
 
 @torch.inference_mode()
 def _forward(model, ids, choice: FormatChoice, cfg: EvalConfig, exact: bool = False):
-    """(logits float [1, T, V] on the CPU, the cache) of one teacher-forced pass over ids [1, L]
-    on a fresh cache of `choice`. Without a decode tail: one prefill, T = L (the last row predicts
-    past the window). With tail N: a prefill of ids[:, :L-N-1] (none when that is empty), then
-    ids[:, L-N-1:L-1] one token per call, T = N rows, each from a decode step, predicting the
-    window's last N tokens; the cache then holds L - 1 tokens."""
+    """(final hidden states [T, H] in the model's dtype and device, the last logit row float
+    [1, 1, V], the cache) of one teacher-forced pass over ids [1, L] on a fresh cache of `choice`.
+    Without a decode tail: one prefill, T = L (the last row predicts past the window). With tail
+    N: a prefill of ids[:, :L-N-1] (none when that is empty), then ids[:, L-N-1:L-1] one token per
+    call, T = N rows, each from a decode step, predicting the window's last N tokens; the cache
+    then holds L - 1 tokens. The model forms only its last logit row where it allows it."""
     cache = cache_for(model, choice, cfg.block_size, checks=False,  # model K/V: skip NaN scans
                       approx=Approximation() if exact else cfg.approx)
     kw = with_cache(model, cache)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     ids = ids.to(model.device)
-    if not cfg.decode_tail:
-        return model(ids, **kw, use_cache=True).logits.float().cpu(), cache
-    start = ids.shape[1] - 1 - cfg.decode_tail
-    if start:  # its logits are not scored: only the last row computed where the model allows it
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        model(ids[:, :start], **kw, use_cache=True, **keep)
-    steps = [model(ids[:, p:p + 1], **kw, use_cache=True).logits.float().cpu() for p in range(start, ids.shape[1] - 1)]
-    return torch.cat(steps, dim=1), cache
+    rec = _FinalHidden(model)
+    try:
+        if not cfg.decode_tail:
+            last = model(ids, **kw, use_cache=True, **keep).logits[:, -1:]
+        else:
+            start = ids.shape[1] - 1 - cfg.decode_tail
+            if start:  # not scored
+                model(ids[:, :start], **kw, use_cache=True, **keep)
+                rec.rows.clear()
+            for p in range(start, ids.shape[1] - 1):
+                last = model(ids[:, p:p + 1], **kw, use_cache=True).logits[:, -1:]
+    finally:
+        hidden = rec.close()
+    _check_head(model, hidden, last)
+    return hidden, last.float(), cache
 
 
 @torch.inference_mode()
