@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..offload.keys import TAG
+
 MAGIC = b"PKVT"
 FIELDS = ("k_centre", "k_mult", "v_centre", "k_scale", "v_scale")
 _HEAD = struct.Struct("<4sHH")
@@ -38,6 +40,14 @@ def encode_transforms(layers: Sequence[Transform]) -> bytes:
                 out += _N.pack(a.size) + a.tobytes()
     out += blake2b(bytes(out), digest_size=16).digest()
     return bytes(out)
+
+
+def max_record_size(shapes: Sequence[dict]) -> int:
+    """The longest record `encode_transforms` writes for layers of `shapes` (every field that
+    has a shape present): what a reader reads at most."""
+    fields = sum(_N.size + (4 * int(np.prod(sh[f])) if sh.get(f) is not None else 0)
+                 for sh in shapes for f in FIELDS)
+    return _HEAD.size + fields + 16
 
 
 def decode_transforms(raw: Optional[bytes], shapes: Sequence[dict]) -> Optional[list[Transform]]:
@@ -85,6 +95,7 @@ class SharedTransform:
 
     store = None  # set by the tiers
     _transform_published = False
+    _damage_warned = False  # one warning per process for a damaged record
 
     def publish_transform(self, layers: Sequence[Transform]) -> None:
         """Publish `layers`' transforms once (never raises: a tier fault only logs)."""
@@ -101,11 +112,23 @@ class SharedTransform:
     def stored_transform(self, shapes: Sequence[dict]) -> Optional[list[Transform]]:
         """The store's transforms for layers of `shapes` (per layer field -> shape), or None
         (none stored, damaged, forged, or for another layout). Once adopted, this cache's
-        transform is the stored one: nothing left to publish."""
+        transform is the stored one: nothing left to publish. At most the longest record for
+        `shapes` is read; a record that fails its checks (its key covers the layout, so it is
+        damage, not another model's) is deleted, with one warning, so this cache's own
+        transform is published in its place."""
         if self.store is None:
             return None
-        key = self.store.keys.aux_key(TRANSFORM_RECORD)
-        got = decode_transforms(self.store.keys.open_bytes(self.store.tier.get(key), key), shapes)
+        keys, tier = self.store.keys, self.store.tier
+        key = keys.aux_key(TRANSFORM_RECORD)
+        raw = tier.get_bounded(key, max_record_size(shapes) + TAG)
+        got = decode_transforms(keys.open_bytes(raw, key), shapes)
         if got is not None:
             self._transform_published = True
+        elif raw is not None:
+            if not SharedTransform._damage_warned:
+                SharedTransform._damage_warned = True
+                log.warning("prefix store: the layers' transform record (%s in %s) failed its "
+                            "checks; deleted it, this cache publishes its own", key, tier.name)
+            tier.delete(key)
+            self.store.stats.damaged_removed += 1
         return got

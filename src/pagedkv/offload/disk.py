@@ -211,10 +211,11 @@ class DiskTier(Tier):
                 pass
 
     # ---- reads ------------------------------------------------------------------------------
-    def _read(self, key: str, start: int, length: Optional[int], exact: Optional[int]
-              ) -> Optional[bytes]:
+    def _read(self, key: str, start: int, length: Optional[int], exact: Optional[int],
+              most: Optional[int] = None) -> Optional[bytes]:
         """Bytes [start, start+length) (length None: to the end) of key's file, None if absent,
-        b"" if it is not a regular file or (with `exact`) not exactly `exact` bytes long."""
+        b"" if it is not a regular file, (with `exact`) not exactly `exact` bytes long or (with
+        `most`) longer than `most` bytes."""
         try:
             fd = os.open(self._path(key), _OPEN_FLAGS)
         except FileNotFoundError:
@@ -228,7 +229,8 @@ class DiskTier(Tier):
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or (exact is not None and st.st_size != exact):
+            if not stat.S_ISREG(st.st_mode) or (exact is not None and st.st_size != exact) \
+                    or (most is not None and st.st_size > most):
                 return b""
             end = st.st_size if length is None else min(st.st_size, start + length)
             parts, pos = [], start
@@ -253,6 +255,12 @@ class DiskTier(Tier):
 
     def _get_sized(self, key: str, size: int) -> Optional[bytes]:
         data = self._read(key, 0, size, size)
+        if data:
+            self._touch(key, len(data))
+        return data
+
+    def _get_bounded(self, key: str, limit: int) -> Optional[bytes]:
+        data = self._read(key, 0, limit, None, limit)
         if data:
             self._touch(key, len(data))
         return data

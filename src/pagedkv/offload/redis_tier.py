@@ -1,8 +1,9 @@
 """The Redis tier: a shared store of compressed blocks that several processes or machines use.
 
 Values are records (`record.py`) under `prefix + key`. Reads with an expected size
-(the prefix store's) are bounded: `STRLEN` then `GETRANGE` of at most that many bytes, in one
-pipelined round trip, so an oversized value planted under a key costs nothing to skip. Everything
+(the prefix store's) are bounded: `STRLEN` then `GETRANGE` of at most that many bytes (and
+`EXISTS`, so an empty value is damage to repair, not a miss forever), in one pipelined round
+trip, so an oversized value planted under a key costs nothing to skip. Everything
 that can go wrong with the server is a miss, never an exception in the caller's run:
 - down / refused / slow (socket timeouts): the read or write is a miss or a skipped write, ONE
   `TierWarning` is issued, and the tier stays quiet for `retry_after_s` (no request is sent:
@@ -100,8 +101,8 @@ class RedisTier(Tier):
         if isinstance(exc, e.NoPermissionError) or str(exc).startswith("NOPERM"):
             self._warn_once("noperm", f"the server's ACL denies this user (NOPERM) while "
                                       f"{doing} ({exc}); reads are misses and writes are "
-                                      "skipped: allow the user GET, SET, STRLEN, GETRANGE, MGET "
-                                      "and DEL on the store's keys")
+                                      "skipped: allow the user GET, SET, STRLEN, GETRANGE, "
+                                      "EXISTS, MGET and DEL on the store's keys")
             return
         if isinstance(exc, (e.ConnectionError, e.TimeoutError, OSError)):
             self._down_until = time.monotonic() + self.retry_after_s
@@ -141,27 +142,37 @@ class RedisTier(Tier):
     def _get_sized(self, key: str, size: int) -> Optional[bytes]:
         return self._get_many([key], size)[0]
 
+    def _get_bounded(self, key: str, limit: int) -> Optional[bytes]:
+        return self._read_bounded([key], limit, exact=False)[0]
+
     def _get_many(self, keys: list[str], size: Optional[int]) -> list[Optional[bytes]]:
-        """MGET, or with `size` one pipeline of STRLEN + GETRANGE(0, size - 1) per key: a value
-        of another length (or another type) is b"" and at most `size` bytes come back."""
+        """MGET, or with `size` `_read_bounded` (exactly `size` bytes each)."""
         if not keys:
             return []
         if size is None:
             ok, vals = self._call("reading", self.client.mget, [self._k(k) for k in keys])
             return list(vals) if ok else [None] * len(keys)
+        return self._read_bounded(keys, size, exact=True)
 
+    def _read_bounded(self, keys: list[str], size: int, exact: bool) -> list[Optional[bytes]]:
+        """One pipeline of STRLEN + GETRANGE(0, size - 1) + EXISTS per key: a value longer than
+        `size` (with `exact`: of another length), empty, or of another type is b"" (present but
+        unusable, so the caller repairs it) and at most `size` bytes come back. EXISTS tells an
+        empty value from an absent key (both have STRLEN 0); a user whose ACL denies EXISTS
+        reads an empty value as absent, as before."""
         def run():
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 pipe.strlen(self._k(k))
                 pipe.getrange(self._k(k), 0, size - 1)
+                pipe.exists(self._k(k))
             return pipe.execute(raise_on_error=False)
 
         ok, res = self._call("reading", run)
         if not ok:
             return [None] * len(keys)
         out: list[Optional[bytes]] = []
-        for n, v in zip(res[0::2], res[1::2]):
+        for n, v, there in zip(res[0::3], res[1::3], res[2::3]):
             err = n if isinstance(n, Exception) else v if isinstance(v, Exception) else None
             if err is not None and not str(err).startswith("WRONGTYPE"):
                 self._fault(err, "reading")  # NOPERM or another refusal: not the entry's fault
@@ -169,9 +180,11 @@ class RedisTier(Tier):
             elif err is not None:
                 out.append(b"")  # WRONGTYPE: something else lives under the key
             elif n == 0:
-                out.append(None)
-            else:
+                out.append(b"" if there == 1 else None)  # an empty value: damaged, repaired
+            elif exact:
                 out.append(v if n == size and len(v) == size else b"")
+            else:
+                out.append(v if n <= size and len(v) == n else b"")
         return out
 
     def _get_range(self, key: str, start: int, length: int) -> Optional[bytes]:

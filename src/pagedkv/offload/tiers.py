@@ -7,6 +7,9 @@ or `_`, so a key can never name `.`, `..` or a hidden file) to immutable byte va
   value (a FIFO or device on disk, another Redis type), is returned as `b""` (present but
   unusable, so the caller can repair it) without being read: at most `size` bytes are read;
 - `get_many(keys, size=None)` -> a list of the above (one round trip on a remote tier);
+- `get_bounded(key, limit)` -> the value when at most `limit` bytes (a side record whose exact
+  size is not known in advance), `b""` for a longer or unusable one (at most `limit` bytes are
+  read), None when absent;
 - `get_range(key, start, length)` -> exactly `length` bytes or None;
 - `put_many(items)`: several puts (one round trip on a remote tier);
 - `put(key, value)`: atomic (a reader never sees half a value). A failure that the caller must
@@ -109,6 +112,15 @@ class Tier:
             self._count_read(v)
         return vals
 
+    def get_bounded(self, key: str, limit: int) -> Optional[bytes]:
+        """The value if it is at most `limit` bytes, b"" if longer or unusable (never read
+        past `limit`), None when absent."""
+        check_key(key)
+        _check_size(limit)
+        v = self._get_bounded(key, limit)
+        self._count_read(v)
+        return v
+
     def get_range(self, key: str, start: int, length: int) -> Optional[bytes]:
         check_key(key)
         if start < 0 or length < 0:
@@ -196,6 +208,11 @@ class Tier:
         """Override to read at most `size` bytes (this default fetches the whole value)."""
         v = self._get(key)
         return v if v is None or len(v) == size else b""
+
+    def _get_bounded(self, key: str, limit: int) -> Optional[bytes]:
+        """Override to read at most `limit` bytes (this default fetches the whole value)."""
+        v = self._get(key)
+        return v if v is None or len(v) <= limit else b""
 
     def _get_many(self, keys: list[str], size: Optional[int]) -> list[Optional[bytes]]:
         if size is None:

@@ -1,0 +1,120 @@
+"""Damaged entries of a shared prefix store are repaired, not missed forever, and reads stay
+bounded (issue 28: N4 the transform side record, N7 an empty Redis value, N10 the smaller
+ones)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedkv.bench.toy import ToyLM
+from pagedkv.cache import CacheConfig, PagedCache
+from pagedkv.cache.transform_record import TRANSFORM_RECORD, SharedTransform
+from pagedkv.offload import DiskTier, OffloadConfig
+from pagedkv.offload.keys import StoreKeys
+from pagedkv.offload.prefix import PrefixStore
+from helpers.redis_server import RedisServer
+
+PROMPT = [(5 * i + 1) % 97 for i in range(45)]
+SHAPES = [{"k_centre": (2, 64), "k_mult": (2, 64), "v_centre": (2, 64), "k_scale": (1,),
+           "v_scale": (1,)}] * 3
+
+
+def _transforms(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [{"k_centre": torch.randn(2, 64, generator=g), "k_mult": None,
+             "v_centre": torch.randn(2, 64, generator=g), "k_scale": None,
+             "v_scale": torch.ones(1)} for _ in SHAPES]
+
+
+def _shared(tier):
+    st = SharedTransform()
+    st.store = PrefixStore(tier, StoreKeys(b"k" * 32, b"identity"))
+    return st
+
+
+def _same(a, b):
+    return all((x[f] is None and y[f] is None) or torch.equal(x[f], y[f])
+               for x, y in zip(a, b) for f in x)
+
+
+# ---- N4: the transform side record ---------------------------------------------------------------
+def test_a_damaged_transform_record_is_deleted_and_republished(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(SharedTransform, "_damage_warned", False, raising=False)
+    tier = DiskTier(tmp_path / "store")
+    first = _shared(tier)
+    first.publish_transform(_transforms(0))
+    key = first.store.keys.aux_key(TRANSFORM_RECORD)
+    path = tier._path(key)
+    raw = bytearray(path.read_bytes())
+    raw[40] ^= 1  # one flipped byte
+    path.write_bytes(bytes(raw))
+    caplog.set_level(logging.WARNING)
+    damaged = _shared(tier)
+    assert damaged.stored_transform(SHAPES) is None
+    assert damaged.store.stats.damaged_removed == 1
+    path.write_bytes(bytes(raw))  # damaged again (another cache's store): no second warning
+    fresh = _shared(tier)
+    assert fresh.stored_transform(SHAPES) is None
+    assert not path.exists()  # deleted ...
+    assert sum("transform record" in r.getMessage() for r in caplog.records) == 1  # warned once
+    fresh.publish_transform(_transforms(1))  # ... so the next cache's own is published
+    got = _shared(tier).stored_transform(SHAPES)
+    assert got is not None and _same(got, _transforms(1))
+
+
+def test_an_oversized_transform_record_is_not_read_whole(tmp_path):
+    tier = DiskTier(tmp_path / "store")
+    st = _shared(tier)
+    key = st.store.keys.aux_key(TRANSFORM_RECORD)
+    tier.put(key, b"x")
+    with open(tier._path(key), "r+b") as f:
+        f.truncate(256 << 20)  # sparse: 256 MiB to a reader that reads it whole
+    assert st.stored_transform(SHAPES) is None
+    assert tier.stats.bytes_read < 1 << 20
+    assert not tier._path(key).exists()
+
+
+# ---- N7: an empty Redis value --------------------------------------------------------------------
+@pytest.fixture
+def server(tmp_path):
+    pytest.importorskip("redis", reason="the redis client package is not installed")
+    s = RedisServer(tmp_path)
+    if s.exe is None:
+        pytest.skip("redis-server binary not found (Debian: apt-get install redis-server)")
+    yield s.start()
+    s.kill()
+
+
+def test_an_empty_redis_value_is_damage_and_is_repaired(server):
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=32, kv_format="q8_0", block_size=8,
+                      num_blocks=32, high_precision_layers=0, model_id="toy-empty")
+    base = ToyLM(PagedCache(cfg)).generate(PROMPT, 8)
+
+    def cache():
+        return PagedCache(cfg, OffloadConfig(prefix_store="redis", redis_url=server.url,
+                                             store_secret="empty-secret-0123456789"))
+
+    ToyLM(cache()).generate(PROMPT, 8)
+    keys = sorted(server.client.keys("pagedkv:pkv2.*"))
+    assert len(keys) == 6
+    victim = cache()
+    chains = victim.prefix.keys  # the second block's key, emptied
+    from pagedkv.alloc.hashing import chain, root_hash
+
+    hashes = chain(root_hash(victim.seqs.namespace, None), PROMPT, 8)
+    k1 = "pagedkv:" + chains.key(victim.layout, hashes[1])
+    server.client.set(k1, b"")
+    run = ToyLM(victim).generate(PROMPT, 8)
+    assert run.hit_tokens == 8 and run.tokens == base.tokens
+    assert victim.offload_stats()["prefix"]["damaged_removed"] == 1
+    assert server.client.strlen(k1) > 0  # republished
+    again = ToyLM(cache()).generate(PROMPT, 8)
+    assert again.hit_tokens == 40 and again.tokens == base.tokens
+    # the transform record's bounded read sees an empty value as damage too
+    st = _shared(victim.prefix.tier)
+    key = st.store.keys.aux_key(TRANSFORM_RECORD)
+    server.client.set("pagedkv:" + key, b"")
+    assert st.stored_transform(SHAPES) is None and not server.client.exists("pagedkv:" + key)
