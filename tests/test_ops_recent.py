@@ -271,3 +271,33 @@ def test_split_decode_is_taken_only_where_it_applies(monkeypatch):
     assert not calls
     recent_decode_attention(*dec, AttentionParams(scale=0.1), recent=8)
     assert calls
+
+
+def test_sinks_and_window_are_bounded_and_clamped_to_the_sequence(monkeypatch):
+    """Issue 28 N5: S and R past 2**24 are a ConfigError (a label's 5000-digit count too, not a
+    ValueError); a large S or R costs what the sequence's length does, per step (2**22 sinks on
+    a 45-token prompt took 82 s and 5.8 GB, 2**40 tried to allocate 1 TiB)."""
+    import time
+
+    from pagedkv.ops.recent import window_from_label
+
+    for bad in (dict(tokens=1 << 40), dict(tokens=4, sinks=1 << 40), dict(tokens=4, sinks=-1)):
+        with pytest.raises(ConfigError, match=r"\[[01], 16777216\]"):
+            RecentWindow(**bad)
+    with pytest.raises(ConfigError, match="12|digit"):
+        window_from_label("r4s" + "9" * 5000)
+    with pytest.raises(ConfigError, match="digit"):
+        window_from_label("9" * 5000)
+    kw = dict(seq_lens=(45, 9, 0), num_kv_heads=2, group=2, seed=4)
+    main = make_case(CODECS["turbo3"], CODECS["turbo3"], **kw)
+    hp = make_case(CODECS["q8_0"], CODECS["q8_0"], **kw)
+    args = (main.q_decode, main.layer, hp.layer, main.block_tables, main.seq_lens,
+            AttentionParams(scale=0.125))
+    for reference in (False, True):
+        want = recent_decode_attention(*args, recent=45, sinks=45, reference=reference)
+        t0 = time.perf_counter()
+        got = recent_decode_attention(*args, recent=1 << 22, sinks=1 << 22, reference=reference)
+        assert time.perf_counter() - t0 < 10
+        assert torch.equal(got, want)
+    with pytest.raises(ConfigError, match="sinks must be an integer in"):
+        recent_decode_attention(*args, recent=8, sinks=1 << 40)

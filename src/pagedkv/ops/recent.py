@@ -51,6 +51,15 @@ from .reference.attention import attention_logits, gather_rows, masked_softmax, 
 from .validate import check_decode, check_prefill
 
 
+MAX_WINDOW_TOKENS = 1 << 24  # R and S at most 16M positions: beyond any context a cache holds
+
+
+def _check_count(what: str, v, low: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_WINDOW_TOKENS:
+        raise ConfigError(f"{what} must be an integer in [{low}, {MAX_WINDOW_TOKENS}] (2**24), "
+                          f"got {v if isinstance(v, int) and len(str(v)) <= 30 else repr(v)[:40]}")
+
+
 @dataclass(frozen=True)
 class RecentWindow:
     """The high-precision recent window: `tokens` (R >= 1) last positions of each sequence, and
@@ -62,10 +71,8 @@ class RecentWindow:
     sinks: int = 0
 
     def __post_init__(self):
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
-            raise ConfigError(f"recent window tokens must be an integer >= 1, got {self.tokens!r}")
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ConfigError(f"recent window sinks must be an integer >= 0, got {self.sinks!r}")
+        _check_count("recent window tokens", self.tokens, 1)
+        _check_count("recent window sinks", self.sinks, 0)
         object.__setattr__(self, "codec", get_codec(self.codec))
         if self.codec.traits.tensor_scaled:
             raise ConfigError(f"recent window codec {self.codec.name!r} needs a tensor scale; use a "
@@ -87,7 +94,13 @@ def window_from_label(label: str) -> Optional[RecentWindow]:
     """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (`RecentWindow.name`'s form) ->
     RecentWindow; None when `label` is not of that form. The one parser of a window label."""
     m = _WINDOW_LABEL.match(label.strip().lower())
-    return None if m is None else RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
+    if m is None:
+        return None
+    for part, what in (("r", "tokens"), ("s", "sinks")):  # int() of 4,300+ digits is a ValueError
+        if m[part] and len(m[part]) > 12:
+            raise ConfigError(f"recent window {what} in {label.strip()[:40]!r}...: at most "
+                              f"{MAX_WINDOW_TOKENS} (2**24), got a {len(m[part])}-digit number")
+    return RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
 
 
 def split_window_suffix(name: str) -> tuple[str, Optional[str]]:
@@ -160,8 +173,7 @@ def _rows(layer: PagedLayer, table: torch.Tensor, n: int, start: int, sinks: int
 
 
 def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int, own_tables: bool, sinks: int) -> None:
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ConfigError(f"sinks must be an integer >= 0, got {sinks!r}")
+    _check_count("sinks", sinks, 0)
     if not isinstance(tail, PagedLayer):
         raise ConfigError(f"tail must be a PagedLayer, got {type(tail).__name__}")
     same = (tail.num_kv_heads, tail.head_dim) == (layer.num_kv_heads, layer.head_dim)
@@ -170,8 +182,7 @@ def _check_tail(layer: PagedLayer, tail: PagedLayer, recent: int, own_tables: bo
     if not same:
         raise ConfigError("the tail layer must have the layer's heads and head_dim (and, without "
                           "tail_block_tables, its block size and at least its blocks)")
-    if isinstance(recent, bool) or not isinstance(recent, int) or recent < 1:
-        raise ConfigError(f"recent must be an integer >= 1, got {recent!r}")
+    _check_count("recent", recent, 1)
 
 
 def _tail_tables(tail: PagedLayer, tables: Optional[torch.Tensor], block_tables: torch.Tensor,

@@ -144,6 +144,8 @@ def split_decode(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tab
     caller) with keys n - R <= j and j < S read from `tail` through `tail_tables`, the others
     from `layer`'s pages. Returns float32 [B, Hq, D]."""
     n = seq_lens.long()
+    longest = int(n.max())  # no query reads past its length: the tail rows are built per step
+    sinks, recent = min(sinks, longest), min(recent, longest)
     qf = q.float().contiguous()
     parts = [_kernel_part(qf, layer, block_tables, (n - recent).clamp(min=0), params, sinks)]
     plain = dataclasses.replace(params, sinks=None)  # sink logits: counted once, in the pages' call
