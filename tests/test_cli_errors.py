@@ -64,9 +64,12 @@ def bad_files(tmp_path):
         head = bytearray(fh.read(4096))
     head[16:24] = (1 << 50).to_bytes(8, "little")  # an implausible key count
     badmeta.write_bytes(bytes(head))
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as fh:
+        fh.truncate(4 << 30)  # sparse: 4 GiB to a reader that reads it whole
     return {k: str(v) for k, v in dict(empty=empty, notgguf=notgguf, zero=zero, garbage=garbage,
                                         truncated=truncated, badmeta=badmeta, missing=tmp_path / "nope",
-                                        dir=tmp_path).items()}
+                                        dir=tmp_path, huge=huge).items()}
 
 
 CASES = [  # (argv with {file} placeholders, a word the one line must contain)
@@ -107,6 +110,16 @@ CASES = [  # (argv with {file} placeholders, a word the one line must contain)
     (["eval", "--windows", "x"], "invalid int"),
     (["eval", "--no-such-flag"], "unrecognized"),
     (["codecs", "--bench", "--vectors", "0"], "--vectors"),
+    # issue 28 N9: overflowing or unbounded inputs are one line too, before anything is built
+    (["plan", "--memory", "1e400TiB"], "1 EiB"),
+    (["eval", "--memory", "1e400TiB"], "1 EiB"),
+    (["codecs", "--bench", "--vectors", str(10**12)], "--vectors"),
+    (["tune", "--bits", "3", "--out", "p.json", "--recent", "9" * 5000], "digit"),
+    (["generate", "\udcff\udcfe hello"], "UTF-8"),
+    (["eval", "--windows", str(10**12)], "--windows"),
+    (["tune", "--bits", "3", "--out", "p.json", "--text", "{huge}"], "larger than"),
+    (["eval", "--text", "{huge}"], "larger than"),
+    (["bench", "memory", "--memory-context", "1e400"], "--memory-context"),
     (["bench", "attention", "--contexts", "10000000"], "GiB"),
     (["bench", "attention", "--contexts", "0"], "--contexts"),
     (["bench", "attention", "--threads", "0"], "threads"),

@@ -33,9 +33,9 @@ def nmse(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def bench(vectors: int, repeats: int) -> list[dict]:
-    for name, v in (("--vectors", vectors), ("--repeats", repeats)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    for name, v, most in (("--vectors", vectors, 1 << 20), ("--repeats", repeats, 1000)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+            raise ConfigError(f"{name} must be an integer in [1, {most}], got {v!r}")
     rows = []
     prev = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -39,6 +39,11 @@ def run(args) -> int:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty; pass some text to reply to")
+    try:  # bytes that are not UTF-8 reach Python as lone surrogates ($'\xff\xfe hello')
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"the prompt is not valid UTF-8 (a byte 0x{ord(exc.object[exc.start]) & 0xff:02x} "
+                          f"at character {exc.start}); pass UTF-8 text") from None
     compute = compute_from_args(args)
     from ..approx import Approximation
 

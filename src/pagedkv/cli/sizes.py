@@ -4,12 +4,15 @@ counts (`4k`), comma lists of counts and of names."""
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 
 from ..errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?[0-9]{0,30}\.?[0-9]{1,30}(?:e[0-9]{1,4})?)\s*([a-z]*)\s*$")
+MAX_BYTES = 1 << 60  # 1 EiB: any larger size is a typo
+MAX_COUNT = 1 << 40  # tokens, batch rows, ...: far past any run
 
 
 def parse_bytes(text: str, what: str = "size") -> int:
@@ -17,9 +20,11 @@ def parse_bytes(text: str, what: str = "size") -> int:
     m = _SIZE.match(str(text).lower())
     if not m or m[2] not in _UNITS:
         raise ConfigError(f"{what} {text!r} is not a size; use e.g. 8GiB, 512MiB, 2GB or 4096")
-    n = int(float(m[1]) * _UNITS[m[2]])
+    n = int(Decimal(m[1]) * _UNITS[m[2]])  # exact: no float overflow (1e400TiB)
     if n <= 0:
         raise ConfigError(f"{what} {text!r} must be a positive size (e.g. 8GiB)")
+    if n > MAX_BYTES:
+        raise ConfigError(f"{what} {text!r} is larger than 1 EiB (2**60 bytes); give a real size")
     return n
 
 
@@ -32,11 +37,18 @@ def parse_count(text: str, what: str = "count") -> int:
     elif t.endswith("m"):
         t, mult = t[:-1], 1024 * 1024
     try:
-        value = int(float(t) * mult)
-    except ValueError:
-        raise ConfigError(f"{what}: expected a count like 4096 or 4k, got {text!r}") from None
+        if len(t) > 40:
+            raise InvalidOperation
+        d = Decimal(t)
+        if not d.is_finite():
+            raise InvalidOperation
+        value = int(d * mult)
+    except (InvalidOperation, ValueError):
+        raise ConfigError(f"{what}: expected a count like 4096 or 4k, got {text[:40]!r}") from None
     if value < 1:
         raise ConfigError(f"{what}: expected a positive count, got {text!r}")
+    if value > MAX_COUNT:
+        raise ConfigError(f"{what}: {text!r} is more than 2**40; give a real count")
     return value
 
 

@@ -39,9 +39,9 @@ def run(args) -> int:
     recent = None if spec == "none" else "auto" if spec == "auto" else parse_window(spec, "--recent")
     text = None
     if args.text is not None:
-        from ..eval.text import read_text
+        from .edge import read_text_arg
 
-        text = read_text(args.text)
+        text = read_text_arg(args.text)
     from ..eval.model import load_model, load_tokenizer, resolve_model_source
     from ..tune import tune
     from ..tune.choose import write_plan

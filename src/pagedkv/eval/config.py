@@ -37,6 +37,9 @@ def expand_formats(names) -> tuple[str, ...]:
     return tuple(out)
 
 
+MAX_WINDOWS = 100_000  # windows spread over a text: each is a forward pass per format
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """What to evaluate. model/text: paths or None for the embedded ones; compute: threads per
@@ -60,11 +63,13 @@ class EvalConfig:
     def __post_init__(self):
         if not self.formats:
             raise ConfigError("--formats needs at least one format")
-        for name, v, least in (("--windows", self.windows, 1), ("--window-tokens", self.window_tokens, 2),
-                               ("--memory", self.memory_bytes, 1), ("--decode-steps", self.decode_steps, 0),
-                               ("--block-size", self.block_size, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
+        for name, v, least, most in (("--windows", self.windows, 1, MAX_WINDOWS),
+                                     ("--window-tokens", self.window_tokens, 2, 1 << 24),
+                                     ("--memory", self.memory_bytes, 1, 1 << 60),
+                                     ("--decode-steps", self.decode_steps, 0, 1 << 24),
+                                     ("--block-size", self.block_size, 1, 1 << 16)):
+            if isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most:
+                raise ConfigError(f"{name} must be an integer in [{least}, {most}], got {v!r}")
         if self.subset is not None and not (isinstance(self.subset, int) and 1 <= self.subset <= self.windows):
             raise ConfigError(f"--subset must be between 1 and --windows ({self.windows}), got {self.subset!r}")
         t = self.decode_tail

@@ -15,6 +15,8 @@ import torch
 
 from ..errors import ConfigError
 
+MAX_TEXT_BYTES = 64 << 20  # an evaluation / calibration text (the default is ~1 MB)
+
 
 def default_text() -> str:
     """`pydoc_data.topics`: the topics' texts in sorted key order, joined by blank lines."""
@@ -28,10 +30,15 @@ def read_text(path: Optional[str]) -> str:
     if path is None:
         return default_text()
     p = Path(path).expanduser()
-    if not p.is_file():
+    if not p.is_file():  # follows a link; a FIFO or device (/dev/zero) is no regular file
         raise ConfigError(f"--text {path!r} is not a file; pass a UTF-8 text file or nothing for "
                           "the default (pydoc_data.topics)")
-    return p.read_text(encoding="utf-8", errors="replace")
+    with open(p, "rb") as fh:
+        data = fh.read(MAX_TEXT_BYTES + 1)  # bounded: never the whole of a huge file
+    if len(data) > MAX_TEXT_BYTES:
+        raise ConfigError(f"--text {path!r} is larger than {MAX_TEXT_BYTES >> 20} MiB; pass a "
+                          "smaller text (a few MB gives thousands of windows)")
+    return data.decode("utf-8", errors="replace")
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
