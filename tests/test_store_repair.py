@@ -118,3 +118,131 @@ def test_an_empty_redis_value_is_damage_and_is_repaired(server):
     key = st.store.keys.aux_key(TRANSFORM_RECORD)
     server.client.set("pagedkv:" + key, b"")
     assert st.stored_transform(SHAPES) is None and not server.client.exists("pagedkv:" + key)
+
+
+# ---- N10: the smaller ones -----------------------------------------------------------------------
+def _toy_cfg():
+    return CacheConfig(num_layers=2, num_kv_heads=2, head_dim=32, kv_format="q8_0", block_size=8,
+                       num_blocks=32, high_precision_layers=0, model_id="toy-repair")
+
+
+@pytest.fixture
+def short_dir():
+    """A short directory path: a unix socket's path must fit in 108 bytes."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="pkv-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_symlinked_fan_out_directory_never_receives_writes(tmp_path):
+    from pagedkv.offload.disk import fan_out
+
+    tier = DiskTier(tmp_path / "store")
+    tier.put("k1", b"one")
+    fan = tmp_path / "store" / fan_out("k2")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if fan.exists():
+        import shutil
+
+        shutil.rmtree(fan)
+    fan.symlink_to(outside)  # planted: writes under it would land outside the store
+    tier.put("k2", b"two")
+    assert list(outside.iterdir()) == []
+    assert fan.is_dir() and not fan.is_symlink() and tier.get("k2") == b"two"
+
+
+@pytest.mark.parametrize("planted", ["socket", "non-empty directory"])
+def test_a_socket_or_a_full_directory_under_a_key_is_replaced(short_dir, planted):
+    import socket
+
+    cfg = _toy_cfg()
+    base = ToyLM(PagedCache(cfg)).generate(PROMPT, 8)
+
+    def cache():
+        return PagedCache(cfg, OffloadConfig(prefix_store="disk", prefix_dir=short_dir))
+
+    ToyLM(cache()).generate(PROMPT, 8)
+    from pathlib import Path
+
+    victim = min((p for p in Path(short_dir).rglob("pkv2.*") if p.parent.name != ".tmp"),
+                 key=lambda p: p.stat().st_mtime_ns)
+    victim.unlink()
+    if planted == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(victim))
+        sock.close()
+    else:
+        victim.mkdir()
+        (victim / "inner").write_bytes(b"x")
+    run = ToyLM(cache()).generate(PROMPT, 8)
+    assert run.hit_tokens == 0 and run.tokens == base.tokens
+    assert victim.is_file()  # removed and republished: the next cache hits
+    assert cache().add_sequence(PROMPT).hit_tokens == 40
+
+
+def test_a_key_with_a_trailing_newline_is_refused(tmp_path):
+    from pagedkv.errors import ConfigError
+
+    tier = DiskTier(tmp_path / "store")
+    for bad in ("key\n", "pkv2.ab\n"):
+        with pytest.raises(ConfigError, match="tier key"):
+            tier.put(bad, b"v")
+    assert [p.name for p in (tmp_path / "store").rglob("*") if p.is_file()] == []
+
+
+def test_a_read_only_store_does_not_promise_room(tmp_path, monkeypatch):
+    import errno
+    import warnings
+
+    from pagedkv.offload import TierWarning
+
+    tier = DiskTier(tmp_path / "store")
+    store = PrefixStore(tier, StoreKeys(b"k" * 32, b"identity"))
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(DiskTier, "_fan_dir", staticmethod(denied))
+    cache = PagedCache(_toy_cfg())  # block 0's bytes (zeros) are published as they are
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store.publish(cache.layers, cache.layout, 0, b"c" * 32)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, TierWarning)]
+    assert len(msgs) == 1 and "Permission denied" in msgs[0] and "until it has room" not in msgs[0]
+    monkeypatch.undo()
+    small = PrefixStore(DiskTier(tmp_path / "small", limit_bytes=10), store.keys)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        small.publish(cache.layers, cache.layout, 0, b"c" * 32)
+    assert "until it has room" in str(caught[0].message)  # a full store: it may have room later
+
+
+def test_a_damaged_swap_record_header_does_not_lose_the_block(tmp_path):
+    cfg = CacheConfig(num_layers=3, num_kv_heads=2, head_dim=32, kv_format="turbo3", block_size=8,
+                      num_blocks=48, high_precision_layers=0)
+
+    def popped(damage):
+        tc = PagedCache(cfg, OffloadConfig(resident_blocks_per_seq=1, cache_dir=str(tmp_path / damage),
+                                           prefetch=False))
+        run = ToyLM(tc).generate(PROMPT + PROMPT[:9], 1)  # 54 tokens kept: blocks 0..5 swapped
+        tier = tc.swap.tier
+        keys = sorted(tier._slots, key=lambda k: tier._slots[k][0])
+        if damage == "header":
+            slot, _ = tier._slots[keys[5]]
+            with open(tier.path, "r+b") as f:  # a byte of record 5's header (its codec names)
+                f.seek(slot * tier.slot_bytes + 30)
+                b = f.read(1)
+                f.seek(slot * tier.slot_bytes + 30)
+                f.write(bytes([b[0] ^ 0xFF]))
+        tc.pop(run.seq_id, 13)  # 41 of 54 tokens: block 5, swapped, is read back whole
+        q = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(1))
+        outs = [tc.decode_attention(i, q, [run.seq_id], ToyLM(tc).params[i]) for i in range(3)]
+        tc.close()
+        return outs
+
+    for a, b in zip(popped("none"), popped("header")):
+        assert torch.equal(a, b)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -223,8 +224,8 @@ class DiskTier(Tier):
                 self._idx.forget(key)
             return None
         except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a symlink planted under the key: never followed
-                return b""
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink or a socket planted under
+                return b""  # the key: never followed, reported unusable so it is replaced
             self._warn_once("read", f"read of {key} failed ({exc}); treated as a miss")
             return None
         try:
@@ -274,7 +275,7 @@ class DiskTier(Tier):
         if self.limit_bytes is None:
             return
         if size > self.limit_bytes:
-            raise TierWriteError(
+            raise TierWriteError.no_room(
                 f"{self.name}: a value of {size} bytes is larger than the whole tier "
                 f"(limit_bytes={self.limit_bytes})"
             )
@@ -284,7 +285,7 @@ class DiskTier(Tier):
         if need <= 0:
             return
         if not self.evict:
-            raise TierWriteError(
+            raise TierWriteError.no_room(
                 f"{self.name} is full: {size} more bytes exceed limit_bytes={self.limit_bytes} "
                 f"({idx.used} used; this tier never evicts)"
             )
@@ -314,42 +315,58 @@ class DiskTier(Tier):
             return True
         with self._idx.lock:
             self._make_room(key, len(value))
-        tmp = None
+        tmp = fan = None
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fan = self._fan_dir(path.parent)
             fd, tmp = tempfile.mkstemp(prefix=key[:16] + ".", dir=self.root / _TMP)
             with os.fdopen(fd, "wb") as f:
                 f.write(value)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, key, dst_dir_fd=fan)  # into the directory checked, whatever is renamed
             tmp = None
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                why = "no space left on the device (or over the disk quota)"
-            else:
-                why = exc.strerror or str(exc)
-            raise TierWriteError(
-                f"{self.name}: writing {key} ({len(value)} bytes) failed: {why}; nothing was "
-                "stored"
-            ) from exc
+            room = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            why = "no space left on the device (or over the disk quota)" if room else \
+                exc.strerror or str(exc)
+            msg = f"{self.name}: writing {key} ({len(value)} bytes) failed: {why}; nothing was stored"
+            raise (TierWriteError.no_room(msg) if room else TierWriteError(msg)) from exc
         finally:
             if tmp is not None:
                 _unlink_quietly(tmp)
+            if fan is not None:
+                os.close(fan)
         with self._idx.lock:
             self._idx.add(key, len(value))
         return True
+
+    @staticmethod
+    def _fan_dir(path: Path) -> int:
+        """An open descriptor of fan-out directory `path`, created 0700 if missing; something
+        planted in its place (a symbolic link that would send writes outside the store, a file)
+        is removed first."""
+        for _ in range(2):
+            try:
+                path.mkdir(mode=0o700, exist_ok=True)
+            except FileExistsError:  # a dangling symbolic link
+                pass
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0))
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                os.unlink(path)
+        raise OSError(errno.ELOOP, "the fan-out directory keeps being replaced", str(path))
 
     def _delete(self, key: str) -> None:
         try:
             self._path(key).unlink()
         except FileNotFoundError:
             pass
-        except IsADirectoryError:  # planted under the key: remove it if empty, so it can be replaced
-            try:
-                self._path(key).rmdir()
-            except OSError:
+        except IsADirectoryError:  # planted under the key: remove it (links inside not followed)
+            shutil.rmtree(self._path(key), ignore_errors=True)
+            if os.path.lexists(self._path(key)):
                 return
         except OSError:
             return

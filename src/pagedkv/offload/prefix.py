@@ -111,7 +111,8 @@ class PrefixStore:
         try:
             ok = self.tier.put(key, rec, if_absent=True)
         except TierWriteError as exc:
-            self.tier._warn_once("write", f"{exc}; prefix blocks are not published until it has room")
+            self.tier._warn_once("write", f"{exc}; prefix blocks are not published "
+                                          + ("until it has room" if exc.full else "to it"))
             ok = False
         if ok:
             self.stats.blocks_published += 1

@@ -97,14 +97,34 @@ class SwapSpace:
         """Every layer's bytes of a record (SwapLost if it is not intact)."""
         t0 = time.perf_counter()
         raw = self.tier.get(key)
-        try:
-            out = decode_record(raw, layout, key.encode())
+        head = self._heads.get(key)
+        try:  # checked against the header this space wrote, as the per-layer reads are: the
+            # stored header's bytes are never needed (a damaged one costs nothing)
+            out = decode_record(raw, layout, key.encode()) if head is None else \
+                self._sections(raw, layout, head)
         except RecordError as exc:
             raise SwapLost(f"swapped block {key} in {self.tier.name} is unusable ({exc}); its "
                            "K/V cannot be restored", keys=(key,)) from None
         self.stats.read_s += time.perf_counter() - t0
         self.stats.swap_ins += 1
         self.stats.bytes_read += len(raw)
+        return out
+
+    @staticmethod
+    def _sections(raw: Optional[bytes], layout: BlockLayout, head: tuple[int, bytes]) -> Sections:
+        """Every layer's (K, V) of a whole record whose header is `head` (length, digest), each
+        section verified against that digest; RecordError if missing, short or failing."""
+        hlen, digest = head
+        if raw is None or len(raw) != hlen + layout.payload_bytes:
+            raise RecordError("missing" if raw is None else
+                              f"length {len(raw)}, expected {hlen + layout.payload_bytes}")
+        out, pos, mv = [], hlen, memoryview(raw)
+        for i, lay in enumerate(layout.layers):
+            got = section_views(mv[pos:pos + lay.section_bytes], digest, i, lay.k_bytes, lay.v_bytes)
+            if got is None:
+                raise RecordError(f"layer {i} checksum mismatch")
+            out.append((bytes(got[0]), bytes(got[1])))
+            pos += lay.section_bytes
         return out
 
     def _fetch(self, layout: BlockLayout, layer: int, keys: tuple[str, ...]

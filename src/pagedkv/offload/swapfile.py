@@ -116,7 +116,7 @@ class SwapFileTier(Tier):
             if self.limit_bytes is not None and grown + self.slot_bytes > self.limit_bytes:
                 others = "" if len(self.shared) == 1 else \
                     f" (with the other {len(self.shared) - 1} swap files of this cache)"
-                raise TierWriteError(
+                raise TierWriteError.no_room(
                     f"{self.name}{others} is full: {grown} bytes in slots, one more slot of "
                     f"{self.slot_bytes} bytes would pass limit_bytes={self.limit_bytes} (swap data "
                     "is never evicted)")
@@ -136,10 +136,11 @@ class SwapFileTier(Tier):
         except OSError as exc:
             with self._lock:
                 self._free.append(slot)
-            why = ("no space left on the device (or over the disk quota)"
-                   if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror or str(exc))
-            raise TierWriteError(f"{self.name}: writing {key} ({len(value)} bytes) failed: {why}; "
-                                 "nothing was stored") from exc
+            room = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            why = "no space left on the device (or over the disk quota)" if room else \
+                exc.strerror or str(exc)
+            msg = f"{self.name}: writing {key} ({len(value)} bytes) failed: {why}; nothing was stored"
+            raise (TierWriteError.no_room(msg) if room else TierWriteError(msg)) from exc
         with self._lock:
             old = self._slots.get(key)
             self._slots[key] = (slot, len(value))

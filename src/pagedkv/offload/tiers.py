@@ -34,7 +34,17 @@ _KEY = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z_.\-]{0,199}$")
 
 
 class TierWriteError(PagedKVError, OSError):
-    """A value could not be stored (disk full, over the tier's size limit); nothing was written."""
+    """A value could not be stored (disk full, over the tier's size limit, read-only, permission
+    denied); nothing was written. `full`: True when the tier lacks room (a later write may
+    fit), False when it cannot be written at all."""
+
+    full = False
+
+    @classmethod
+    def no_room(cls, message: str) -> "TierWriteError":
+        err = cls(message)
+        err.full = True
+        return err
 
 
 class SwapLost(PagedKVError):
@@ -53,7 +63,7 @@ class TierWarning(UserWarning):
 
 
 def check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY.match(key):
+    if not isinstance(key, str) or not _KEY.fullmatch(key):  # match: "key\n" passed
         raise ConfigError("tier key must be 1-200 characters of [0-9A-Za-z_.-] starting with a "
                           f"letter, digit or '_', got {key!r}")
     return key
@@ -270,7 +280,7 @@ class MemoryTier(Tier):
             return True
         old = len(self._data.get(key, b""))
         if self.limit_bytes is not None and self._used - old + len(value) > self.limit_bytes:
-            raise TierWriteError(
+            raise TierWriteError.no_room(
                 f"memory tier full: {len(value)} more bytes would exceed its limit of "
                 f"{self.limit_bytes} ({self._used} used)"
             )
