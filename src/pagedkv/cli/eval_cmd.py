@@ -16,8 +16,9 @@ import time
 
 from ..approx import Approximation
 from ..eval.config import DEFAULT_FORMATS, EvalConfig, expand_formats
+from ..eval.retrieval_config import DEFAULT_PRESET, QUICK_PRESET
 from .edge import add_compute_arguments, check_output_file, compute_from_args, read_text_arg
-from .output import print_json, print_table
+from .output import print_json, print_table, print_then_plot
 from .sizes import parse_bytes, parse_names
 
 D = EvalConfig()
@@ -30,12 +31,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="local HF model folder, .gguf file or gemma3-270m (the packaged Gemma 3 270M, "
                         "`make gemma3-270m`; default: embedded SmolLM2-135M)")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: pydoc_data.topics)")
-    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+    p.add_argument("--formats", default=None,
                    help="comma-separated formats; NAME+hp adds the automatic high-precision "
                         "first/last layers, NAME+hpN N of them; a last +rR (+rRq8_0) keeps the "
                         "last R tokens in a bf16 (q8_0) recent window, +rRsS also the first S; tunedB "
                         "the plan `pagedkv tune --bits B` makes for the model; `default` / `demo` name "
-                        "the default list / make demo's shorter one (default: %(default)s)")
+                        "the default list / make demo's shorter one (default: "
+                        f"{','.join(DEFAULT_FORMATS)}; with a retrieval --task: {','.join(DEFAULT_PRESET.formats)})")
     p.add_argument("--windows", type=int, default=D.windows,
                    help=f"windows spread over the text (default {D.windows})")
     p.add_argument("--subset", type=int, default=None, metavar="K",
@@ -55,17 +57,39 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(teacher-forced, after a prefill of the rest; the bf16 reference split the same way): "
                         "the decode paths --approx int8_scores / bf16_dots change, which a prefill never takes "
                         "(default 0: every position, one prefill per window)")
+    p.add_argument("--task", default="kl", metavar="TASK",
+                   help="kl (default: KL / PPL / top-1 over windows of the text) or a retrieval task: passkey "
+                        "(one pass key in a repeated filler), multikey (RULER-style: several key-value needles in the "
+                        "text, one key asked per trial; the keys of a context are each asked, so correlated), or "
+                        "passkey,multikey; accuracy per format and length with a 95%% interval and McNemar's "
+                        "paired test against bf16")
+    p.add_argument("--lengths", default=None, metavar="N,..",
+                   help="retrieval: tokens per trial, the answer included, e.g. 2k,4k,8k (default "
+                        f"{','.join(str(n) for n in DEFAULT_PRESET.lengths)}; at most the model's context)")
+    p.add_argument("--trials", type=int, default=None,
+                   help=f"retrieval: paired trials per task and length (default {DEFAULT_PRESET.trials})")
+    p.add_argument("--depths", default=None, metavar="D,..",
+                   help="retrieval: needle depths in 0..1 taken in turn (default: spread evenly over 0..1)")
+    p.add_argument("--keys", type=int, default=4, help="multikey: needles per context (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="retrieval: the trials' seed (default 0)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"retrieval: a few minutes' preset ({','.join(str(n) for n in QUICK_PRESET.lengths)} tokens, "
+                        f"{QUICK_PRESET.trials} trials, {','.join(QUICK_PRESET.formats)}); explicit options still win")
     add_compute_arguments(p, workers=True)
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="write KL/PPL vs bits plot")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write KL/PPL vs bits plot (retrieval: accuracy by length and by depth)")
     return p
 
 
 def run(args) -> int:
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.task.strip().lower() != "kl":
+        from .retrieval_cmd import run as run_retrieval
+
+        return run_retrieval(args, _log, _minutes, _cpu_seconds)
     # ---- everything checkable before the model loads
-    formats = expand_formats(parse_names(args.formats))
+    formats = expand_formats(parse_names(args.formats or ",".join(DEFAULT_FORMATS)))
     cfg = EvalConfig(model=args.model, text=args.text, formats=formats, windows=args.windows, subset=args.subset,
                      window_tokens=args.window_tokens, memory_bytes=parse_bytes(args.memory, "--memory"),
                      decode_steps=args.decode_steps, compute=compute_from_args(args, parallel_work=args.subset or args.windows),
@@ -86,9 +110,7 @@ def run(args) -> int:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are forked after tokenizing
     cfg.compute.apply()
 
-    def log(message: str) -> None:  # progress goes to stderr so that --json stays parseable
-        print(message, file=sys.stderr, flush=True)
-
+    log = _log
     from ..eval.text import bos_id, make_windows, tokenize
 
     tokenizer = load_tokenizer(source)
@@ -102,9 +124,11 @@ def run(args) -> int:
     t_eval, cpu_eval = time.perf_counter(), _cpu_seconds()
     rows = _run_with_progress(lm.model, windows, cfg, tokenizer)
     elapsed = time.perf_counter() - t_eval
-    if args.json:
-        print_json(rows)
-    else:
+
+    def show() -> None:
+        if args.json:
+            print_json(rows)
+            return
         cols = ["format", "bits/elem", "KV B/token", "PPL", "KL vs bf16", "top-1", "decode tok/s",
                 f"max ctx @ {args.memory}"]
         table = [[r["format"], r["bits_per_element"], r["bytes_per_token"], r["ppl"], r["kl"],
@@ -117,17 +141,23 @@ def run(args) -> int:
                     f"teacher-forced on the compressed cache{scored}; decode tok/s: 1 thread, thread CPU time "
                     f"per step on window 1{approx}", cols, table)
         _print_by_position(rows, len(windows))
-    sys.stdout.flush()
-    if args.plot:
+
+    def draw(path: str) -> None:
         from ..eval.plot import plot_results
 
-        plot_results(rows, args.plot, title=f"{source.label}: {len(windows)} x {cfg.window_tokens} tokens")
-        log(f"plot written to {args.plot}")
+        plot_results(rows, path, title=f"{source.label}: {len(windows)} x {cfg.window_tokens} tokens")
+
+    print_then_plot(show, args.plot, draw, log)
     cpu = _cpu_seconds()
     log(f"pagedkv eval: {len(windows) * len(formats)} passes in {_minutes(time.perf_counter() - t0)} wall "
         f"(the passes {_minutes(elapsed)}); CPU {cpu_eval - cpu0:.0f} s before the passes (imports, "
         f"load) + {cpu - cpu_eval:.0f} s in them; {cfg.compute.describe()}")
     return 0
+
+
+def _log(message: str) -> None:
+    """Progress goes to stderr so that --json stays parseable."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def _print_by_position(rows, windows: int) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -19,6 +19,17 @@ from rich.table import Table
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def print_then_plot(show: Callable[[], None], plot: Optional[str], draw: Callable[[str], None],
+                    log: Callable[[str], None]) -> None:
+    """show() the results (table or JSON, flushed), then draw(plot) when a plot file was asked
+    for: a plot that fails never loses a finished run's numbers."""
+    show()
+    sys.stdout.flush()
+    if plot:
+        draw(plot)
+        log(f"plot written to {plot}")
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

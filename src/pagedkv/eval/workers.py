@@ -24,16 +24,37 @@ def fork_available() -> bool:
     return "fork" in mp.get_all_start_methods()
 
 
-def _worker(model, windows, k: int, n: int, choices, cfg, conn) -> None:
-    import torch
-
+def _window_work(model, share, conn, windows, choices, cfg) -> None:
+    """A worker's windows: every format's parts of each, sent as ("result", wi, parts)."""
     from .runner import window_parts
 
+    for wi in share:
+        parts = window_parts(model, wi, windows[wi], choices, cfg, lambda label: conn.send(("progress", label)))
+        conn.send(("result", wi, parts))
+
+
+def parallel_windows(model, windows: Sequence, choices, cfg,
+                     on_pass: Optional[Callable[[str], None]] = None) -> Iterator[tuple[int, list]]:
+    """Yield (window index, per-format parts) in window order, computed by cfg.compute.workers
+    forked processes (see the module docstring)."""
+    n = min(cfg.compute.workers, len(windows))
+    shares = [list(range(k, len(windows), n)) for k in range(n)]
+    pending: dict = {}
+    nxt = 0
+    for wi, parts in fork_map(model, shares, _window_work, (windows, choices, cfg), cfg.compute.threads,
+                              on_pass, "eval"):
+        pending[wi] = parts
+        while nxt in pending:
+            yield nxt, pending.pop(nxt)
+            nxt += 1
+
+
+def _worker(model, share, work, args, threads: int, conn) -> None:
+    import torch
+
     try:
-        torch.set_num_threads(cfg.compute.threads)
-        for wi in range(k, len(windows), n):
-            parts = window_parts(model, wi, windows[wi], choices, cfg, lambda label: conn.send(("pass", label)))
-            conn.send(("window", wi, parts))
+        torch.set_num_threads(threads)
+        work(model, share, conn, *args)
     except KeyboardInterrupt:
         pass  # the parent was interrupted too and reports it
     except BaseException as exc:  # noqa: BLE001 - reported by the parent, one line
@@ -48,24 +69,25 @@ def _worker(model, windows, k: int, n: int, choices, cfg, conn) -> None:
             os._exit(0)  # never run the parent's atexit handlers or finalisers in the child
 
 
-def parallel_windows(model, windows: Sequence, choices, cfg,
-                     on_pass: Optional[Callable[[str], None]] = None) -> Iterator[tuple[int, list]]:
-    """Yield (window index, per-format parts) in window order, computed by cfg.compute.workers
-    forked processes (see the module docstring)."""
+def fork_map(model, shares: Sequence[Sequence[int]], work: Callable, args: tuple, threads: int,
+             on_progress: Optional[Callable[[str], None]] = None, what: str = "eval") -> Iterator[tuple[int, object]]:
+    """One forked process per share (a list of item indices), `threads` torch threads each, the
+    model shared copy-on-write. In the child `work(model, share, conn, *args)` sends
+    ("progress", label) and ("result", index, payload) for each item; this yields
+    (index, payload) as results arrive, calls on_progress(label), and raises PagedKVError on
+    one line when a worker fails or exits before every item of its share is done."""
     if not fork_available():
         raise ConfigError("--workers above 1 needs the fork start method (Linux, macOS); use --workers 1")
     ctx = mp.get_context("fork")
-    n = min(cfg.compute.workers, len(windows))
     procs, conns = [], []
-    for k in range(n):
+    for share in shares:
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(model, windows, k, n, choices, cfg, send), daemon=True)
+        p = ctx.Process(target=_worker, args=(model, share, work, args, threads, send), daemon=True)
         p.start()
         send.close()
         procs.append(p)
         conns.append(recv)
-    pending: dict = {}
-    nxt = 0
+    done = 0
     try:
         alive = list(conns)
         while alive:
@@ -75,20 +97,18 @@ def parallel_windows(model, windows: Sequence, choices, cfg,
                 except EOFError:
                     alive.remove(c)
                     continue
-                if msg[0] == "pass":
-                    if on_pass:
-                        on_pass(msg[1])
-                elif msg[0] == "window":
-                    pending[msg[1]] = msg[2]
+                if msg[0] == "progress":
+                    if on_progress:
+                        on_progress(msg[1])
+                elif msg[0] == "result":
+                    done += 1
+                    yield msg[1], msg[2]
                 else:
                     _, known, text = msg
-                    raise (PagedKVError(text) if known else PagedKVError(f"an eval worker failed: {text}"))
-            while nxt in pending:
-                yield nxt, pending.pop(nxt)
-                nxt += 1
-        if nxt != len(windows):
+                    raise (PagedKVError(text) if known else PagedKVError(f"an {what} worker failed: {text}"))
+        if done != sum(len(s) for s in shares):
             codes = [p.exitcode for p in procs]
-            raise PagedKVError(f"an eval worker exited before its windows were done (exit codes {codes}); "
+            raise PagedKVError(f"an {what} worker exited before its work was done (exit codes {codes}); "
                                "try --workers 1")
     finally:
         for p in procs:

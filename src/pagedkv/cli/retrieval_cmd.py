@@ -1,0 +1,151 @@
+"""`pagedkv eval --task passkey|multikey`: retrieval accuracy of KV formats at long contexts
+(`pagedkv.eval.retrieval`), the code path of `eval_cmd` for a retrieval task.
+
+Every argument is checked before the model loads (tasks, lengths against the model's context read
+from its config, depths, formats, the --plot file); the expected time is printed before the run;
+the table (or JSON) is printed before the plot is drawn."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ..approx import Approximation
+from ..eval.config import expand_formats
+from ..eval.retrieval_config import (DEFAULT_PRESET, QUICK_PRESET, RetrievalConfig, parse_depths, parse_lengths,
+                                     parse_tasks)
+from .edge import check_output_file, compute_from_args, read_text_arg
+from .output import print_json, print_table, print_then_plot
+from .sizes import parse_names
+
+
+def config_from_args(args) -> RetrievalConfig:
+    """The RetrievalConfig of the command line (ConfigError on one line for a bad argument)."""
+    tasks = parse_tasks(args.task)
+    preset = QUICK_PRESET if args.quick else DEFAULT_PRESET
+    formats = expand_formats(parse_names(args.formats)) if args.formats else preset.formats
+    lengths = parse_lengths(args.lengths) if args.lengths else preset.lengths
+    trials = args.trials if args.trials is not None else preset.trials
+    depths = parse_depths(args.depths) if args.depths else None
+    units = len(tasks) * len(lengths) * (len(formats) + 1)
+    return RetrievalConfig(tasks=tasks, formats=formats, lengths=lengths, trials=trials, depths=depths,
+                           keys=args.keys, seed=args.seed, model=args.model,
+                           compute=compute_from_args(args, parallel_work=units),
+                           approx=Approximation.parse(args.approx))
+
+
+def context_of(config) -> int | None:
+    text = getattr(config, "text_config", None) or config
+    n = getattr(text, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def run(args, log, minutes, cpu_seconds) -> int:
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
+    cfg = config_from_args(args)
+    check_output_file(args.plot, "--plot", ".png")
+    if args.plot:
+        from ..eval.plot import require_matplotlib
+
+        require_matplotlib()
+    from ..eval.runner import check_unique, parse_choice
+
+    choices = [parse_choice(f) for f in cfg.all_formats]
+    check_unique(choices)
+    text = read_text_arg(args.text) if "multikey" in cfg.tasks else None
+    from ..eval.model import load_config, load_model, load_tokenizer, resolve_device, resolve_model_source
+
+    source = resolve_model_source(cfg.model)
+    resolve_device(args.device)
+    model_config = load_config(source)
+    cfg.check_context(context_of(model_config), source.label)
+    if cfg.compute.workers > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are forked after tokenizing
+    cfg.compute.apply()
+    from ..eval import retrieval as rt
+    from ..eval.retrieval_tasks import TextCodec, generate
+    from ..eval.text import bos_id, tokenize
+
+    tokenizer = load_tokenizer(source)
+    codec = TextCodec(tokenizer)
+    text_ids: list = []
+
+    def text_tokens():
+        if not text_ids:
+            text_ids.extend(tokenize(tokenizer, text).tolist())
+        return text_ids
+
+    cells = {(task, n): generate(task, n, cfg.trials, codec, bos=bos_id(tokenizer), seed=cfg.seed,
+                                 depths=cfg.depths, keys=cfg.keys, text_tokens=text_tokens)
+             for task in cfg.tasks for n in cfg.lengths}
+    units = rt.make_units(cells, choices)
+    seconds, computed, total = rt.estimate(units, cfg.block_size, model_config, cfg.compute.workers)
+    log(f"{source.label}: {', '.join(cfg.tasks)} at {', '.join(map(str, cfg.lengths))} tokens, {cfg.trials} trials "
+        f"each, {len(choices)} formats ({len(units)} runs); prefix caching computes {computed} of {total} prompt "
+        f"tokens; expected ~{minutes(seconds)} on {cfg.compute.describe()} when those CPUs are idle")
+    log(f"loading {source.label} ...")
+    lm = load_model(source, attn_implementation="pagedkv", device=args.device, tokenizer=tokenizer)
+    from ..eval.tuned import resolve_tuned
+    from ..integrations.transformers import enable
+
+    enable(lm.model)
+    resolved = resolve_tuned(lm.model, tokenizer, choices, max(cfg.lengths))
+    if resolved != choices:
+        units = rt.make_units(cells, resolved)
+    scale = rt.model_scale(model_config)
+    reuse = not rt.has_sliding_layers(model_config)
+    costs = [rt.unit_seconds(u, cfg.block_size, scale, reuse) for u in units]
+    t_run, cpu_run = time.perf_counter(), cpu_seconds()
+    results = dict(_with_progress(lm.model, units, cfg, costs))
+    elapsed = time.perf_counter() - t_run
+    rows, records = rt.score(units, results, codec.decode)
+    def show() -> None:
+        if args.json:
+            print_json({"model": source.label, "tasks": list(cfg.tasks), "lengths": list(cfg.lengths),
+                        "trials": cfg.trials, "seed": cfg.seed, "keys": cfg.keys, "rows": rows,
+                        "trials_detail": records})
+        else:
+            _print(rows, source.label, cfg)
+
+    from ..eval.retrieval_plot import plot_retrieval
+
+    title = f"{source.label}: retrieval, {cfg.trials} paired trials per cell"
+    print_then_plot(show, args.plot, lambda path: plot_retrieval(rows, path, title=title), log)
+    times = (time.perf_counter() - t0, elapsed, seconds, cpu_run - cpu0, cpu_seconds() - cpu_run)
+    log("pagedkv eval --task {}: {} runs in {} wall (the runs {}, estimated {}); CPU {:.0f} s before the runs + "
+        "{:.0f} s in them; {}".format(",".join(cfg.tasks), len(units), *map(minutes, times[:3]), *times[3:],
+                                      cfg.compute.describe()))
+    return 0
+
+
+def _with_progress(model, units, cfg, costs):
+    from ..eval.retrieval import run_units
+
+    total = sum(len(u.trials) for u in units)
+    run = lambda step: run_units(model, units, cfg.block_size, costs, cfg.compute.workers,  # noqa: E731
+                                 cfg.compute.threads, step)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        yield from run(None)
+        return
+    with tqdm(total=total, desc="trials", unit="trial", file=sys.stderr) as bar:
+        def step(label):
+            bar.set_postfix_str(label)
+            bar.update(1)
+        yield from run(step)
+
+
+def _print(rows, label: str, cfg: RetrievalConfig) -> None:
+    cols = ["task", "length", "format", "bits/elem", "accuracy", "95% CI", "bf16", "lost", "gained",
+            "McNemar p", "note"]
+    table = [[r["task"], r["length"], r["format"], r["bits_per_element"], f"{r['correct']}/{r['trials']}",
+              f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", f"{r['bf16_accuracy']:.2f}", r["lost"], r["gained"],
+              f"{r['mcnemar_p']:.3g}", "" if r["informative"] else "not informative (bf16 < 80%)"]
+             for r in rows]
+    multikey = (f"; multikey: {cfg.keys} needles per context, each queried once (those trials are correlated)"
+                if "multikey" in cfg.tasks else "")
+    print_table(f"{label}: retrieval, {cfg.trials} paired trials per task and length (seed {cfg.seed}), greedy "
+                f"exact match; bits/elem as stored at that length; lost / gained: trials bf16 got right and the "
+                f"format wrong / the reverse, McNemar's exact test{multikey}", cols, table)

@@ -1,0 +1,194 @@
+"""Running the retrieval tasks (`pagedkv.eval.retrieval_tasks`) on KV formats and scoring them.
+
+A *unit* is one (task, length, format): a fresh `PagedKVCache` of the format runs that task's
+trials at that length one after another, in `sharing_order`. Each trial is
+`cache.begin(prompt)` (the cache's prefix caching: the whole blocks the prompt shares with what
+the cache stored before are not computed again, exactly as a serving cache reuses a shared
+document), one forward over the rest of the prompt, then `max_new_tokens` greedy decode steps
+(the decode path, as a user's generation takes it). Key centring and fp8 scales are fixed by the
+unit's first trial (its whole prompt: a long first chunk, as a long prompt gives) and kept by the
+later ones, as a serving cache keeps them. Sliding-window models take no prefix hits (every
+prompt computed whole).
+
+Units are independent: with `compute.workers` > 1 they are shared out to forked processes of
+`compute.threads` threads each (the model loaded once before the fork), the most expensive
+first; the results are the same as in one process.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+from .retrieval_stats import INFORMATIVE, depth_bins, mcnemar_exact, paired_counts, wilson
+from .retrieval_tasks import Trial, computed_tokens, extract_answer, is_correct, sharing_order
+
+
+@dataclass(frozen=True)
+class Unit:
+    task: str
+    length: int
+    choice: object  # runner.FormatChoice
+    trials: tuple[Trial, ...]  # in sharing order
+
+    @property
+    def label(self) -> str:
+        return f"{self.task} {self.length} {self.choice.label}"
+
+
+def make_units(trials_by_cell: dict, choices: Sequence) -> list[Unit]:
+    """One unit per (task, length) cell and format, the trials in sharing order."""
+    return [Unit(task, length, c, tuple(sharing_order(trials)))
+            for (task, length), trials in trials_by_cell.items() for c in choices]
+
+
+# Prefill seconds per token on one core of the development machine (SmolLM2-135M, measured):
+# a fixed part (the weights) and a part growing with the context (attention); a recent window's
+# reference attention costs about _WINDOW_FACTOR more. Scaled to another model by its weights
+# (layers x hidden^2) and attention width (layers x heads x head_dim).
+_PER_TOKEN_S = 1.6e-3
+_PER_TOKEN_CONTEXT_S = 1.2e-7
+_DECODE_STEP_S = 0.06
+_WINDOW_FACTOR = 1.6
+_SMOLLM2 = (30 * 576 * 576, 30 * 9 * 64)
+
+
+def model_scale(config) -> tuple[float, float]:
+    """(weights, attention) cost of `config` relative to SmolLM2-135M."""
+    text = getattr(config, "text_config", None) or config
+    layers = getattr(text, "num_hidden_layers", 30)
+    hidden = getattr(text, "hidden_size", 576)
+    heads = getattr(text, "num_attention_heads", 9)
+    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
+    return layers * hidden * hidden / _SMOLLM2[0], layers * heads * head_dim / _SMOLLM2[1]
+
+
+def has_sliding_layers(config) -> bool:
+    text = getattr(config, "text_config", None) or config
+    return any("sliding" in str(t) for t in (getattr(text, "layer_types", None) or ())) or \
+        bool(getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+             and "gemma" in str(getattr(text, "model_type", "")))
+
+
+def unit_seconds(unit: Unit, block_size: int, scale: tuple[float, float], reuse: bool) -> float:
+    """Estimated CPU seconds of a unit on one core (see the constants above)."""
+    tokens = computed_tokens(unit.trials, block_size, reuse)
+    weights, attention = scale
+    per = weights * _PER_TOKEN_S + attention * _PER_TOKEN_CONTEXT_S * unit.length
+    factor = _WINDOW_FACTOR if getattr(unit.choice, "recent", None) is not None else 1.0
+    decode = sum(t.max_new_tokens for t in unit.trials) * _DECODE_STEP_S * weights
+    return factor * per * sum(tokens) + decode
+
+
+def estimate(units: Sequence[Unit], block_size: int, config, workers: int) -> tuple[float, int, int]:
+    """(estimated wall seconds with `workers` idle cores, prompt tokens computed, prompt tokens)."""
+    scale, reuse = model_scale(config), not has_sliding_layers(config)
+    costs = [unit_seconds(u, block_size, scale, reuse) for u in units]
+    loads = [0.0] * max(1, workers)
+    for c in sorted(costs, reverse=True):  # the order the workers take them
+        loads[loads.index(min(loads))] += c
+    computed = sum(sum(computed_tokens(u.trials, block_size, reuse)) for u in units)
+    return max(loads), computed, sum(len(t.prompt) for u in units for t in u.trials)
+
+
+def run_unit(model, unit: Unit, block_size: int, on_trial: Optional[Callable[[], None]] = None) -> dict:
+    """Run a unit (see the module docstring): {"generated": [token ids per trial, in
+    `unit.trials` order], "bits_per_element": as stored at the unit's length, "computed":
+    prompt tokens the model computed, "seconds": wall time}."""
+    import torch
+
+    from ..integrations.hf_compat import with_cache
+    from .runner import cache_for, layout_numbers
+
+    t0 = time.perf_counter()
+    choice = unit.choice
+    cache = cache_for(model, choice, block_size, checks=False)
+    bits = layout_numbers(cache, 1, choice.recent, unit.length)[0]
+    kw = with_cache(model, cache)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    generated, computed = [], 0
+    with torch.inference_mode():
+        for trial in unit.trials:
+            ids = torch.tensor([trial.prompt], dtype=torch.int64, device=model.device)
+            hit = cache.begin(ids)
+            computed += ids.shape[1] - hit
+            logits = model(ids[:, hit:], **kw, use_cache=True, **keep).logits
+            out = []
+            for step in range(trial.max_new_tokens):
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+                out.append(int(nxt))
+                if step + 1 < trial.max_new_tokens:
+                    logits = model(nxt, **kw, use_cache=True).logits
+            generated.append(out)
+            if on_trial:
+                on_trial()
+    return {"generated": generated, "bits_per_element": bits, "computed": computed,
+            "seconds": time.perf_counter() - t0}
+
+
+def run_units(model, units: Sequence[Unit], block_size: int, costs: Sequence[float], workers: int,
+              threads: int, on_trial: Optional[Callable[[str], None]] = None) -> Iterator[tuple[int, dict]]:
+    """Yield (unit index, `run_unit` result) as units finish; with workers > 1 from forked
+    processes, the most expensive units first (see the module docstring)."""
+    if workers <= 1 or len(units) <= 1:
+        for i, u in enumerate(units):
+            yield i, run_unit(model, u, block_size, (lambda u=u: on_trial(u.label)) if on_trial else None)
+        return
+    from .workers import fork_map
+
+    order = sorted(range(len(units)), key=lambda i: -costs[i])
+    n = min(workers, len(units))
+    shares: list[list[int]] = [[] for _ in range(n)]
+    loads = [0.0] * n
+    for i in order:  # longest first, each to the least loaded worker
+        k = loads.index(min(loads))
+        shares[k].append(i)
+        loads[k] += costs[i]
+    yield from fork_map(model, shares, _unit_work, (units, block_size), threads, on_trial, "retrieval")
+
+
+def _unit_work(model, share, conn, units, block_size) -> None:
+    for i in share:
+        result = run_unit(model, units[i], block_size, lambda: conn.send(("progress", units[i].label)))
+        conn.send(("result", i, result))
+
+
+def score(units: Sequence[Unit], results: dict, decode: Callable[[list], str]) -> tuple[list[dict], list[dict]]:
+    """(rows, trials): one row per (task, length, format) with accuracy, its Wilson 95%
+    interval, bits per element at that length, the paired counts and McNemar's exact p against
+    bf16 (the cell's first format), bf16's accuracy and whether the cell is informative (bf16 >=
+    80%); one record per trial and format (depth, answer, what the model wrote, correct)."""
+    by_cell: dict = {}
+    for i, u in enumerate(units):
+        by_cell.setdefault((u.task, u.length), []).append(i)
+    rows, records = [], []
+    for (task, length), idx in by_cell.items():
+        per_format = {}
+        for i in idx:
+            u = units[i]
+            texts = [decode(g) for g in results[i]["generated"]]
+            ok = {t.index: is_correct(s, t.answer) for t, s in zip(u.trials, texts)}
+            per_format[i] = ok
+            for t, s in zip(u.trials, texts):
+                records.append({"task": task, "length": length, "format": u.choice.label, "trial": t.index,
+                                "context": t.context, "depth": round(t.depth, 4), "answer": t.answer,
+                                "generated": s, "extracted": extract_answer(s), "correct": ok[t.index]})
+        ref = per_format[idx[0]]
+        order = sorted(ref)
+        ref_ok = [ref[k] for k in order]
+        ref_acc = sum(ref_ok) / len(ref_ok)
+        for i in idx:
+            u, ok = units[i], [per_format[i][k] for k in order]
+            depths = {t.index: t.depth for t in u.trials}
+            lost, gained = paired_counts(ref_ok, ok)
+            lo, hi = wilson(sum(ok), len(ok))
+            rows.append({"task": task, "length": length, "format": u.choice.label,
+                         "bits_per_element": results[i]["bits_per_element"], "trials": len(ok),
+                         "correct": sum(ok), "accuracy": sum(ok) / len(ok), "ci95": [lo, hi],
+                         "bf16_accuracy": ref_acc, "informative": ref_acc >= INFORMATIVE,
+                         "lost": lost, "gained": gained, "mcnemar_p": mcnemar_exact(lost, gained),
+                         "by_depth": depth_bins([depths[k] for k in order], ok),
+                         "computed_tokens": results[i]["computed"], "seconds": results[i]["seconds"]})
+    return rows, records
