@@ -204,6 +204,9 @@ def test_workers_give_the_answers_of_one_process(tiny_folder):
     (["--lengths", "2x"], "--lengths"),
     (["--task", "needle"], "--task"),
     (["--trials", "0"], "--trials"),
+    (["--trials", "10000000000000"], "--trials"),
+    (["--lengths", "99999999k"], "--lengths"),
+    (["--lengths", "9" * 5000], "--lengths"),
     (["--formats", "bf16,turbo9"], "turbo9"),
 ])
 def test_bad_arguments_fail_in_one_line_before_the_model_loads(tiny_folder, monkeypatch, capsys, argv, needle):

@@ -33,6 +33,8 @@ class Preset:
 DEFAULT_PRESET = Preset((2048, 4096), 20, ("bf16", "turbo3", "turbo3+r64s16q8_0", "turbo3k_turbo2v+r32s16q8_0"))
 QUICK_PRESET = Preset((1024,), 6, ("bf16", "turbo3", "turbo3+r64s16q8_0"))
 
+MAX_TRIALS = 100_000  # each a prompt per format
+MAX_LENGTH = 1 << 24
 _LENGTH = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<k>[kK]?)$")
 
 
@@ -43,9 +45,9 @@ def parse_lengths(text: str) -> tuple[int, ...]:
         m = _LENGTH.match(item.strip())
         if not m:
             raise ConfigError(f"--lengths: {item.strip()!r} is not a length; use tokens or Nk, e.g. 2k,4k,8k")
-        n = float(m["n"]) * (1024 if m["k"] else 1)
-        if n != int(n) or n < 64:
-            raise ConfigError(f"--lengths: {item.strip()!r} must be a whole number of tokens >= 64")
+        n = float(m["n"][:16]) * (1024 if m["k"] else 1) if len(m["n"]) <= 16 else float("inf")
+        if not 64 <= n <= MAX_LENGTH or n != int(n):
+            raise ConfigError(f"--lengths: {item.strip()!r} must be a whole number of tokens in [64, {MAX_LENGTH}]")
         out.append(int(n))
     if len(set(out)) != len(out):
         raise ConfigError(f"--lengths lists a length more than once: {text!r}")
@@ -101,12 +103,10 @@ class RetrievalConfig:
             raise ConfigError("--lengths needs at least one length")
         if not self.tasks or any(t not in TASKS for t in self.tasks):
             raise ConfigError(f"tasks must be among {', '.join(TASKS)}, got {self.tasks!r}")
-        for name, v, least in (("--trials", self.trials, 1), ("--keys", self.keys, 1),
-                               ("--block-size", self.block_size, 1), ("--seed", self.seed, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
-        if self.keys > len(KEYS):
-            raise ConfigError(f"--keys must be at most {len(KEYS)}, got {self.keys}")
+        for name, v, least, most in (("--trials", self.trials, 1, MAX_TRIALS), ("--keys", self.keys, 1, len(KEYS)),
+                                     ("--block-size", self.block_size, 1, 1 << 16), ("--seed", self.seed, 0, 1 << 63)):
+            if isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most:
+                raise ConfigError(f"{name} must be an integer in [{least}, {most}], got {v!r}")
         if self.depths is not None and (not self.depths or any(not 0 <= d <= 1 for d in self.depths)):
             raise ConfigError(f"--depths must be fractions in 0..1, got {self.depths!r}")
         if not self.approx.exact:
