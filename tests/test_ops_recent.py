@@ -136,6 +136,7 @@ def test_fast_path_is_taken_only_where_it_applies(monkeypatch):
     from pagedkv.ops import recent as rec
 
     main, hp = _pair(("turbo3", "turbo3"), "bf16")
+    monkeypatch.setattr(rec, "split_prefill_applies", lambda *a: False)  # its own test below
     calls = []
     real = rec._attend_fast
     monkeypatch.setattr(rec, "_attend_fast", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -216,17 +217,12 @@ def test_split_decode_is_the_reference(fmt, tail, extra, setting, recent, sinks,
     assert len(calls) == int(taken)
 
 
-@needs_kernel
-@pytest.mark.parametrize("page_block, tail_block, sinks, recent", [(64, 16, 16, 64), (16, 32, 20, 64),
-                                                                   (128, 32, 0, 64), (32, 16, 40, 8)])
-def test_split_decode_with_the_tails_own_block_group(page_block, tail_block, sinks, recent, monkeypatch):
-    """vLLM's layout: the tail in its own block group (another block size, its own tables, blocks
-    outside the window released: their table entries point anywhere), sinks not on a page block
-    boundary (the kernel skips them by key_start); more sinks than recent tokens (the tail in
-    torch)."""
-    calls = _spy(monkeypatch)
-    lens = (700, 3, 129, 0)
-    kw = dict(seq_lens=lens, num_kv_heads=3, group=3, seed=21)
+def _released_tail(lens, q_lens, page_block, tail_block, sinks, recent):
+    """(pages case, tail case, tail tables) in vLLM's layout: the tail in its own block group
+    (another block size, its own tables; the blocks no query of the call reads released: their
+    entries point anywhere, a spare block full of NaN bytes or -1), the last blocks' unwritten
+    slots NaN bytes too."""
+    kw = dict(seq_lens=lens, q_lens=q_lens, num_kv_heads=3, group=3, seed=21)
     main = make_case(CODECS["turbo3"], CODECS["turbo3"], block_size=page_block, **kw)
     hp = make_case(CODECS["q8_0"], CODECS["q8_0"], block_size=tail_block, **kw)
     tables = hp.block_tables.clone()
@@ -240,11 +236,26 @@ def test_split_decode_with_the_tails_own_block_group(page_block, tail_block, sin
             for pool in (hp.layer.k_pool, hp.layer.v_pool):
                 for view in block_views(hp.layer.k_codec, pool, tail_block, 3, 64):
                     view[int(hp.block_tables[b, n // tail_block]), n % tail_block:] = 255
-    for b, n in enumerate(lens):  # released blocks: neither sinks' nor the window's
-        keep = set(range(-(-sinks // tail_block))) | set(range(max(0, n - recent) // tail_block, -(-n // tail_block)))
+    for b, (n, ql) in enumerate(zip(lens, q_lens)):  # released blocks: neither sinks' nor any query's window
+        keep = set(range(-(-sinks // tail_block))) | set(range(max(0, n - ql - recent + 1) // tail_block,
+                                                               -(-n // tail_block)))
         for i in range(tables.shape[1]):
             if i not in keep:
                 tables[b, i] = spare if i % 2 else -1
+    return main, hp, tables
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_block, tail_block, sinks, recent", [(64, 16, 16, 64), (16, 32, 20, 64),
+                                                                   (128, 32, 0, 64), (32, 16, 40, 8)])
+def test_split_decode_with_the_tails_own_block_group(page_block, tail_block, sinks, recent, monkeypatch):
+    """vLLM's layout: the tail in its own block group (another block size, its own tables, blocks
+    outside the window released: their table entries point anywhere), sinks not on a page block
+    boundary (the kernel skips them by key_start); more sinks than recent tokens (the tail in
+    torch)."""
+    calls = _spy(monkeypatch)
+    lens = (700, 3, 129, 0)
+    main, hp, tables = _released_tail(lens, (1, 1, 1, 0), page_block, tail_block, sinks, recent)
     params = AttentionParams(scale=0.125)
     args = (main.q_decode, main.layer, hp.layer, main.block_tables, main.seq_lens, params)
     kw = dict(recent=recent, sinks=sinks, tail_block_tables=tables)
@@ -301,3 +312,67 @@ def test_sinks_and_window_are_bounded_and_clamped_to_the_sequence(monkeypatch):
         assert torch.equal(got, want)
     with pytest.raises(ConfigError, match="sinks must be an integer in"):
         recent_decode_attention(*args, recent=8, sinks=1 << 40)
+
+
+# -- prefill split: the C kernel over the pages and the tail's band, torch over the sinks (ops/recent_prefill.py)
+def _spy_prefill(monkeypatch):
+    from pagedkv.ops import recent as rec
+    from pagedkv.ops import recent_prefill
+
+    calls = []
+    real = recent_prefill.split_prefill
+    monkeypatch.setattr(rec, "split_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt, tail, extra", [
+    (("turbo3", "turbo2"), "q8_0", dict(transform=True)),  # rotated K and V, k_mult, both centres
+    (("q4_0", "turbo3"), "bf16", dict(centre=True, k_offset=3.0)),
+    (("fp8", "turbo4"), "q8_0", dict(k_scale=3.0, v_scale=0.5)),  # tensor-scaled K
+])
+@pytest.mark.parametrize("setting", ["plain", "soft-cap", "window 50", "window 7"])
+@pytest.mark.parametrize("recent, sinks", [(16, 16), (64, 20), (1, 0), (7, 9), (500, 0)])
+def test_split_prefill_is_the_reference(fmt, tail, extra, setting, recent, sinks, monkeypatch):
+    """Rows longer than a kernel tile, a short row and a chunk (queries after cached tokens), GQA,
+    sinks on and off a block boundary and more sinks than recent tokens, a window covering every
+    key; soft-cap in every part; sliding windows wider and narrower than R."""
+    calls = _spy_prefill(monkeypatch)
+    kw = dict(seq_lens=(300, 5, 200, 0), q_lens=(300, 5, 77, 0), num_kv_heads=2, group=3, seed=11, **extra)
+    main, hp = make_case(CODECS[fmt[0]], CODECS[fmt[1]], **kw), make_case(CODECS[tail], CODECS[tail], **kw)
+    params = {"plain": AttentionParams(scale=0.125), "soft-cap": AttentionParams(scale=0.125, soft_cap=4.0),
+              "window 50": AttentionParams(scale=0.125, sliding_window=50),
+              "window 7": AttentionParams(scale=0.125, sliding_window=7)}[setting]
+    args = (main.q_prefill, main.layer, hp.layer, main.block_tables, main.seq_lens, main.query_start_loc, params)
+    got = recent_prefill_attention(*args, recent=recent, sinks=sinks)
+    _close(got, recent_prefill_attention(*args, recent=recent, sinks=sinks, reference=True))
+    assert len(calls) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_block, tail_block, sinks, recent", [(64, 16, 16, 64), (16, 32, 20, 64),
+                                                                   (128, 32, 0, 64), (32, 16, 40, 8)])
+def test_split_prefill_with_the_tails_own_block_group(page_block, tail_block, sinks, recent, monkeypatch):
+    """A chunked prefill in vLLM's layout (`_released_tail`): the tail's blocks before each chunk's
+    first window released, sinks not on a page block boundary, more sinks than recent tokens."""
+    calls = _spy_prefill(monkeypatch)
+    lens, q_lens = (700, 3, 129, 0), (150, 3, 40, 0)
+    main, hp, tables = _released_tail(lens, q_lens, page_block, tail_block, sinks, recent)
+    args = (main.q_prefill, main.layer, hp.layer, main.block_tables, main.seq_lens, main.query_start_loc,
+            AttentionParams(scale=0.125))
+    kw = dict(recent=recent, sinks=sinks, tail_block_tables=tables)
+    _close(recent_prefill_attention(*args, **kw), recent_prefill_attention(*args, **kw, reference=True))
+    assert len(calls) == 1
+
+
+@needs_kernel
+def test_split_prefill_is_taken_only_where_it_applies(monkeypatch):
+    calls = _spy_prefill(monkeypatch)
+    main, hp = _pair(("turbo3", "turbo3"), "bf16")
+    args = (main.q_prefill, main.layer, hp.layer, main.block_tables, main.seq_lens, main.query_start_loc)
+    for params in (AttentionParams(scale=0.1, sinks=torch.zeros(4)), AttentionParams(scale=0.1, sparse_v_threshold=1e-3)):
+        recent_prefill_attention(*args, params, recent=8)
+    recent_prefill_attention(*args, AttentionParams(scale=0.1), recent=8, reference=True)
+    assert not calls
+    recent_prefill_attention(*args, AttentionParams(scale=0.1), recent=8)
+    assert calls

@@ -30,7 +30,9 @@ band, where the reference forms two full [Hq, Tq, n] logit tensors.
 
 Decode (at most one query per sequence) on CPU runs a third path where it applies
 (`recent_decode.py`): the C kernel over the pages' keys, torch over the tail's few rows, merged
-by log-sum-exp, so a step no longer decodes the whole context in torch.
+by log-sum-exp, so a step no longer decodes the whole context in torch. Prefill on CPU likewise
+(`recent_prefill.py`, before the fast path where it applies): the C kernel over the pages and
+over the tail's band of recent keys, torch over the sinks, merged by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..errors import ConfigError, InvalidInput
 from . import transform
 from .batch import AttentionParams, PagedLayer
 from .recent_decode import original_basis, sink_blocks, split_applies, split_decode
+from .recent_prefill import split_prefill, split_prefill_applies
 from .reference.attention import attention_logits, gather_rows, masked_softmax, varlen_query_chunks
 from .validate import check_decode, check_prefill
 
@@ -240,6 +243,10 @@ def recent_prefill_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLaye
         rows = q_lens == 1
         return split_decode(q, layer, tail, block_tables[rows], seq_lens[rows], tail_tables[rows], params,
                             recent, sinks).to(q.dtype)
+    if not reference and q.shape[0] and split_prefill_applies(layer, tail, params):
+        # the C kernel over the pages and over the tail's band, torch over the sinks (recent_prefill.py)
+        return split_prefill(q, layer, tail, block_tables, seq_lens, query_start_loc, tail_tables, params,
+                             recent, sinks).to(q.dtype)
     fast = not reference and fast_path_applies(params)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, n, chunks in varlen_query_chunks(seq_lens, query_start_loc, q.shape[1], q.device):
