@@ -1,7 +1,9 @@
 """CI version of the storage-tier fault suite (benchmarks/faults/offload_faults.py, one round): Redis
 killed, hung, full, flushed and fed damaged or forged values; disk entries flipped, truncated,
 forged, replaced by FIFOs, symlinks, directories and sparse giants; disk full and removed; swap
-full; two processes racing on one disk store and one Redis. No run may use wrong K/V."""
+full; two processes racing on one disk store and one Redis; another user's planted store secret
+and vLLM statistics (refused); an empty value on disk and on Redis (repaired). No run may use
+wrong K/V."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def test_fault_suite_loses_no_data_and_stays_bit_identical():
     c = suite.run_suite(rounds=1, seed=0)
     print(suite.format_counts(c))
     assert c["redis"] == "ran"
-    assert c["data_lost"] == 0 and c["errors"] == 0
+    assert c["data_lost"] == 0 and c["errors"] == 0 and c["repairs_missed"] == 0
+    assert c["refused"] >= 3  # the planted secret (and as root its other owner), statistics x2
     assert c["bit_identical"] == c["runs"] > c["faults_injected"] >= 28
     assert c["warnings"] > 0 and c["prefix_tokens_loaded"] > 0

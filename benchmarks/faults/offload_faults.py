@@ -8,7 +8,11 @@ while one fault is injected, and compares the generated tokens and every step's 
 (`torch.equal`) with a plain `PagedCache` run of the same prompt. Printed counts:
 faults injected, runs, runs bit-identical, warnings (TierWarning + the prefix store's logged
 "failed its checks" warnings), errors (an exception escaping a run), data lost (a run that
-returned different tokens or outputs: wrong K/V used; must be 0), and prefix tokens loaded from
+returned different tokens or outputs: wrong K/V used, or planted statistics that were used;
+must be 0), planted refused (another user's plants: a disk store directory with a secret the
+planter knows and K/V sealed with it, vLLM statistics in a directory others can write or with
+non-finite values; each must be a ConfigError), repairs missed (after an empty value, on disk and
+on Redis, every prompt must hit all its blocks again; must be 0), and prefix tokens loaded from
 the stores (the faults cost hits, not correctness). Redis scenarios need `redis-server` on PATH
 (skipped otherwise, and said so). `tests/test_offload_faults.py` runs one round in `make test`.
 """
@@ -35,6 +39,7 @@ import torch
 
 from pagedkv.bench.toy import ToyLM
 from pagedkv.cache import CacheConfig, PagedCache
+from pagedkv.errors import ConfigError
 from pagedkv.offload import OffloadConfig, TierWarning, TierWriteError
 from pagedkv.offload.record import RecordError, encode_record, parse_header
 
@@ -61,12 +66,14 @@ class Counts:
     errors: int = 0
     data_lost: int = 0
     prefix_tokens_loaded: int = 0
+    refused: int = 0  # planted secrets / statistics refused with a ConfigError (as they must be)
+    repairs_missed: int = 0  # prompts that still missed a block after a damaged entry was seen
     by_fault: dict = field(default_factory=dict)
 
     def add(self, other: "Counts") -> None:
         """Add another process's counts (its runs; its faults are counted by the caller)."""
         for name in ("runs", "bit_identical", "warnings", "errors", "data_lost",
-                     "prefix_tokens_loaded"):
+                     "prefix_tokens_loaded", "refused", "repairs_missed"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -140,6 +147,89 @@ def run_one(counts: Counts, make_cache, prompt, fault: str, during=None) -> None
     counts.bit_identical += same
     counts.data_lost += not same
     counts.prefix_tokens_loaded += cache.tier_hit_tokens
+
+
+def _count_fault(counts: Counts, fault: str) -> None:
+    counts.faults_injected += 1
+    counts.by_fault[fault] = counts.by_fault.get(fault, 0) + 1
+
+
+def refused_or_identical(counts: Counts, make_cache, prompt, fault: str) -> None:
+    """A planted store must be refused (ConfigError naming store_secret); if a cache opens on it
+    anyway, its run is counted like any other (wrong K/V is data lost)."""
+    try:
+        make_cache().close()
+    except ConfigError:
+        _count_fault(counts, fault)
+        counts.refused += 1
+        return
+    run_one(counts, make_cache, prompt, fault)
+
+
+def repaired(counts: Counts, make_cache, damage, fault: str) -> None:
+    """`damage()` one entry (an empty value), run every prompt once (the damaged entry is
+    replaced), then every prompt must hit all its full blocks again."""
+    damage()
+    for p in PROMPTS:
+        run_one(counts, make_cache, p, fault)
+    counts.faults_injected -= len(PROMPTS) - 1
+    counts.by_fault[fault] -= len(PROMPTS) - 1
+    for p in PROMPTS:
+        cache = make_cache()
+        counts.repairs_missed += cache.add_sequence(p).hit_tokens != len(p) // 8 * 8
+        cache.close()
+
+
+# ---- another local user's plants ---------------------------------------------------------------
+def planted_scenarios(counts: Counts, tmp: Path, rng: random.Random) -> None:
+    """What another local user leaves where this process looks for its own state: a disk store
+    directory with a secret the planter knows and K/V of another model sealed with it (the
+    directory writable by others; as root also owned by another uid), and vLLM statistics in a
+    cache directory others can write (hostile finite centres) or in a private one (non-finite).
+    Each must be refused; statistics that were used anyway count as data lost."""
+    planted = tmp / "planted"
+    secret = os.urandom(32)
+    for p in PROMPTS:
+        ToyLM(PagedCache(CacheConfig(**CFG), OffloadConfig(
+            prefix_store="disk", prefix_dir=str(planted), store_secret=secret)), seed=7).generate(p, STEPS)
+    (planted / ".secret").write_bytes(secret)
+
+    def make():
+        return PagedCache(CacheConfig(**CFG), OffloadConfig(prefix_store="disk", prefix_dir=str(planted)))
+
+    os.chmod(planted, 0o777)
+    refused_or_identical(counts, make, rng.choice(PROMPTS), "planted-secret-writable-dir")
+    os.chmod(planted, 0o755)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # the planter's own files
+        for path in [planted, *planted.rglob("*")]:
+            os.lchown(path, 65534, 65534)
+        refused_or_identical(counts, make, rng.choice(PROMPTS), "planted-secret-other-owner")
+    planted_statistics(counts, tmp)
+
+
+def planted_statistics(counts: Counts, tmp: Path) -> None:
+    from pagedkv.formats import parse_format
+    from pagedkv.integrations.vllm.fit import FIT_VERSION, FitPlan, fit, model_identity
+
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    plan = FitPlan.build([parse_format("turbo3")], None, None, False)
+    name = plan.key(model_identity(str(model)), 512) + ".pt"
+    for fault, mode, value in (("planted-statistics-writable-dir", 0o777, 3.0),
+                               ("planted-statistics-non-finite", 0o700, float("nan"))):
+        cache = tmp / fault
+        cache.mkdir()
+        torch.save({"version": FIT_VERSION, "layers": [{"k_centre": torch.full((2, 64), value)}]},
+                   cache / name)
+        os.chmod(cache, mode)
+        _count_fault(counts, fault)
+        try:
+            fit(str(model), plan, 512, str(cache), [(2, 64)])
+        except ConfigError:
+            counts.refused += 1
+        else:  # the engine would have served every request with the planted statistics
+            counts.data_lost += 1
 
 
 # ---- damage to stored entries ------------------------------------------------------------------
@@ -233,6 +323,12 @@ def disk_scenarios(counts: Counts, root: Path, rng: random.Random) -> None:
     run_one(counts, make(), rng.choice(PROMPTS), "disk-removed",
             during=lambda cache: shutil.rmtree(root, ignore_errors=True))
     run_one(counts, make(prefix_limit_bytes=3000), rng.choice(PROMPTS), "disk-tiny-limit")
+
+    def empty_file():
+        files = [p for p in root.rglob("pkv*") if p.parent.name != ".tmp" and p.is_file()]
+        rng.choice(files).write_bytes(b"")
+
+    repaired(counts, make(), empty_file, "disk-empty-repaired")
     run_one(counts, lambda: PagedCache(CacheConfig(**CFG), OffloadConfig(
         resident_blocks_per_seq=1, swap_limit_bytes=6000, cache_dir=str(root.parent / "c"))),
         rng.choice(PROMPTS), "swap-full")
@@ -253,6 +349,8 @@ def redis_scenarios(counts: Counts, server: RedisServer, rng: random.Random) -> 
     for kind in REDIS_DAMAGE:
         damage_redis(server.client, kind, rng)
         run_one(counts, make(), rng.choice(PROMPTS), f"redis-{kind}")
+    repaired(counts, make(), lambda: server.client.set(
+        rng.choice(sorted(server.client.keys("faults:pkv*"))), b""), "redis-empty-repaired")
     run_one(counts, make(), rng.choice(PROMPTS), "redis-flushed",
             during=lambda cache: server.client.flushall())
 
@@ -340,6 +438,7 @@ def run_suite(rounds: int = 3, seed: int = 0, redis: bool = True) -> dict:
         try:
             for r in range(rounds):
                 disk_scenarios(counts, tmp / f"disk{r}" / "prefix", rng)
+                planted_scenarios(counts, tmp / f"planted{r}", rng)
                 if server is not None:
                     redis_scenarios(counts, server, rng)
             race(counts, tmp / "race", server.url if server is not None else None, 1)
@@ -361,6 +460,8 @@ def format_counts(c: dict) -> str:
              f"  warnings          {c['warnings']}",
              f"  errors            {c['errors']}",
              f"  data lost         {c['data_lost']}",
+             f"  planted refused   {c['refused']}",
+             f"  repairs missed    {c['repairs_missed']}",
              f"  prefix tokens loaded from the stores: {c['prefix_tokens_loaded']}",
              "  faults: " + ", ".join(f"{k} {v}" for k, v in sorted(c["by_fault"].items()))]
     return "\n".join(lines)
@@ -375,7 +476,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     c = run_suite(args.rounds, args.seed, redis=not args.no_redis)
     print(json.dumps(c) if args.json else format_counts(c))
-    return 0 if c["data_lost"] == 0 and c["errors"] == 0 else 1
+    return 0 if c["data_lost"] == 0 and c["errors"] == 0 and c["repairs_missed"] == 0 else 1
 
 
 if __name__ == "__main__":
