@@ -18,7 +18,6 @@ import inspect
 import io
 import json
 import os
-import stat
 import tempfile
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -27,6 +26,7 @@ import torch
 
 from ...errors import ConfigError
 from ...private import private_dir, stat_problem
+from ...safe_io import read_regular_file
 from ...formats import KVFormat
 from ...cache.calibration import Calibration, CalibrationOptions, calibrate
 
@@ -204,23 +204,9 @@ def _read(path: str, private: bool) -> bytes:
     """The bytes of a statistics file: a regular file (no symlink, FIFO or device; never
     blocks), at most MAX_FILE_BYTES, and with `private` owned by this user and not writable by
     others."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        raise ConfigError(f"pagedkv calibration file {path!r} cannot be opened ({exc.strerror or exc})") from None
-    try:
-        st = os.fstat(fd)
-        problem = stat_problem(st, directory=False) if private else \
-            (None if stat.S_ISREG(st.st_mode) else "is not a regular file")
-        if problem is None and st.st_size > MAX_FILE_BYTES:
-            problem = f"is {st.st_size} bytes (a statistics file is at most {MAX_FILE_BYTES})"
-        if problem is not None:
-            raise ConfigError(f"pagedkv calibration file {path!r} {problem}; not loaded (remove it "
-                              "to fit the statistics again)")
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            return fh.read(MAX_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
+    check = (lambda st: stat_problem(st, directory=False)) if private else None
+    return read_regular_file(path, MAX_FILE_BYTES, "pagedkv calibration file", follow=False,
+                             check=check)
 
 
 def _checked(path: str, layers, geometry) -> list[Calibration]:
