@@ -252,3 +252,32 @@ def describe(cals: Sequence[Calibration]) -> str:
     """One line for logs: which statistics are set in how many layers."""
     counts = {f: sum(getattr(c, f) is not None for c in cals) for f in _FIELDS}
     return json.dumps(counts)
+
+
+def rank_heads(total_heads: int, tp_size: int, tp_rank: int) -> list[int]:
+    """The KV heads a tensor-parallel rank holds, as vLLM splits them: contiguous groups of
+    total / tp when the heads divide over the ranks, else (more ranks than heads) every head
+    replicated on tp / total consecutive ranks."""
+    if tp_size <= 1:
+        return list(range(total_heads))
+    if total_heads >= tp_size:
+        if total_heads % tp_size:
+            raise ConfigError(f"pagedkv: {total_heads} KV heads do not split over tensor_parallel_size {tp_size}")
+        n = total_heads // tp_size
+        return list(range(tp_rank * n, (tp_rank + 1) * n))
+    if tp_size % total_heads:
+        raise ConfigError(f"pagedkv: tensor_parallel_size {tp_size} is not a multiple of the {total_heads} KV heads")
+    return [tp_rank // (tp_size // total_heads)]
+
+
+def for_rank(cal: Calibration, heads: Sequence[int]) -> Calibration:
+    """A layer's statistics for the KV heads one rank holds: the per-head rows (key centre and
+    multipliers, value centre) of those heads; the fp8 tensor scales are the layer's, the same
+    on every rank (so each rank stores exactly its heads' bytes of the single-rank pages)."""
+    idx = torch.tensor(list(heads), dtype=torch.long)
+
+    def pick(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.index_select(0, idx).contiguous()
+
+    return Calibration(k_centre=pick(cal.k_centre), k_mult=pick(cal.k_mult), v_centre=pick(cal.v_centre),
+                       k_scale=cal.k_scale, v_scale=cal.v_scale)

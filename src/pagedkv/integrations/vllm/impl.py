@@ -35,7 +35,7 @@ from ...cache.calibration import Calibration
 from ...ops.dispatch import Op, select_backend
 from . import plugin
 from .backend import PagedKVMetadata, backend_for
-from .fit import FitPlan, describe, fit, load
+from .fit import FitPlan, describe, fit, for_rank, load, rank_heads
 from .layout import check_geometry, layer_formats, paged_layer, tail_layer
 from .settings import VllmSettings, settings_from
 
@@ -289,7 +289,28 @@ def prepare_layers(vllm_config) -> None:
         cals = fit(vllm_config.model_config.model, plan, s.calibration_tokens, s.cache_dir, geometry)
     else:
         cals = [Calibration() for _ in impls]
+    cals = _rank_statistics(vllm_config, cals)
     for impl, cal in zip(impls, cals):
         impl.calibration = cal
         impl._paged = impl._tail_paged = None
     log.info("pagedkv: statistics per layer %s", describe(cals))
+
+
+def _rank_statistics(vllm_config, cals: list) -> list:
+    """Under tensor parallelism each rank keeps the statistics of the KV heads it holds
+    (`fit.rank_heads`: vLLM's split); the fit itself is the whole model's, as with one rank."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp <= 1:
+        return cals
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    heads = rank_heads(vllm_config.model_config.get_total_num_kv_heads(), tp, get_tensor_model_parallel_rank())
+    return [for_rank(c, heads) for c in cals]
+
+
+def page_layers(vllm_config, kv_caches: dict) -> list:
+    """Every pagedkv layer's PagedLayer over its vLLM page tensor in `kv_caches` (layer name ->
+    tensor), in model order, with the engine's fitted statistics: what the KV connector
+    (`connector.py`) reads and writes."""
+    prepare_layers(vllm_config)
+    return [mod.impl._layer(kv_caches[name]) for name, mod in _pagedkv_layers(vllm_config)]

@@ -1,0 +1,110 @@
+"""The vLLM connector's store side without vLLM (`integrations/vllm/fleet.py`): pages published by
+one rank load bit-exact into another instance's blocks; keys bind the format, the statistics, the
+model, the rank and the namespace (anything else is a miss, never a mix); a damaged entry is a
+miss and is deleted; records carry the catalogue's page bytes. Engines: tests_vllm/test_fleet.py.
+"""
+
+import pytest
+import torch
+
+from pagedkv.cache.calibration import Calibration
+from pagedkv.errors import ConfigError
+from pagedkv.formats import parse_format
+from pagedkv.integrations.vllm.fleet import (ConnectorSettings, RankPages, model_identity, open_store, probe,
+                                             rank_identity)
+from pagedkv.integrations.vllm.layout import content_bytes, page_bytes, paged_layer
+
+H, D, BS, BLOCKS, LAYERS = 2, 64, 16, 6, 3
+CHAINS = [bytes([i]) * 16 for i in range(4)]
+
+
+def _pages(fmt="turbo3", centre_seed=0, layers=LAYERS):
+    """A rank's PagedLayers over vLLM-shaped page tensors filled with random bytes."""
+    f = parse_format(fmt)
+    g = torch.Generator().manual_seed(centre_seed)
+    out = []
+    for _ in range(layers):
+        kv = torch.randint(0, 256, (BLOCKS, H, BS, content_bytes(f, D)), dtype=torch.uint8)
+        cal = Calibration(k_centre=torch.randn(H, D, generator=g))
+        out.append(paged_layer(kv, f, H, D, cal))
+    return out
+
+
+def _rank(tmp_path, layers, *, model="m", rank=0, size=1, namespace=""):
+    settings = ConnectorSettings.parse({"path": str(tmp_path / "store"), "namespace": namespace})
+    ident = rank_identity(model, "torch.float32", BS, rank, size)
+    return RankPages(layers, open_store(settings, ident), ident)
+
+
+def _probe(pages: RankPages) -> int:
+    return probe([(pages.store, pages.layout)], CHAINS)
+
+
+def test_published_pages_load_bit_exact_into_another_instances_blocks(tmp_path):
+    a = _rank(tmp_path, _pages())
+    assert a.publish([(b, c) for b, c in zip((5, 1, 3, 0), CHAINS)]) == 4
+    b = _rank(tmp_path, [pl for pl in _pages()])  # same format and statistics, other bytes
+    assert _probe(b) == 4
+    assert b.load([2, 4, 0, 1], CHAINS) == 4
+    for la, lb in zip(a.layers, b.layers):
+        for src, dst in zip((5, 1, 3, 0), (2, 4, 0, 1)):
+            assert torch.equal(la.k_pool[src], lb.k_pool[dst]) and torch.equal(la.v_pool[src], lb.v_pool[dst])
+
+
+@pytest.mark.parametrize("other", ["statistics", "format", "model", "rank", "namespace"])
+def test_anything_else_is_a_miss(tmp_path, other):
+    _rank(tmp_path, _pages()).publish(list(zip(range(4), CHAINS)))
+    kw = {"model": "m2"} if other == "model" else {"rank": 1, "size": 2} if other == "rank" else \
+        {"namespace": "tenant2"} if other == "namespace" else {}
+    layers = _pages(centre_seed=1) if other == "statistics" else _pages("turbo4") if other == "format" \
+        else _pages()
+    assert _probe(_rank(tmp_path, layers, **kw)) == 0
+    assert _probe(_rank(tmp_path, _pages())) == 4  # the same instance still hits
+
+
+def test_a_damaged_entry_is_a_miss_and_is_deleted(tmp_path):
+    a = _rank(tmp_path, _pages())
+    a.publish(list(zip(range(4), CHAINS)))
+    files = sorted(p for p in (tmp_path / "store").rglob("pkv*"))
+    key = a.store.keys.key(a.layout, CHAINS[2])
+    target = next(p for p in files if p.name == key)
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x5A
+    target.write_bytes(bytes(raw))
+    assert _probe(a) == 2  # blocks 0, 1 intact; 2 damaged ends the hit
+    assert not target.exists()  # deleted: the next publish replaces it
+    a.publish(list(zip(range(4), CHAINS)))
+    assert _probe(a) == 4
+
+
+def test_records_carry_the_catalogues_page_bytes(tmp_path):
+    for fmt in ("turbo3", "q8_0", "bf16"):
+        pages = _rank(tmp_path, _pages(fmt))
+        assert pages.page_bytes == LAYERS * page_bytes(parse_format(fmt), BS, H, D)
+    t3 = _rank(tmp_path, _pages("turbo3")).page_bytes
+    assert _rank(tmp_path, _pages("bf16")).page_bytes / t3 == pytest.approx(16 / 3.5)
+
+
+def test_model_identity_follows_the_files_not_the_folder(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"x": 1}')
+        (tmp_path / name / "model.safetensors").write_bytes(bytes(range(256)) * 100)
+    assert model_identity(str(tmp_path / "a")) == model_identity(str(tmp_path / "b"))
+    (tmp_path / "b" / "model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 100)
+    assert model_identity(str(tmp_path / "a")) != model_identity(str(tmp_path / "b"))
+    assert model_identity("org/name", "abc") == "name:org/name@abc"
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"store": "s3"}, "'disk' or 'redis'"),
+    ({}, "needs \"path\""),
+    ({"path": "/x", "colour": 1}, "unknown kv_connector_extra_config key"),
+    ({"store": "redis"}, "redis_url"),
+    ({"store": "redis", "redis_url": "redis://127.0.0.1:1/0"}, "store_secret_file"),
+    ({"path": "/x", "store_secret_file": "/nonexistent/secret"}, "cannot be read"),
+    ({"path": "/x", "namespace": "a/b"}, "store_namespace"),
+])
+def test_bad_settings_are_refused_naming_them(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        ConnectorSettings.parse(extra)
