@@ -2,8 +2,8 @@
 killed, hung, full, flushed and fed damaged or forged values; disk entries flipped, truncated,
 forged, replaced by FIFOs, symlinks, directories and sparse giants; disk full and removed; swap
 full; two processes racing on one disk store and one Redis; another user's planted store secret
-and vLLM statistics (refused); an empty value on disk and on Redis (repaired). No run may use
-wrong K/V."""
+and vLLM statistics (refused); an empty value on disk and on Redis (repaired); the vLLM connector's
+page hand-overs under the same faults. No run may use wrong K/V."""
 
 from __future__ import annotations
 
@@ -37,3 +37,4 @@ def test_fault_suite_loses_no_data_and_stays_bit_identical():
     assert c["refused"] >= 3  # the planted secret (and as root its other owner), statistics x2
     assert c["bit_identical"] == c["runs"] > c["faults_injected"] >= 28
     assert c["warnings"] > 0 and c["prefix_tokens_loaded"] > 0
+    assert sum(n for f, n in c["by_fault"].items() if f.startswith("connector-")) >= 26  # the vLLM connector's

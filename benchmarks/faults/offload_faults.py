@@ -15,6 +15,9 @@ non-finite values; each must be a ConfigError), repairs missed (after an empty v
 on Redis, every prompt must hit all its blocks again; must be 0), and prefix tokens loaded from
 the stores (the faults cost hits, not correctness). Redis scenarios need `redis-server` on PATH
 (skipped otherwise, and said so). `tests/test_offload_faults.py` runs one round in `make test`.
+Each round also runs the vLLM KV connector's cases (`connector_faults.py`: pages handed from
+one instance to another through the disk and Redis stores under the same faults; a run is
+bit-identical when every page loaded equals the publisher's).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from pagedkv.offload import OffloadConfig, TierWarning, TierWriteError
 from pagedkv.offload.record import RecordError, encode_record, parse_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.redis_server import RedisServer  # noqa: E402  (one copy, shared with the tests)
+import connector_faults  # noqa: E402  (the vLLM connector's cases)
 
 CFG = dict(num_layers=2, num_kv_heads=2, head_dim=32, kv_format="q8_0", block_size=8,
            num_blocks=48, high_precision_layers=0, model_id="fault-suite")
@@ -283,8 +288,8 @@ def damage_disk(root: Path, kind: str, rng: random.Random) -> None:
         victim.mkdir()
 
 
-def damage_redis(client, kind: str, rng: random.Random) -> None:
-    keys = sorted(client.keys("faults:pkv*"))
+def damage_redis(client, kind: str, rng: random.Random, pattern: str = "faults:pkv*") -> None:
+    keys = sorted(client.keys(pattern))
     if len(keys) < 2:
         return
     victim, other = rng.sample(keys, 2)
@@ -295,6 +300,18 @@ def damage_redis(client, kind: str, rng: random.Random) -> None:
         client.setrange(victim, (64 << 20) - 1, b"\0")
     else:
         client.set(victim, damage_value(kind, client.get(victim), client.get(other), rng))
+
+
+@contextlib.contextmanager
+def redis_full(client):
+    """The server at its maxmemory (noeviction) while inside: writes fail with OOM."""
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", str(used + 4096))
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", "0")
 
 
 # ---- scenarios ---------------------------------------------------------------------------------
@@ -360,11 +377,8 @@ def redis_scenarios(counts: Counts, server: RedisServer, rng: random.Random) -> 
     run_one(counts, make(), rng.choice(PROMPTS), "redis-hung", during=hang)
     server.proc.send_signal(signal.SIGCONT)
     server.client.flushall()
-    used = int(server.client.info("memory")["used_memory"])
-    server.client.config_set("maxmemory-policy", "noeviction")
-    server.client.config_set("maxmemory", str(used + 4096))
-    run_one(counts, make(), rng.choice(PROMPTS), "redis-full")
-    server.client.config_set("maxmemory", "0")
+    with redis_full(server.client):
+        run_one(counts, make(), rng.choice(PROMPTS), "redis-full")
     run_one(counts, make(), rng.choice(PROMPTS), "redis-killed", during=lambda cache: server.kill())
     run_one(counts, make(), rng.choice(PROMPTS), "redis-down")
     server.start()
@@ -439,8 +453,11 @@ def run_suite(rounds: int = 3, seed: int = 0, redis: bool = True) -> dict:
             for r in range(rounds):
                 disk_scenarios(counts, tmp / f"disk{r}" / "prefix", rng)
                 planted_scenarios(counts, tmp / f"planted{r}", rng)
+                connector_faults.disk_cases(counts, tmp / f"conn{r}" / "store", rng, sys.modules[__name__])
                 if server is not None:
                     redis_scenarios(counts, server, rng)
+                    connector_faults.redis_cases(counts, server, tmp / "conn-secret", rng,
+                                                 sys.modules[__name__])
             race(counts, tmp / "race", server.url if server is not None else None, 1)
         finally:
             if server is not None:
