@@ -1,5 +1,6 @@
-"""The README's Python example is examples/quickstart.py, and it runs as written on the embedded
-model (a fresh interpreter, FutureWarning and DeprecationWarning turned into errors)."""
+"""The README's quickstarts run as written on the embedded model: its Python example is
+examples/quickstart.py (a fresh interpreter, FutureWarning and DeprecationWarning turned into
+errors), and its command-line block runs line by line in bash."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from helpers.markdown import readme_block_run_by, shell_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,3 +48,25 @@ def test_quickstart_runs_as_written():
     # plain turbo3 in every layer: 30 layers x 3 kv heads x (K + V) x 64 dims x 3.5 bits / 8
     assert int(m[2]) == 30 * 3 * 2 * 64 * 7 // 16
     assert int(m[1]) > 40
+
+
+def test_readme_cli_commands_run_as_written():
+    """Each command of the README's command-line block, as written, with `.venv/bin/` meaning this
+    interpreter's bin directory (the venv `make test` made): exit 0 and the output it promises."""
+    pytest.importorskip("transformers")
+    block = readme_block_run_by("tests/test_examples.py::test_readme_cli_commands_run_as_written")
+    commands = shell_commands(block)
+    assert [c.split()[:2] for c in commands] == [[".venv/bin/pagedkv", "plan"], [".venv/bin/pagedkv", "generate"],
+                                                 [".venv/bin/pagedkv", "eval"]], commands
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    out = []
+    for cmd in commands:
+        proc = subprocess.run(["bash", "-c", cmd.replace(".venv/bin/", bindir + "/", 1)], cwd=ROOT,
+                              capture_output=True, text=True, env=env, timeout=1800)
+        assert proc.returncode == 0, (cmd, proc.stderr[-3000:])
+        out.append(proc.stdout + proc.stderr)
+    assert re.search(r"turbo3\s.*\b5040\b.*\b1704352\b", out[0]), out[0]  # bytes per token, tokens in 8 GiB
+    assert re.search(r"\[turbo3\] 24 tokens in", out[1]), out[1][-2000:]
+    assert re.search(r"turbo3\s.*3\.5\s", out[2]) and "2 passes" in out[2], out[2][-2000:]

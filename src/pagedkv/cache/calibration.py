@@ -134,9 +134,9 @@ def key_centre(keys: torch.Tensor, k_codec: str) -> torch.Tensor:
     sum_i q_i^2 (k_i - c_i)^2, which a mean minimises; so for fp8 c is the per-channel mean over
     the chunk's tokens after dropping, per row and KV head, the 1 + floor(3% of T) tokens whose keys
     are farthest (L2) from the median centre (the sinks), then averaged over rows. Deterministic.
-    Measured on SmolLM2, 8 eval windows, fp8 KL: median 0.00833, plain mean 0.00824, mean
-    without token 0 0.00842, trimmed 1% 0.00841, 2% 0.00798, 3% 0.00780 (sensitive to the cut:
-    tuned on the eval text). On 2 windows a trimmed mean raised turbo3/turbo4 KL, hence the split.
+    The 3% cut was chosen on the eval text and the result is sensitive to it; a trimmed mean raised
+    turbo3/turbo4 KL, hence the split by codec (the query-aware centres below replace both where
+    the chunk's queries are known; docs/quality.md, "Key and value centring").
     """
     med = keys.median(dim=2).values.mean(dim=0)
     t = keys.shape[2]
@@ -210,8 +210,8 @@ def attention_value_centre(keys: torch.Tensor, values: torch.Tensor, queries: to
     whose mean square is sum_j p_j^2 E||e_j||^2, and E||e_j||^2 grows with ||v_j - c||^2 (per
     element for fp8, per row for the block/rotated codecs), so c is the mean of the values
     weighted by u_j = sum_q p_qj^2 (queries as in `attention_key_centre`). The plain mean,
-    skewed by many rarely-read tokens, raised KL on SmolLM2; this weighting lowered
-    fp8k_turbo3v 0.0234 -> 0.0197 on 4 eval windows (benchmarks/studies/calibration_study.py).
+    skewed by many rarely-read tokens, raised KL; this weighting lowers it (measured with
+    benchmarks/studies/calibration_study.py, numbers in docs/quality.md).
     keys/values float32 [B, H, T, D]; queries float32 [B, Hq, Tq, D]. Deterministic."""
     b, h, t, d = keys.shape
     q, pos = _spaced_queries(queries, h, t, max_queries)
@@ -251,7 +251,7 @@ def bias_aware_key_centre(keys: torch.Tensor, values: torch.Tensor, queries: tor
     when it fits one slice of _CHUNK_ELEMENTS (B Hq n T floats; a 1024-token chunk of SmolLM2:
     150k), else recomputed slice by slice at each CG step (long prompts: bounded memory, ~6x the
     attention work). Deterministic. Heads without weight fall back to `key_centre`.
-    SmolLM2, 8 windows: see benchmarks/studies/calibration_study.py (variant attn2).
+    Compared with the other estimators by benchmarks/studies/calibration_study.py (variant attn2).
     """
     b, h, t, d = keys.shape
     q, pos = _spaced_queries(queries, h, t, max_queries)

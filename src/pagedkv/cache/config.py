@@ -6,10 +6,9 @@ indices to these). Format names are parsed once, here; everything below sees `KV
 
 High-precision layers (opt-in: a format name means the same bytes everywhere, so `turbo3` is
 turbo3 in every layer, as on the command line): `turbo3+hp` (N automatic), `turbo3+hp2` (N = 2)
-or `high_precision_layers=N / "auto"` make the first and last N layers use `hp_format` (default q8_0: on SmolLM2
-turbo3 with 3+3 q8_0 layers measured KL 0.0886 at 4.5 bits/element against 0.0924 at 6 with
-bf16, 2 eval windows) instead of the
-base format; per side, the more precise of the two codecs is kept, so hp never lowers precision.
+or `high_precision_layers=N / "auto"` make the first and last N layers use `hp_format` (default q8_0:
+a lower KL than bf16 layers on SmolLM2, at fewer bits; docs/quality.md) instead of the base
+format; per side, the more precise of the two codecs is kept, so hp never lowers precision.
 `high_precision_layers="auto"` picks N from the most aggressive K codec among the layers
 (`codecs.derive.auto_high_precision_layers`, derived from the row: max(0, 6 - code bits), so
 K >= 8 bits: 0, 4 bits: 2, 3 bits: 3, 2 bits: 4, 5 bits: 1; low-bit keys shift attention scores,
