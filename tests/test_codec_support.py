@@ -91,7 +91,7 @@ def test_a_row_no_kernel_implements_runs_on_the_reference(row):
         assert select_backend(op, torch.device("cpu"), layer, PARAMS).name == "reference"
     case = make_case(row, row, seq_lens=[40, 7], num_kv_heads=2, group=2, store_backend=None, seed=2)
     ref_case = make_case(row, row, seq_lens=[40, 7], num_kv_heads=2, group=2, seed=2)
-    assert torch.equal(case.layer.k_pool, ref_case.layer.k_pool)  # the CPU store's fallback
+    assert torch.equal(case.layer.k_pool, ref_case.layer.k_pool)  # the CPU store: the reference's bytes
     for mode in ("decode", "prefill"):
         got = run_op(case, PARAMS, mode=mode, backend=None).double()
         torch.testing.assert_close(got, oracle_outputs(case, PARAMS, mode=mode), atol=2e-5, rtol=2e-5)
@@ -111,7 +111,7 @@ def test_the_cpu_kernel_refuses_a_5_bit_row_by_name():
         api.decode_attention(q, layer, tables, lens, PARAMS, backend="cpu")
     with pytest.raises(InvalidInput, match="CPU attention kernel does not implement codec 'q5_test'"):
         side_desc(Q5)
-    assert store_desc(Q5) is None  # the C store hands this side to the reference store
+    assert store_desc(Q5) is not None  # the C store encodes it (q4_0's rule at 5 bits)
     assert side_desc(CODECS["q4_0"]).bits == 4
 
 

@@ -277,13 +277,15 @@ def test_unknown_code_width_is_refused_not_decoded_as_another(side):
 
 
 def test_store_kernel_refuses_unknown_code_width():
-    """The C store packs only the widths it implements; a 5-bit int row leaves the pool untouched."""
+    """The C store packs only the widths each rule implements: q4_0's rule at 8 bits (8-bit ints
+    are q8_0's rule) leaves the pool untouched."""
     import ctypes
+    import dataclasses
 
     from pagedkv.ops import make_layer
     from pagedkv.ops.cpu import write as cstore
 
-    codec = _five_bit("q4_0")
+    codec = dataclasses.replace(CODECS["q4_0"], name="q4_0_8bit", code_bits=8)
     layer = make_layer(codec, codec, 1, 16, 1, 64)
     d = cstore.store_desc(CODECS["q4_0"])
     x = torch.randn(1, 1, 64)
@@ -294,7 +296,7 @@ def test_store_kernel_refuses_unknown_code_width():
     a.x_stride_t, a.x_stride_h, a.num_tokens = x.stride(0), x.stride(1), 1
     a.block_stride, a.scale_offset = layer.k_pool.stride(0), codec.data_bytes(16 * 64)
     a.x_dtype, a.block_size, a.num_heads, a.head_dim = 0, 16, 1, 64
-    a.kind, a.bits, a.group, a.scale_kind = d.kind, 5, d.group, d.scale_kind
+    a.kind, a.bits, a.group, a.scale_kind = d.kind, 8, d.group, d.scale_kind
     a.row_data_bytes, a.row_scale_bytes = codec.row_data_bytes(64), codec.row_scale_bytes(64)
     a.top, a.tensor_scale = d.top, 1.0
     assert cpu._require().lib.pkv_store(ctypes.byref(a)) == 3

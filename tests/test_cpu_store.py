@@ -6,34 +6,39 @@ negatives (skipped), k_centre, fp8 tensor scales, float32 / bfloat16 / float16 a
 inputs, and values that stress the rules: zero rows, huge and tiny (fp32 subnormal) values,
 rows made of exact levels times an E4M3 scale (exact ties between scale candidates).
 
-Tolerance (table codecs only: nvfp4, turbo2/3/4). Both stores compute each candidate scale's
-per-element squared terms with the same fp32 operations, but a group's error is a sum of G = 16
+Beyond the catalogue, rows the C store declares (`write.STORE_SUPPORT`) but no catalogue row has
+(integer rules at 2..7 bits, table and integer rows with groups 8..64) must write the reference's
+bytes too: the C store derives everything from the row.
+
+Tolerance (table codecs only: nvfp4, turbo2/3/4/5, turbo2g64). Both stores compute each candidate
+scale's per-element squared terms with the same fp32 operations, but a group's error is a sum of G
 fp32 terms, and a different summation order rounds differently. The C store sums in the order of
-torch's CPU kernel (8 lanes: e[l] + e[l+8], then the lanes in order), so here nothing should
-differ; on a machine whose torch sums in another order (other SIMD width) two candidates whose
-errors agree to within rounding may swap. Any order of n nonnegative fp32 terms is within
-(n-1) * 2^-24 * S of the exact sum S (recursive summation bound), so when the C store prefers
-candidate a over the reference's b, the exact sums obey S(a) <= S(b) * (1 + 2 * 15 * 2^-24),
-i.e. 1.8e-6 relative (the exact S computed in fp64 from the same fp32 terms). A flipped group
-must satisfy that and flips must stay rare (<= 0.1% of groups); every other byte must be equal.
+torch's CPU kernel (8-lane vectors, 4 accumulators), so here nothing should differ; on a machine
+whose torch sums in another order (other SIMD width) two candidates whose errors agree to within
+rounding may swap. Any order of n nonnegative fp32 terms is within (n-1) * 2^-24 * S of the exact
+sum S (recursive summation bound), so when the C store prefers candidate a over the reference's
+b, the exact sums obey S(a) <= S(b) * (1 + 2 * (G - 1) * 2^-24), i.e. 1.8e-6 relative for G = 16
+(the exact S computed in fp64 from the same fp32 terms). A flipped group must satisfy that and
+flips must stay rare (<= 0.1% of groups); every other byte must be equal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 
 import pytest
 import torch
 
 from pagedkv.codecs import wht
-from pagedkv.codecs.catalogue import CODECS, ScaleType, ValueKind
+from pagedkv.codecs.catalogue import CODECS, Codec, ScaleType, ValueKind
 from pagedkv.codecs.floats import from_e4m3_bytes
 from pagedkv.codecs.layout import block_views
 from pagedkv.codecs.packing import unpack
 from pagedkv.errors import InvalidInput
 from pagedkv.ops import api, make_layer
-from pagedkv.ops.dispatch import Op, get_backend, select_backend
+from pagedkv.ops.dispatch import Op, get_backend, log_fallback_once, select_backend
 
 ref_store = importlib.import_module("pagedkv.ops.reference.store")
 cpu = pytest.importorskip("pagedkv.ops.cpu")
@@ -43,14 +48,18 @@ from pagedkv.ops.cpu import write as cstore  # noqa: E402
 if not cpu.available():
     pytestmark = pytest.mark.skip(reason=f"CPU kernel unavailable: {cpu.kernel_info()}")
 
-SUM_REL_TOL = 2 * 15 * 2.0**-24  # see the module docstring
+def sum_rel_tol(codec) -> float:
+    """See the module docstring: twice the recursive summation bound of a group's G terms."""
+    return 2 * (codec.group_size - 1) * 2.0**-24
+
+
 MAX_FLIP_FRACTION = 1e-3
 BLOCK_SIZE, NUM_BLOCKS = 16, 12
 
 
 def odd_head_dim(codec) -> int:
-    """A valid head_dim that is not a power of two (80 for group-16 codecs, 96 for group-32, 192
-    for group-64)."""
+    """A valid head_dim that is not a power of two (80 for group-16 codecs, 96 for group-32 / 24 /
+    48, 192 for group-64)."""
     for d in (80, 96, 192):
         try:
             codec.check_head_dim(d)
@@ -126,7 +135,7 @@ def compare_side(codec, want_pool, got_pool, layer, x_stored, slots):
     xg = x_stored[keep].reshape(-1, g)[flipped]
     err_want = _group_terms(codec, xg, want_d[flipped], want_s[flipped]).double().sum(-1)
     err_got = _group_terms(codec, xg, got_d[flipped], got_s[flipped]).double().sum(-1)
-    assert bool((err_got <= err_want * (1 + SUM_REL_TOL)).all()), (codec.name, err_got, err_want)
+    assert bool((err_got <= err_want * (1 + sum_rel_tol(codec))).all()), (codec.name, err_got, err_want)
     return n_flip
 
 
@@ -192,20 +201,80 @@ def test_one_side_only_and_block_size_not_16():
     assert torch.equal(layer.k_pool, twin.k_pool) and torch.equal(layer.v_pool, twin.v_pool)
 
 
-REFERENCE_STORED = {"f16", "fp8_e5m2", "turbo5", "turbo2g64"}  # rules / table groups store_kernel.c does not implement
+V, S = ValueKind, ScaleType
+# rows the C store declares that the catalogue does not hold: other widths and groups of its rules
+BEYOND_CATALOGUE = [
+    Codec("q2_test", 2, V.INT, 32, S.FP16, False, "q4_0's rule at 2 bits"),
+    Codec("q3_test", 3, V.INT, 16, S.BF16, False, "q4_0's rule at 3 bits, bf16 scale"),
+    Codec("q5_test", 5, V.INT, 32, S.FP16, False, "q4_0's rule at 5 bits"),
+    Codec("q7_test", 7, V.INT, 64, S.FP16, False, "q4_0's rule at 7 bits, group 64"),
+    Codec("q8g8_test", 8, V.INT, 8, S.FP16, False, "q8_0's rule, group 8"),
+    Codec("nvfp4g8_test", 4, V.E2M1, 8, S.FP8_E4M3, False, "E2M1, group 8"),
+    Codec("nvfp4g24_test", 4, V.E2M1, 24, S.FP8_E4M3, False, "E2M1, group 24"),
+    Codec("nvfp4g32_test", 4, V.E2M1, 32, S.FP8_E4M3, True, "E2M1, group 32, rotated"),
+    Codec("nvfp4g48_test", 4, V.E2M1, 48, S.FP8_E4M3, False, "E2M1, group 48"),
+    Codec("fp8g32_test", 8, V.FP8_E4M3, 32, S.FP16, False, "turbo8's rule, group 32, fp16 scale"),
+]
 
 
-def test_every_codec_is_served_by_the_c_store():
-    """The description is derived for every catalogue row but the ones the C store hands to the
-    reference store (their bytes are still the reference's: the shared backend check)."""
+@pytest.mark.parametrize("codec", BEYOND_CATALOGUE, ids=lambda c: c.name)
+def test_rows_beyond_the_catalogue_store_the_reference_bytes(codec, monkeypatch):
+    assert cstore.STORE_SUPPORT.refusal(codec, store=True) is None
+    monkeypatch.setattr(cstore, "reference_store_side", _no_fallback)
+    for d in (64 if codec.group_size <= 64 and 64 % codec.group_size == 0 else 96, odd_head_dim(codec)):
+        run_case(codec, d, seed=4)
+
+
+def _no_fallback(*args, **kwargs):
+    raise AssertionError("the C store handed a declared row to the reference store")
+
+
+def test_declared_support_is_what_runs(monkeypatch):
+    """Every catalogue row is declared and stored in C, never handed to the reference store; the
+    backend's declaration is the C store's."""
+    assert cpu.BACKEND.codecs.encode == cstore.STORE_SUPPORT.encode
+    monkeypatch.setattr(cstore, "reference_store_side", _no_fallback)
     for codec in CODECS.values():
+        assert cstore.STORE_SUPPORT.refusal(codec, store=True) is None, codec.name
         desc = cstore.store_desc(codec)
-        if codec.name in REFERENCE_STORED:
-            assert desc is None, codec.name
-            continue
-        assert desc is not None, codec.name
         if codec.values in (ValueKind.E2M1, ValueKind.LLOYD_MAX):
             assert desc.kind == cstore.SK_TABLE and desc.levels.numel() == 2**codec.code_bits
+        run_case(codec, 64, t=12, seed=5)
+
+
+def test_an_undeclared_row_goes_to_the_reference_logged_once(caplog):
+    """A row past the declaration (a group of 80) is never handed to the C store: the dispatcher
+    picks the reference store and says so once per codec and reason."""
+    wide = Codec("q8g80_test", 8, V.INT, 80, S.FP16, False, "q8_0's rule, group 80")
+    assert "group size 80" in cstore.STORE_SUPPORT.refusal(wide, store=True)
+    assert cstore.store_desc(wide) is None
+    log_fallback_once.cache_clear()
+    layer = make_layer(wide, CODECS["bf16"], 4, 16, 1, 80)
+    x = torch.randn(3, 1, 80)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.ops.dispatch"):
+        for _ in range(3):
+            assert select_backend(Op.STORE, layer.device, layer, None).name == "reference"
+            api.store(layer, x, x, torch.arange(3, dtype=torch.int64))
+    lines = [r.getMessage() for r in caplog.records if "q8g80_test" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "store on cpu runs on the reference ops" in lines[0] and "group size 80" in lines[0]
+
+
+def test_a_call_the_c_store_cannot_run_is_logged_once(caplog):
+    """A pool whose rows are not byte-contiguous runs the reference store for that side, with one
+    log line per codec and reason, however many calls."""
+    codec = CODECS["nvfp4"]
+    layer = make_layer(codec, codec, 4, 16, 1, 64)
+    wide = torch.zeros(4, layer.k_pool.shape[1] * 2, dtype=torch.uint8)
+    odd = dataclasses.replace(layer, k_pool=wide[:, ::2])
+    x = torch.randn(5, 1, 64)
+    log_fallback_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="pagedkv.ops.dispatch"):
+        for _ in range(3):
+            cpu.store(odd, x, x, torch.arange(5, dtype=torch.int64))
+    lines = [r.getMessage() for r in caplog.records if "CPU store of nvfp4" in r.getMessage()]
+    assert lines == ["pagedkv: the CPU store of nvfp4 runs on the reference store: the pool's rows are "
+                     "not byte-contiguous"], lines
 
 
 def test_dispatcher_picks_the_c_store_for_cpu_layers():
@@ -289,10 +358,32 @@ def test_portable_variants_write_the_same_bytes(tmp_path, variant):
     loaded = cpu.kernel_info()["variant"]  # the session's build (conftest's --kernel-variant, else the best)
     try:
         cpu.load(kbuild.KernelConfig(cache_dir=str(tmp_path), variant=variant))
-        for name in ("turbo3", "turbo4", "turbo2", "nvfp4", "turbo8", "q4_0", "fp8"):
-            run_case(CODECS[name], 64, t=24, seed=7)
+        for codec in [*CODECS.values(), *BEYOND_CATALOGUE[2:7]]:
+            run_case(codec, 96 if codec.group_size and 64 % codec.group_size else 64, t=24, seed=7)
     finally:
         cpu.load(kbuild.KernelConfig(variant=loaded))
+
+
+def _c_group_sums(x: torch.Tensor, lanes: int) -> torch.Tensor:
+    import ctypes
+
+    out = torch.empty(x.shape[0])
+    rc = cpu._require().lib.pkv_store_group_sums(ctypes.c_void_p(x.data_ptr()), x.shape[1], x.shape[0], lanes,
+                                                  ctypes.c_void_p(out.data_ptr()))
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("group", range(8, 65, 8))
+def test_the_scale_search_sums_a_group_as_torch_does(group):
+    """The C scale search sums a group's squared errors in torch's CPU order (the reference's pick
+    at exact ties depends on it): bit-equal to torch's sum on terms of wide range, where another
+    order (one lane at a time) rounds differently."""
+    gen = torch.Generator().manual_seed(group)
+    x = (torch.randn(16, group, generator=gen) * torch.exp(torch.randn(16, group, generator=gen) * 4)).square()
+    assert torch.equal(_c_group_sums(x, cstore.TORCH_SUM_LANES), x.sum(-1))
+    if group >= 16:
+        assert not torch.equal(_c_group_sums(x, 1), x.sum(-1))
 
 
 def test_tolerance_rejects_a_worse_scale_choice():

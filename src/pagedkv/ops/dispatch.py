@@ -23,12 +23,16 @@ Selection for a call (`select_backend`): the backend the caller named (typed arg
 `backend=`; ConfigError if unknown, InvalidInput if it cannot run on the tensors' device, does
 not implement a codec or does not support the case), else the highest-priority registered
 backend for the device type that implements both codecs and whose `supports` accepts the case,
-else the reference backend (every row `codecs.derive` describes, any device).
+else the reference backend (every row `codecs.derive` describes, any device). An automatic
+choice that passes over a backend for the device type (a codec it does not implement, a case its
+`supports` declines) is logged once per op, backend and reason (`log_fallback_once`), so a slow
+path is never silent.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import logging
 import threading
@@ -128,6 +132,14 @@ def codec_refusal(backend: Backend, op: Op, layer: PagedLayer) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def log_fallback_once(what: str, reason: str, runs_on: str) -> None:
+    """Log (once per distinct arguments: the cache is the memory) that `what` runs on the slower
+    `runs_on` because of `reason`; `reason` names the codec. Used by the dispatcher and by a
+    backend handing one call of its own to the reference ops."""
+    log.warning("pagedkv: %s runs on the %s: %s", what, runs_on, reason)
+
+
 def unregister_backend(name: str) -> None:
     """Remove a backend by name (tests); the reference backend cannot be removed."""
     if name == "reference":
@@ -199,9 +211,18 @@ def select_backend(op: Op, device: torch.device, layer: PagedLayer,
                 f"k={layer.k_codec.name}, v={layer.v_codec.name}, head_dim={layer.head_dim}"
             )
         return chosen
+    passed = []  # (backend, why) of the better backends passed over
     for candidate in backends(device_type):
-        if codec_refusal(candidate, op, layer) is None and candidate.supports(op, layer, params):
-            return candidate
+        why = codec_refusal(candidate, op, layer)
+        if why is None:
+            if candidate.supports(op, layer, params):
+                for name, reason in passed:
+                    log_fallback_once(f"{op.value} on {device_type}", f"backend {name!r}: {reason}",
+                                      f"{candidate.name} ops")
+                return candidate
+            why = (f"its supports() declines k={layer.k_codec.name}, v={layer.v_codec.name}, "
+                   f"head_dim={layer.head_dim}")
+        passed.append((candidate.name, why))
     reference = _registry["reference"]
     why = codec_refusal(reference, op, layer)  # raises ConfigError for a row with no derivation
     assert why is None, why

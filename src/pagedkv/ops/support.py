@@ -2,7 +2,8 @@
 
 A backend declares a `CodecSupport`: the (decode kind, code bits) pairs its attention reads, the
 (encode rule, code bits) pairs its store writes, and the group sizes it handles (0 = no per-group
-scale), each None for "every row `pagedkv.codecs.derive.traits` describes" (the reference). The
+scale; the store's own set where it differs), each None for "every row `pagedkv.codecs.derive.traits`
+describes" (the reference). The
 dispatcher (`dispatch.select_backend`) asks `refusal(...)` for both codecs of a layer before it
 runs a backend: automatic selection then falls back to the next backend (finally the reference),
 and a backend named by the caller raises InvalidInput with the reason. A row `traits` cannot
@@ -22,11 +23,14 @@ from ..codecs.derive import DecodeKind, EncodeRule, traits
 @dataclass(frozen=True)
 class CodecSupport:
     """decode: frozenset of (DecodeKind, bits) attention reads; encode: frozenset of
-    (EncodeRule, bits) the store writes; groups: frozenset of group sizes; None = any."""
+    (EncodeRule, bits) the store writes; groups: frozenset of group sizes; None = any.
+    store_groups: the group sizes the store handles where they differ from `groups` (None: the
+    same as `groups`)."""
 
     decode: Optional[frozenset] = None
     encode: Optional[frozenset] = None
     groups: Optional[frozenset] = None
+    store_groups: Optional[frozenset] = None
 
     def refusal(self, codec: Codec, *, store: bool) -> Optional[str]:
         """None when this backend implements `codec` for the store (store=True) or attention,
@@ -38,8 +42,9 @@ class CodecSupport:
             wanted, have, what = (t.decode, t.bits), self.decode, "decode kind"
         if have is not None and wanted not in have:
             return f"{what} {wanted[0].value} at {t.bits} bits is not implemented"
-        if self.groups is not None and t.group not in self.groups:
-            return f"group size {t.group} is not implemented (groups {sorted(self.groups)})"
+        groups = self.store_groups if store and self.store_groups is not None else self.groups
+        if groups is not None and t.group not in groups:
+            return f"group size {t.group} is not implemented (groups {sorted(groups)})"
         return None
 
 

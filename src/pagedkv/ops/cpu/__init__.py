@@ -76,8 +76,9 @@ import torch
 
 from ..batch import AttentionParams, PagedLayer
 from ..dispatch import Backend, Op, register_backend
+from ..support import CodecSupport
 from . import write as _store
-from .attention import _Args, _Side, run_attention
+from .attention import ATTENTION_SUPPORT, _Args, _Side, run_attention
 from .build import KernelConfig, KernelUnavailable, LoadedKernel, build_and_load
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,8 @@ def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor
 
 def supports(op: Op, layer: PagedLayer, params: Optional[AttentionParams]) -> bool:
     """Attention: CPU tensors with head_dim a multiple of 16 and byte-contiguous pools. Store:
-    every case (the C store hands a side it does not cover to the reference store)."""
+    every case `SUPPORT` declares (the C store hands a call it cannot run to the reference store,
+    logged)."""
     if op is Op.STORE:
         return True
     return (_kernel is not None and layer.device.type == "cpu" and layer.head_dim % 16 == 0
@@ -181,8 +183,12 @@ except KernelUnavailable as exc:
     _error = str(exc)
     log.warning("pagedkv: fast CPU attention unavailable (%s); using the reference ops", exc)
 
+# What the backend implements: the attention kernel's rows and the C store's (every catalogue row)
+SUPPORT = CodecSupport(decode=ATTENTION_SUPPORT.decode, groups=ATTENTION_SUPPORT.groups,
+                      encode=_store.STORE_SUPPORT.encode, store_groups=_store.STORE_SUPPORT.groups)
+
 if _kernel is not None:
     BACKEND = Backend(name="cpu", device_types=("cpu",), store=store,
                       decode_attention=decode_attention, prefill_attention=prefill_attention,
-                      supports=supports, priority=10)
+                      supports=supports, priority=10, codecs=SUPPORT)
     register_backend(BACKEND)

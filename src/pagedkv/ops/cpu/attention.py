@@ -32,7 +32,6 @@ from ...codecs.floats import e4m3_table
 from ...errors import InvalidInput
 from .. import transform
 from ..batch import AttentionParams, PagedLayer
-from ..dispatch import declare_codecs
 from ..support import CodecSupport, pairs
 
 EK_BF16, EK_LUT, EK_E4M3, EK_I8 = 0, 1, 2, 3
@@ -75,7 +74,8 @@ class SideDesc:
 
 # What the C kernel reads (PKV_DISPATCH in attention_kernel.c: bf16, E4M3 and int8 by arithmetic,
 # 2/3/4/8-bit codes through the value table; scales per 16-element chunk, so groups of 16k).
-# Declared to the dispatcher, which never hands the kernel another row.
+# Declared to the dispatcher with the store's (`write.STORE_SUPPORT`) by the backend
+# (`__init__.SUPPORT`), so the dispatcher never hands the kernel another row.
 ATTENTION_SUPPORT = CodecSupport(
     decode=(pairs(DecodeKind.RAW_BF16, (16,)) | pairs(DecodeKind.E4M3, (8,)) | pairs(DecodeKind.INT8, (8,))
             | pairs(DecodeKind.INT_OFFSET, (2, 3, 4)) | pairs(DecodeKind.TABLE, (2, 3, 4, 8))),
@@ -83,8 +83,6 @@ ATTENTION_SUPPORT = CodecSupport(
 )
 _KIND = {DecodeKind.RAW_BF16: EK_BF16, DecodeKind.E4M3: EK_E4M3, DecodeKind.INT8: EK_I8,
          DecodeKind.INT_OFFSET: EK_LUT, DecodeKind.TABLE: EK_LUT}
-declare_codecs("cpu", CodecSupport(decode=ATTENTION_SUPPORT.decode, groups=ATTENTION_SUPPORT.groups,
-                                   encode=None))  # store: write.py hands other rows to the reference
 
 
 @functools.lru_cache(maxsize=None)

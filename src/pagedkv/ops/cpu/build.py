@@ -51,7 +51,7 @@ SOURCES = (SOURCE, STORE_SOURCE)
 HEADERS = (Path(__file__).with_name("attention_i8.h"),  # included by SOURCE: part of the hash
            Path(__file__).with_name("prefill_kernel.h"))
 ABI_VERSION = 6  # must match PKV_ABI_VERSION in the C source
-STORE_ABI_VERSION = 1  # must match pkv_store_abi() in store_kernel.c
+STORE_ABI_VERSION = 2  # must match pkv_store_abi() in store_kernel.c
 
 VARIANT_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi", "-mfma", "-mf16c"],

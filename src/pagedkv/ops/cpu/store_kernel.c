@@ -5,24 +5,29 @@
  * every rule is the reference encoder's (pagedkv/codecs/reference.py), computed in the same fp32
  * operations in the same order, so the bytes written equal the reference store's:
  *   SK_BF16         bf16 round-to-nearest-even;
+ *   SK_F16          IEEE half round-to-nearest-even of x clamped to +-65504 (f16);
  *   SK_E4M3_TENSOR  E4M3 of x / tensor_scale, saturating at +-448 (fp8);
+ *   SK_E5M2_TENSOR  E5M2 of x / tensor_scale, saturating at +-57344 (fp8_e5m2);
  *   SK_E4M3_GROUP   half scale = half(amax / top), codes E4M3 of x / scale (turbo8);
  *   SK_INT8         half d = half(amax / top), q = rint(x / d) clamped to +-top (q8_0);
- *   SK_INT4         m = first element of largest |x|, half d = half(m / -lo),
- *                   u = floor(x / d + lo + 0.5) clamped to [0, 2^bits - 1] (q4_0);
+ *   SK_INT_SIGNED   m = first element of largest |x|, half d = half(m / -lo),
+ *                   u = floor(x / d + lo + 0.5) clamped to [0, 2^bits - 1] (q4_0, any width);
  *   SK_TABLE        E4M3 group scale searched over 10 candidates around amax / top (least squared
  *                   error of the group, ties keep the smaller scale), each element the nearest
- *                   level (ties go down) (nvfp4, turbo2/3/4).
- * The squared error of a group of 16 is summed in the order of torch's CPU sum over a
- * contiguous row of 16 floats (8 lanes: lane l = e[l] + e[l + 8], then the lanes in order), so
- * the scale choice is the reference's even at exact ties.
+ *                   level (ties go down) (nvfp4, turbo2/3/4/5, turbo2g64: up to 32 levels, any
+ *                   group that is a multiple of 8 up to 64).
+ * Codes of any width 1..8 are packed as one LSB-first bit stream along head_dim (packing.py).
+ * The squared error of a group is summed in the order of torch's CPU sum over a contiguous row of
+ * G floats (`group_sum`: torch's vector width, 4 accumulators), so the scale choice is the
+ * reference's even at exact ties.
  *
  * SK_TABLE works on tiles of 16 groups held transposed (tile[element][group]): every candidate,
  * division, level search and error sum is then a plain loop over 16 lanes (one AVX-512 vector
- * or two AVX2 ones; with AVX-512 the level search is a binary search through vpermps, with AVX2 a
- * count of the midpoints below the value (one compare per midpoint) and vpermps for the level,
- * otherwise a compare chain). The AVX2 path took the C part of a turbo3 store from 86 ns to 14 ns of
- * CPU per value here (turbo4 167 -> 19, nvfp4 133 -> 20): the compiler had left the chain scalar. Nothing is allocated: the tile and the row buffer live on the stack.
+ * or two AVX2 ones; the level search is a binary search through vpermps (AVX-512: vpermt2ps
+ * for 32 levels), with AVX2 a count of the midpoints below the value up to 16 levels and a binary
+ * search over 32, otherwise a compare chain). The AVX2 path took the C part of a turbo3 store from 86 ns to 14 ns of CPU per value
+ * (turbo4 167 -> 19, nvfp4 133 -> 20): the compiler had left the chain scalar. Nothing is
+ * allocated: the tile and the row buffer live on the stack.
  *
  * Input rows: float32, bfloat16 or float16 (converted exactly), optional centre [H, D] subtracted
  * in fp32 (keys), rows with a negative slot skipped. Every kept value is checked finite before
@@ -49,7 +54,8 @@
 #include <immintrin.h>
 #endif
 
-enum { SK_BF16 = 0, SK_E4M3_TENSOR = 1, SK_E4M3_GROUP = 2, SK_INT8 = 3, SK_INT4 = 4, SK_TABLE = 5 };
+enum { SK_BF16 = 0, SK_E4M3_TENSOR = 1, SK_E4M3_GROUP = 2, SK_INT8 = 3, SK_INT_SIGNED = 4, SK_TABLE = 5,
+       SK_F16 = 6, SK_E5M2_TENSOR = 7 };
 enum { SS_NONE = 0, SS_E4M3 = 1, SS_BF16 = 2, SS_FP16 = 3 };
 enum { XT_F32 = 0, XT_BF16 = 1, XT_F16 = 2 };
 enum { PKV_STORE_OK = 0, PKV_STORE_NONFINITE = 1, PKV_STORE_BAD_ARGS = 2, PKV_STORE_BAD_WIDTH = 3 };
@@ -62,7 +68,8 @@ enum { PKV_STORE_OK = 0, PKV_STORE_NONFINITE = 1, PKV_STORE_BAD_ARGS = 2, PKV_ST
 
 #define MAX_HEAD_DIM 4096
 #define TL 16 /* groups per tile (lanes) */
-#define TG 16 /* elements per group in the table search */
+#define MAX_GROUP 64 /* elements per group (a multiple of 8) */
+#define MAX_LEVELS 32 /* levels of a table codec (5-bit codes) */
 
 typedef struct {
     const void *x;          /* [T, H, D] rows, element strides below (last dim contiguous) */
@@ -75,9 +82,10 @@ typedef struct {
     int64_t x_stride_t, x_stride_h, num_tokens, block_stride, scale_offset;
     int32_t x_dtype, block_size, num_heads, head_dim;
     int32_t kind, bits, group, scale_kind;
-    int32_t row_data_bytes, row_scale_bytes, num_levels, pad;
-    float top;              /* SK_TABLE / E4M3_GROUP / INT8: max |level|; SK_INT4: -min level */
-    float tensor_scale;     /* SK_E4M3_TENSOR */
+    int32_t row_data_bytes, row_scale_bytes, num_levels;
+    int32_t sum_lanes;      /* SK_TABLE: lanes of torch's CPU float vectors (group_sum) */
+    float top;              /* SK_TABLE / E4M3_GROUP / INT8: max |level|; SK_INT_SIGNED: -min level */
+    float tensor_scale;     /* SK_E4M3_TENSOR / SK_E5M2_TENSOR */
 } pkv_store_args;
 
 /* ---- bit helpers (exact conversions, the rules of c10 / torch) ---------------------------- */
@@ -118,6 +126,20 @@ static inline uint8_t f32_to_e4m3(float f) {
     const uint32_t den = f2u(u2f(b) + u2f(141u << 23)) - (141u << 23);
     const uint32_t nrm = (b + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
     const uint32_t r = b < (121u << 23) ? den : nrm;
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* E5M2 byte of f, round to nearest even (c10's rule); |f| must be <= 57344 (callers clamp first). */
+static inline uint8_t f32_to_e5m2(float f) {
+    uint32_t b = f2u(f);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    uint32_t r;
+    if (b < (113u << 23)) { /* below the smallest normal (2^-14): add 2^7 and keep the low bits */
+        r = f2u(u2f(b) + u2f(134u << 23)) - (134u << 23);
+    } else {
+        r = (b + ((uint32_t)(15 - 127) << 23) + 0xFFFFFu + ((b >> 21) & 1u)) >> 21;
+    }
     return (uint8_t)(r | (sign >> 24));
 }
 
@@ -172,23 +194,23 @@ static inline uint16_t half_round(float v, int scale_kind, float *value) {
 
 static inline void put_u16(uint8_t *dst, uint16_t v) { dst[0] = (uint8_t)v; dst[1] = (uint8_t)(v >> 8); }
 
-/* Pack n codes (n a multiple of 8, each < 2^bits) in the catalogue's bit order. */
-static inline void pack_codes(uint8_t *dst, const uint8_t *c, int n, int bits) {
-    if (bits == 8) {
-        memcpy(dst, c, (size_t)n);
-    } else if (bits == 4) {
-        for (int i = 0; i < n / 2; i++) dst[i] = (uint8_t)(c[2 * i] | (c[2 * i + 1] << 4));
-    } else if (bits == 2) {
-        for (int i = 0; i < n / 4; i++)
-            dst[i] = (uint8_t)(c[4 * i] | (c[4 * i + 1] << 2) | (c[4 * i + 2] << 4) | (c[4 * i + 3] << 6));
-    } else { /* 3 (pkv_store refuses any other width) */
-        for (int i = 0; i < n / 8; i++) {
-            uint32_t w = 0;
-            for (int j = 0; j < 8; j++) w |= (uint32_t)c[8 * i + j] << (3 * j);
-            dst[3 * i] = (uint8_t)w;
-            dst[3 * i + 1] = (uint8_t)(w >> 8);
-            dst[3 * i + 2] = (uint8_t)(w >> 16);
-        }
+/* Pack n codes (n a multiple of 8, each < 2^bits, bits 1..8) as one LSB-first bit stream: every
+   8 codes fill `bits` bytes (the catalogue's order, packing.py). */
+PKV_ALWAYS_INLINE void pack_bits(uint8_t *dst, const uint8_t *c, int n, const int bits) {
+    for (int i = 0; i < n / 8; i++) {
+        uint64_t w = 0;
+        for (int j = 0; j < 8; j++) w |= (uint64_t)c[8 * i + j] << (bits * j);
+        for (int b = 0; b < bits; b++) dst[bits * i + b] = (uint8_t)(w >> (8 * b));
+    }
+}
+
+PKV_ALWAYS_INLINE void pack_codes(uint8_t *dst, const uint8_t *c, int n, int bits) {
+    switch (bits) { /* constant widths: the shifts unroll */
+    case 8: memcpy(dst, c, (size_t)n); break;
+    case 4: pack_bits(dst, c, n, 4); break;
+    case 3: pack_bits(dst, c, n, 3); break;
+    case 2: pack_bits(dst, c, n, 2); break;
+    default: pack_bits(dst, c, n, bits); break;
     }
 }
 
@@ -220,41 +242,109 @@ static int load_row(const pkv_store_args *a, int64_t t, int h, float *out) {
 /* ---- the table codecs: E4M3 scale search on tiles of 16 groups ---------------------------- */
 
 typedef struct {
-    float x[TG][TL];        /* x[element][group] */
+    float x[MAX_GROUP][TL]; /* x[element][group] */
     uint8_t *data[TL];      /* where each group's packed codes go */
     uint8_t *scale[TL];     /* where each group's scale byte goes */
     int n;
 } tile_t;
 
+/* The sum of a group's terms sq[e][lane], e < G, per lane, in the order of torch's CPU sum over a
+   contiguous row of G floats (SumKernel.cpp, cascade_sum): with W-lane vectors (W = sum_lanes:
+   8, or 16 where torch runs its AVX-512 kernels) and G >= W, vectors v_i = elements W*i..W*i+W-1
+   go to four accumulators (acc_k += v_{4j+k}), the leftover vectors into acc_0, then
+   acc_0 + acc_1 + acc_2 + acc_3; the leftover elements (G % W) are summed first, then the W lanes
+   in order (G = 16, W = 8: lane l = e[l] + e[l+8]). A row shorter than W is the same with
+   one-element vectors. Lane-wise operations only, so the compiler vectorises over the 16 groups
+   without reordering. (torch's deeper cascade levels start at 64 vectors: never here.) */
+PKV_ALWAYS_INLINE void group_sum(const float (*sq)[TL], const int G, const int sum_lanes, float *err) {
+    const int w = G < sum_lanes ? 1 : sum_lanes, nv = G / w, ilp = nv / 4;
+    for (int l = 0; l < TL; l++) err[l] = 0.0f;
+    for (int e = nv * w; e < G; e++)
+        for (int l = 0; l < TL; l++) err[l] = err[l] + sq[e][l];
+    for (int e = 0; e < w; e++) { /* the lanes of torch's vector, in order */
+        float p[TL];
+        for (int l = 0; l < TL; l++) p[l] = sq[e][l];
+        if (ilp) {
+            float acc[3][TL];
+            for (int k = 1; k < 4; k++)
+                for (int l = 0; l < TL; l++) acc[k - 1][l] = sq[w * k + e][l];
+            for (int j = 1; j < ilp; j++) {
+                for (int l = 0; l < TL; l++) p[l] = p[l] + sq[w * 4 * j + e][l];
+                for (int k = 1; k < 4; k++)
+                    for (int l = 0; l < TL; l++) acc[k - 1][l] = acc[k - 1][l] + sq[w * (4 * j + k) + e][l];
+            }
+            for (int i = 4 * ilp; i < nv; i++)
+                for (int l = 0; l < TL; l++) p[l] = p[l] + sq[w * i + e][l];
+            for (int k = 0; k < 3; k++)
+                for (int l = 0; l < TL; l++) p[l] = p[l] + acc[k][l];
+        } else {
+            for (int i = 1; i < nv; i++)
+                for (int l = 0; l < TL; l++) p[l] = p[l] + sq[w * i + e][l];
+        }
+        for (int l = 0; l < TL; l++) err[l] = err[l] + p[l];
+    }
+}
+
+/* For tests: out[i] = the sum group_sum takes of x[i*G .. i*G + G - 1], i < n <= 16. */
+int pkv_store_group_sums(const float *x, int G, int n, int sum_lanes, float *out) {
+    float sq[MAX_GROUP][TL], err[TL];
+    if (G <= 0 || G > MAX_GROUP || n <= 0 || n > TL || sum_lanes <= 0) return PKV_STORE_BAD_ARGS;
+    memset(sq, 0, sizeof sq);
+    for (int i = 0; i < n; i++)
+        for (int e = 0; e < G; e++) sq[e][i] = x[i * G + e];
+    group_sum((const float (*)[TL])sq, G, sum_lanes, err);
+    for (int i = 0; i < n; i++) out[i] = err[i];
+    return PKV_STORE_OK;
+}
+
 #if defined(PKV_STORE_AVX512)
-/* n: the binary search's steps (log2 of the level count, rounded up) */
-typedef struct { __m512 mids, levels; int n; } lut_t;
+/* n: the binary search's steps (log2 of the level count, rounded up); levels and midpoints in
+   two 16-lane halves (the second used by 5-step searches, through vpermt2ps) */
+typedef struct { __m512 mids[2], levels[2]; int n; } lut_t;
 
 static inline void lut_init(lut_t *L, const pkv_store_args *a) {
-    float m[16], l[16];
-    for (int i = 0; i < 16; i++) {
+    float m[MAX_LEVELS], l[MAX_LEVELS];
+    for (int i = 0; i < MAX_LEVELS; i++) {
         m[i] = i < a->num_levels - 1 ? a->mids[i] : INFINITY;
         l[i] = i < a->num_levels ? a->levels[i] : 0.0f;
     }
-    L->mids = _mm512_loadu_ps(m);
-    L->levels = _mm512_loadu_ps(l);
+    for (int h = 0; h < 2; h++) {
+        L->mids[h] = _mm512_loadu_ps(m + 16 * h);
+        L->levels[h] = _mm512_loadu_ps(l + 16 * h);
+    }
     L->n = 0;
     while ((1 << L->n) < a->num_levels) L->n++;
 }
+
+PKV_ALWAYS_INLINE __m512 lut_get(const __m512 *half, __m512i idx, const int nsteps) {
+    return nsteps > 4 ? _mm512_permutex2var_ps(half[0], idx, half[1]) : _mm512_permutexvar_ps(idx, half[0]);
+}
 #elif defined(PKV_STORE_AVX2)
-/* n: the number of midpoints (levels - 1, at most 15); the levels in two 8-lane halves */
-typedef struct { __m256 mids[15]; __m256 lev_lo, lev_hi; int n; } lut_t;
+/* n: log2 of the level count, rounded up. Up to 16 levels the search counts the midpoints below
+   the value (mids, broadcast; one compare each: independent, the fastest there); 32 levels take a
+   binary search: step s compares with mids[c * 2^(s+1) + 2^s - 1], c = k >> (s+1) one of
+   2^(n-1-s) candidates, held in cand[s] (two 8-lane halves for 16; a single candidate in every
+   lane). The levels in four 8-lane quarters. */
+typedef struct { __m256 mids[15]; __m256 cand[5][2]; __m256 lev[4]; int n; } lut_t;
 
 static inline void lut_init(lut_t *L, const pkv_store_args *a) {
-    float lo[8], hi[8];
-    L->n = a->num_levels - 1;
-    for (int i = 0; i < 15; i++) L->mids[i] = _mm256_set1_ps(i < L->n ? a->mids[i] : INFINITY);
-    for (int i = 0; i < 8; i++) {
-        lo[i] = i < a->num_levels ? a->levels[i] : 0.0f;
-        hi[i] = i + 8 < a->num_levels ? a->levels[i + 8] : 0.0f;
+    float lv[MAX_LEVELS];
+    const int nm = a->num_levels - 1;
+    L->n = 0;
+    while ((1 << L->n) < a->num_levels) L->n++;
+    for (int i = 0; i < 15; i++) L->mids[i] = _mm256_set1_ps(i < nm ? a->mids[i] : INFINITY);
+    for (int st = 0; st < L->n; st++) {
+        const int ncand = 1 << (L->n - 1 - st);
+        float c[16];
+        for (int i = 0; i < 16; i++) {
+            const int idx = (i % ncand) * (2 << st) + (1 << st) - 1;
+            c[i] = idx < nm ? a->mids[idx] : INFINITY;
+        }
+        L->cand[st][0] = _mm256_loadu_ps(c);
+        L->cand[st][1] = _mm256_loadu_ps(c + 8);
     }
-    L->lev_lo = _mm256_loadu_ps(lo);
-    L->lev_hi = _mm256_loadu_ps(hi);
+    for (int i = 0; i < MAX_LEVELS; i++) lv[i] = i < a->num_levels ? a->levels[i] : 0.0f;
+    for (int q = 0; q < 4; q++) L->lev[q] = _mm256_loadu_ps(lv + 8 * q);
 }
 #endif
 
@@ -264,21 +354,32 @@ static inline void lut_init(lut_t *L, const pkv_store_args *a) {
 PKV_ALWAYS_INLINE __m512i nearest_level(__m512 y, const lut_t *L, __m512 *value, const int nsteps) {
     __m512i k = _mm512_setzero_si512();
     for (int s = nsteps - 1; s >= 0; s--) {
-        const __m512 m = _mm512_permutexvar_ps(_mm512_add_epi32(k, _mm512_set1_epi32((1 << s) - 1)), L->mids);
+        const __m512 m = lut_get(L->mids, _mm512_add_epi32(k, _mm512_set1_epi32((1 << s) - 1)), nsteps);
         k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(y, m, _CMP_GT_OQ), k, _mm512_set1_epi32(1 << s));
     }
-    *value = _mm512_permutexvar_ps(k, L->levels);
+    *value = lut_get(L->levels, k, nsteps);
     return k;
 }
 #elif defined(PKV_STORE_AVX2)
-PKV_ALWAYS_INLINE __m256i nearest_level(__m256 y, const lut_t *L, __m256 *value, const int nm) {
+PKV_ALWAYS_INLINE __m256i nearest_level(__m256 y, const lut_t *L, __m256 *value, const int nsteps) {
     __m256i k = _mm256_setzero_si256();
-    for (int m = 0; m < nm; m++) /* a true compare is -1: subtracting it counts the mids below y */
-        k = _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_cmp_ps(y, L->mids[m], _CMP_GT_OQ)));
-    __m256 v = _mm256_permutevar8x32_ps(L->lev_lo, k); /* uses k's low 3 bits */
-    if (nm >= 8) {
-        const __m256 vh = _mm256_permutevar8x32_ps(L->lev_hi, k);
-        v = _mm256_blendv_ps(v, vh, _mm256_castsi256_ps(_mm256_cmpgt_epi32(k, _mm256_set1_epi32(7))));
+    if (nsteps <= 4) /* a true compare is -1: subtracting it counts the mids below y */
+        for (int m = 0; m < (1 << nsteps) - 1; m++)
+            k = _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_cmp_ps(y, L->mids[m], _CMP_GT_OQ)));
+    for (int s = nsteps <= 4 ? -1 : nsteps - 1; s >= 0; s--) {
+        const int ncand = 1 << (nsteps - 1 - s);
+        const __m256i c = _mm256_srli_epi32(k, s + 1);
+        __m256 m = ncand == 1 ? L->cand[s][0] : _mm256_permutevar8x32_ps(L->cand[s][0], c);
+        if (ncand > 8)
+            m = _mm256_blendv_ps(m, _mm256_permutevar8x32_ps(L->cand[s][1], c),
+                                 _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
+        const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(y, m, _CMP_GT_OQ));
+        k = _mm256_add_epi32(k, _mm256_and_si256(gt, _mm256_set1_epi32(1 << s)));
+    }
+    __m256 v = _mm256_permutevar8x32_ps(L->lev[0], k); /* uses k's low 3 bits */
+    for (int q = 1; q < 4 && 8 * q < (1 << nsteps); q++) {
+        const __m256 vq = _mm256_permutevar8x32_ps(L->lev[q], k);
+        v = _mm256_blendv_ps(v, vq, _mm256_castsi256_ps(_mm256_cmpgt_epi32(k, _mm256_set1_epi32(8 * q - 1))));
     }
     *value = v;
     return k;
@@ -301,68 +402,78 @@ static inline void nearest_level(const float *y, const pkv_store_args *a, uint8_
 }
 #endif
 
-/* The squared error of each lane's group for the scales cand[16] (torch's summation order). */
-PKV_ALWAYS_INLINE void group_errors(const tile_t *tl, const float *cand, float *err
+/* The squared error of element j of each lane's group for the scales vc (x - level * scale). */
+#if defined(PKV_STORE_AVX512)
+PKV_ALWAYS_INLINE __m512 square_error(const tile_t *tl, int j, __m512 vc, const lut_t *L, const int nsteps) {
+    const __m512 xv = _mm512_loadu_ps(tl->x[j]);
+    __m512 lv;
+    (void)nearest_level(_mm512_div_ps(xv, vc), L, &lv, nsteps);
+    const __m512 d = _mm512_sub_ps(xv, _mm512_mul_ps(lv, vc));
+    return _mm512_mul_ps(d, d);
+}
+#elif defined(PKV_STORE_AVX2)
+PKV_ALWAYS_INLINE __m256 square_error(const tile_t *tl, int j, int h, __m256 vc, const lut_t *L, const int nsteps) {
+    const __m256 xv = _mm256_loadu_ps(tl->x[j] + h);
+    __m256 lv;
+    (void)nearest_level(_mm256_div_ps(xv, vc), L, &lv, nsteps);
+    const __m256 d = _mm256_sub_ps(xv, _mm256_mul_ps(lv, vc));
+    return _mm256_mul_ps(d, d);
+}
+#endif
+
+/* The squared error of each lane's group for the scales cand[16], summed by group_sum; groups of
+   16 with torch's 8 lanes (lane l = e[l] + e[l+8], then the lanes in order) stay in registers. */
+PKV_ALWAYS_INLINE void group_errors(const pkv_store_args *a, const tile_t *tl, const int G, const int lanes,
+                                const float *cand, float *err
 #ifdef PKV_STORE_SIMD
                                 , const lut_t *L, const int nsteps
-#else
-                                , const pkv_store_args *a
 #endif
 ) {
+    float sq[MAX_GROUP][TL];
 #if defined(PKV_STORE_AVX512)
     const __m512 vc = _mm512_loadu_ps(cand);
-    __m512 verr = _mm512_setzero_ps();
-    for (int j = 0; j < TG / 2; j++) {
-        __m512 sq[2];
-        for (int half = 0; half < 2; half++) {
-            const __m512 xv = _mm512_loadu_ps(tl->x[j + half * (TG / 2)]);
-            __m512 lv;
-            (void)nearest_level(_mm512_div_ps(xv, vc), L, &lv, nsteps);
-            const __m512 d = _mm512_sub_ps(xv, _mm512_mul_ps(lv, vc));
-            sq[half] = _mm512_mul_ps(d, d);
-        }
-        verr = _mm512_add_ps(verr, _mm512_add_ps(sq[0], sq[1]));
+    if (G == 16 && lanes == 8) {
+        __m512 verr = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++)
+            verr = _mm512_add_ps(verr, _mm512_add_ps(square_error(tl, j, vc, L, nsteps),
+                                                     square_error(tl, j + 8, vc, L, nsteps)));
+        _mm512_storeu_ps(err, verr);
+        return;
     }
-    _mm512_storeu_ps(err, verr);
+    for (int j = 0; j < G; j++) _mm512_storeu_ps(sq[j], square_error(tl, j, vc, L, nsteps));
 #elif defined(PKV_STORE_AVX2)
     for (int h = 0; h < TL; h += 8) { /* lanes h..h+7 */
         const __m256 vc = _mm256_loadu_ps(cand + h);
-        __m256 verr = _mm256_setzero_ps();
-        for (int j = 0; j < TG / 2; j++) {
-            __m256 sq[2];
-            for (int half = 0; half < 2; half++) {
-                const __m256 xv = _mm256_loadu_ps(tl->x[j + half * (TG / 2)] + h);
-                __m256 lv;
-                (void)nearest_level(_mm256_div_ps(xv, vc), L, &lv, nsteps);
-                const __m256 d = _mm256_sub_ps(xv, _mm256_mul_ps(lv, vc));
-                sq[half] = _mm256_mul_ps(d, d);
-            }
-            verr = _mm256_add_ps(verr, _mm256_add_ps(sq[0], sq[1]));
+        if (G == 16 && lanes == 8) {
+            __m256 verr = _mm256_setzero_ps();
+            for (int j = 0; j < 8; j++)
+                verr = _mm256_add_ps(verr, _mm256_add_ps(square_error(tl, j, h, vc, L, nsteps),
+                                                         square_error(tl, j + 8, h, vc, L, nsteps)));
+            _mm256_storeu_ps(err + h, verr);
+            continue;
         }
-        _mm256_storeu_ps(err + h, verr);
+        for (int j = 0; j < G; j++) _mm256_storeu_ps(sq[j] + h, square_error(tl, j, h, vc, L, nsteps));
     }
+    if (G == 16 && lanes == 8) return;
 #else
-    for (int l = 0; l < TL; l++) err[l] = 0.0f;
-    for (int j = 0; j < TG / 2; j++) {
-        float sq[2][TL];
-        for (int half = 0; half < 2; half++) {
-            const float *xe = tl->x[j + half * (TG / 2)];
-            float y[TL], lv[TL];
-            uint8_t k[TL];
-            for (int l = 0; l < TL; l++) y[l] = xe[l] / cand[l];
-            nearest_level(y, a, k, lv);
-            for (int l = 0; l < TL; l++) {
-                const float q = lv[l] * cand[l];
-                const float d = xe[l] - q;
-                sq[half][l] = d * d;
-            }
+    for (int j = 0; j < G; j++) {
+        const float *xe = tl->x[j];
+        float y[TL], lv[TL];
+        uint8_t k[TL];
+        for (int l = 0; l < TL; l++) y[l] = xe[l] / cand[l];
+        nearest_level(y, a, k, lv);
+        for (int l = 0; l < TL; l++) {
+            const float q = lv[l] * cand[l];
+            const float d = xe[l] - q;
+            sq[j][l] = d * d;
         }
-        for (int l = 0; l < TL; l++) err[l] = err[l] + (sq[0][l] + sq[1][l]);
     }
 #endif
+    (void)a;
+    group_sum((const float (*)[TL])sq, G, lanes, err);
 }
 
-PKV_ALWAYS_INLINE void search_tile_n(const pkv_store_args *a, tile_t *tl
+PKV_ALWAYS_INLINE void search_tile_n(const pkv_store_args *a, tile_t *tl, const int G, const int lanes
 #ifdef PKV_STORE_SIMD
                         , const lut_t *L, const int nsteps
 #endif
@@ -371,7 +482,7 @@ PKV_ALWAYS_INLINE void search_tile_n(const pkv_store_args *a, tile_t *tl
     int base[TL], best_c[TL];
 
     for (int l = 0; l < TL; l++) amax[l] = 0.0f;
-    for (int j = 0; j < TG; j++)
+    for (int j = 0; j < G; j++)
         for (int l = 0; l < TL; l++) amax[l] = max_f(amax[l], fabsf(tl->x[j][l]));
     for (int l = 0; l < TL; l++) {
         base[l] = f32_to_e4m3(clamp448(amax[l] / a->top));
@@ -386,9 +497,9 @@ PKV_ALWAYS_INLINE void search_tile_n(const pkv_store_args *a, tile_t *tl
             cand[l] = e4m3_pos_value((uint32_t)c[l]);
         }
 #ifdef PKV_STORE_SIMD
-        group_errors(tl, cand, err, L, nsteps);
+        group_errors(a, tl, G, lanes, cand, err, L, nsteps);
 #else
-        group_errors(tl, cand, err, a);
+        group_errors(a, tl, G, lanes, cand, err);
 #endif
         for (int l = 0; l < TL; l++)
             if (err[l] < best_err[l]) { /* strict: ties keep the smaller scale */
@@ -399,8 +510,8 @@ PKV_ALWAYS_INLINE void search_tile_n(const pkv_store_args *a, tile_t *tl
     }
 
     /* the codes of the winning scale: the same division and search again (deterministic) */
-    uint8_t codes[TG][TL];
-    for (int j = 0; j < TG; j++) {
+    uint8_t codes[MAX_GROUP][TL];
+    for (int j = 0; j < G; j++) {
 #if defined(PKV_STORE_AVX512)
         __m512 lv;
         const __m512i k = nearest_level(_mm512_div_ps(_mm512_loadu_ps(tl->x[j]), _mm512_loadu_ps(best_scale)), L, &lv, nsteps);
@@ -422,38 +533,37 @@ PKV_ALWAYS_INLINE void search_tile_n(const pkv_store_args *a, tile_t *tl
         for (int l = 0; l < TL; l++) codes[j][l] = best_c[l] ? codes[j][l] : 0;
     }
     for (int l = 0; l < tl->n; l++) {
-        uint8_t g[TG];
-        for (int j = 0; j < TG; j++) g[j] = a->order[codes[j][l]];
-        pack_codes(tl->data[l], g, TG, a->bits);
+        uint8_t g[MAX_GROUP];
+        for (int j = 0; j < G; j++) g[j] = a->order[codes[j][l]];
+        pack_codes(tl->data[l], g, G, a->bits);
         *tl->scale[l] = amax[l] == 0.0f ? 0 : (uint8_t)best_c[l];
     }
     tl->n = 0;
 }
 
-/* search_tile_n with the level search unrolled for the table's size (2 to 16 levels) */
-static void search_tile(const pkv_store_args *a, tile_t *tl
-#ifdef PKV_STORE_SIMD
-                        , const lut_t *L
-#endif
-) {
-#if defined(PKV_STORE_AVX512)
-    switch (L->n) {
-    case 1: search_tile_n(a, tl, L, 1); break;
-    case 2: search_tile_n(a, tl, L, 2); break;
-    case 3: search_tile_n(a, tl, L, 3); break;
-    default: search_tile_n(a, tl, L, 4); break;
-    }
-#elif defined(PKV_STORE_AVX2)
-    switch (L->n) { /* midpoints of the catalogue's tables: 3 (2-bit), 7 (3-bit), 15 (4-bit) */
-    case 3: search_tile_n(a, tl, L, 3); break;
-    case 7: search_tile_n(a, tl, L, 7); break;
-    case 15: search_tile_n(a, tl, L, 15); break;
-    default: search_tile_n(a, tl, L, L->n); break;
+/* search_tile_n with the level search unrolled for the table's size (2 to 32 levels); one copy
+   for groups of 16 summed with torch's 8 lanes (every group-16 table codec under AVX2 torch),
+   one for any other group (apart: one function holding both slowed the first) */
+#if defined(PKV_STORE_SIMD)
+#define PKV_SEARCH_TILE(G, LANES)                                   \
+    switch (L->n) {                                                 \
+    case 1: search_tile_n(a, tl, G, LANES, L, 1); break;            \
+    case 2: search_tile_n(a, tl, G, LANES, L, 2); break;            \
+    case 3: search_tile_n(a, tl, G, LANES, L, 3); break;            \
+    case 4: search_tile_n(a, tl, G, LANES, L, 4); break;            \
+    default: search_tile_n(a, tl, G, LANES, L, 5); break;           \
     }
 #else
-    search_tile_n(a, tl);
+#define PKV_SEARCH_TILE(G, LANES) search_tile_n(a, tl, G, LANES);
 #endif
-}
+
+#ifdef PKV_STORE_SIMD
+#define PKV_LUT_PARAM , const lut_t *L
+#else
+#define PKV_LUT_PARAM
+#endif
+static void search_tile_g16(const pkv_store_args *a, tile_t *tl PKV_LUT_PARAM) { PKV_SEARCH_TILE(16, 8) }
+static void search_tile_any(const pkv_store_args *a, tile_t *tl PKV_LUT_PARAM) { PKV_SEARCH_TILE(a->group, a->sum_lanes) }
 
 /* ---- the other kinds: one row at a time --------------------------------------------------- */
 
@@ -463,12 +573,27 @@ static void encode_row(const pkv_store_args *a, const float *x, uint8_t *data, u
         for (int i = 0; i < D; i++) put_u16(data + 2 * i, f32_to_bf16(x[i]));
         return;
     }
+    if (a->kind == SK_F16) {
+        for (int i = 0; i < D; i++) {
+            const float v = x[i] < -65504.0f ? -65504.0f : (x[i] > 65504.0f ? 65504.0f : x[i]);
+            put_u16(data + 2 * i, f32_to_f16(v));
+        }
+        return;
+    }
     if (a->kind == SK_E4M3_TENSOR) {
         e4m3_div_array(x, a->tensor_scale, data, D);
         return;
     }
+    if (a->kind == SK_E5M2_TENSOR) {
+        for (int i = 0; i < D; i++) {
+            float v = x[i] / a->tensor_scale;
+            v = v < -57344.0f ? -57344.0f : (v > 57344.0f ? 57344.0f : v);
+            data[i] = f32_to_e5m2(v);
+        }
+        return;
+    }
     const int G = a->group;
-    uint8_t codes[64];
+    uint8_t codes[MAX_GROUP];
     for (int g0 = 0; g0 < D; g0 += G) {
         const float *xg = x + g0;
         float amax = 0.0f;
@@ -487,7 +612,7 @@ static void encode_row(const pkv_store_args *a, const float *x, uint8_t *data, u
                 q = q < -hi ? -hi : (q > hi ? hi : q);
                 codes[j] = (uint8_t)(int8_t)q;
             }
-        } else { /* SK_INT4 */
+        } else { /* SK_INT_SIGNED */
             int pos = 0;
             float best = fabsf(xg[0]);
             for (int j = 1; j < G; j++)
@@ -508,24 +633,29 @@ static void encode_row(const pkv_store_args *a, const float *x, uint8_t *data, u
 
 /* ---- entry point --------------------------------------------------------------------------- */
 
-int pkv_store_abi(void) { return 1; }
+int pkv_store_abi(void) { return 2; }
 
 int pkv_store(const pkv_store_args *a) {
     const int D = a->head_dim, H = a->num_heads, bs = a->block_size;
     if (D <= 0 || D > MAX_HEAD_DIM || H <= 0 || bs <= 0) return PKV_STORE_BAD_ARGS;
-    if (a->kind < SK_BF16 || a->kind > SK_TABLE) return PKV_STORE_BAD_ARGS;
-    if (a->kind != SK_BF16 && a->kind != SK_E4M3_TENSOR) {
-        if (a->group <= 0 || a->group > 64 || D % a->group || a->group % 8) return PKV_STORE_BAD_ARGS;
+    if (a->kind < SK_BF16 || a->kind > SK_E5M2_TENSOR) return PKV_STORE_BAD_ARGS;
+    const int tensor_kind = a->kind == SK_BF16 || a->kind == SK_F16 || a->kind == SK_E4M3_TENSOR
+                            || a->kind == SK_E5M2_TENSOR;
+    if (!tensor_kind) {
+        if (a->group <= 0 || a->group > MAX_GROUP || D % a->group || a->group % 8) return PKV_STORE_BAD_ARGS;
     }
-    if (a->kind == SK_TABLE && (a->group != TG || a->num_levels < 2 || a->num_levels > 16)) return PKV_STORE_BAD_ARGS;
-    /* every (kind, code width) below has its own rule and packing: refuse any other width
-       (pack_codes would otherwise pack it as another one) */
+    if (a->kind == SK_TABLE && (a->num_levels < 2 || a->num_levels > MAX_LEVELS || a->sum_lanes <= 0))
+        return PKV_STORE_BAD_ARGS;
+    /* every (kind, code width) below has its own rule and packing: refuse any other width */
     switch (a->kind) {
-    case SK_BF16: if (a->bits != 16) return PKV_STORE_BAD_WIDTH; break;
-    case SK_E4M3_TENSOR: case SK_E4M3_GROUP: case SK_INT8: if (a->bits != 8) return PKV_STORE_BAD_WIDTH; break;
-    default: /* SK_INT4, SK_TABLE */
-        if (a->bits != 2 && a->bits != 3 && a->bits != 4) return PKV_STORE_BAD_WIDTH;
-        if (a->kind == SK_TABLE && a->num_levels > (1 << a->bits)) return PKV_STORE_BAD_ARGS;
+    case SK_BF16: case SK_F16: if (a->bits != 16) return PKV_STORE_BAD_WIDTH; break;
+    case SK_E4M3_TENSOR: case SK_E5M2_TENSOR: case SK_E4M3_GROUP: case SK_INT8:
+        if (a->bits != 8) return PKV_STORE_BAD_WIDTH;
+        break;
+    case SK_INT_SIGNED: if (a->bits < 2 || a->bits > 7) return PKV_STORE_BAD_WIDTH; break;
+    default: /* SK_TABLE */
+        if (a->bits < 1 || a->bits > 5) return PKV_STORE_BAD_WIDTH;
+        if (a->num_levels > (1 << a->bits)) return PKV_STORE_BAD_ARGS;
     }
     float row[MAX_HEAD_DIM];
 
@@ -539,10 +669,15 @@ int pkv_store(const pkv_store_args *a) {
 #ifdef PKV_STORE_SIMD
     lut_t lut;
     if (a->kind == SK_TABLE) lut_init(&lut, a);
+#define PKV_LUT_ARG , &lut
+#else
+#define PKV_LUT_ARG
 #endif
+    void (*const search_tile)(const pkv_store_args *, tile_t * PKV_LUT_PARAM) =
+        a->group == 16 && a->sum_lanes == 8 ? search_tile_g16 : search_tile_any;
+    const int G = a->group;
     tile_t tile;
     tile.n = 0;
-    if (a->kind == SK_TABLE) memset(tile.x, 0, sizeof tile.x);
     for (int64_t t = 0; t < a->num_tokens; t++) {
         const int64_t slot = a->slots[t];
         if (slot < 0) continue;
@@ -556,29 +691,19 @@ int pkv_store(const pkv_store_args *a) {
                 encode_row(a, row, data, sdst);
                 continue;
             }
-            for (int g0 = 0; g0 < D; g0 += TG) {
+            for (int g0 = 0; g0 < D; g0 += G) {
                 const int l = tile.n++;
-                for (int j = 0; j < TG; j++) tile.x[j][l] = row[g0 + j];
+                for (int j = 0; j < G; j++) tile.x[j][l] = row[g0 + j];
                 tile.data[l] = data + g0 * a->bits / 8;
-                tile.scale[l] = sdst + g0 / TG;
-                if (tile.n == TL) {
-#ifdef PKV_STORE_SIMD
-                    search_tile(a, &tile, &lut);
-#else
-                    search_tile(a, &tile);
-#endif
-                }
+                tile.scale[l] = sdst + g0 / G;
+                if (tile.n == TL) search_tile(a, &tile PKV_LUT_ARG);
             }
         }
     }
-    if (tile.n) {
+    if (tile.n) { /* the unused lanes hold zeros: their (unwritten) results stay finite */
         for (int l = tile.n; l < TL; l++)
-            for (int j = 0; j < TG; j++) tile.x[j][l] = 0.0f;
-#ifdef PKV_STORE_SIMD
-        search_tile(a, &tile, &lut);
-#else
-        search_tile(a, &tile);
-#endif
+            for (int j = 0; j < G; j++) tile.x[j][l] = 0.0f;
+        search_tile(a, &tile PKV_LUT_ARG);
     }
     return PKV_STORE_OK;
 }

@@ -10,13 +10,14 @@ dtype conversion, centring, the codec's scale rule and rounding, bit packing, an
 the pool block at each slot. No code or scale tensor is built, so a call allocates nothing
 besides the rotated copy (and the small slot mask when some slots are negative).
 
-A codec is described to the C store by its catalogue row (`store_desc`): store kind (bf16,
-E4M3 with a tensor scale, E4M3 / int8 / int4 with a half group scale, or a table with an E4M3
-group scale), code bits, group, scale kind, and for table codecs the ascending levels, their
-midpoints and the code of each level (torch's own `sort` of the value table, as the reference).
-A case the C store does not cover (a pool without contiguous rows, a table codec whose group is
-not 16, a future value kind, q8_0 / q4_0 rows large enough to saturate the fp16 scale) runs the
-reference store for that side.
+A codec is described to the C store by its catalogue row (`store_desc`): the store kind follows
+the row's encode rule (`_KIND`), then code bits, group, scale kind, and for table codecs the
+ascending levels, their midpoints and the code of each level (torch's own `sort` of the value
+table, as the reference). What the C store encodes is declared in codec traits (`STORE_SUPPORT`:
+rules, code widths, groups; every catalogue row), and the dispatcher hands the "cpu" backend no
+other row. A call the C store cannot run (a pool without contiguous rows, a head_dim past
+MAX_HEAD_DIM, q8_0 / q4_0 rows large enough to saturate the fp16 scale) runs the reference store
+for that side, logged once per codec and reason.
 """
 
 from __future__ import annotations
@@ -34,14 +35,33 @@ from ...codecs.derive import EncodeRule
 from ...errors import InvalidInput
 from .. import transform
 from ..batch import PagedLayer
+from ..dispatch import log_fallback_once
 from ..reference.store import store_side as reference_store_side
+from ..support import CodecSupport, pairs
 
-SK_BF16, SK_E4M3_TENSOR, SK_E4M3_GROUP, SK_INT8, SK_INT4, SK_TABLE = range(6)
+# store kinds of store_kernel.c, one per encode rule
+SK_BF16, SK_E4M3_TENSOR, SK_E4M3_GROUP, SK_INT8, SK_INT_SIGNED, SK_TABLE, SK_F16, SK_E5M2_TENSOR = range(8)
+_KIND = {EncodeRule.ROUND_BF16: SK_BF16, EncodeRule.ROUND_FP16: SK_F16, EncodeRule.E4M3_TENSOR: SK_E4M3_TENSOR,
+         EncodeRule.E5M2_TENSOR: SK_E5M2_TENSOR, EncodeRule.E4M3_GROUP: SK_E4M3_GROUP,
+         EncodeRule.INT_AMAX: SK_INT8, EncodeRule.INT_SIGNED_MAX: SK_INT_SIGNED, EncodeRule.TABLE_SEARCH: SK_TABLE}
+MAX_GROUP = 64  # MAX_GROUP in store_kernel.c (groups are multiples of 8)
+MAX_TABLE_BITS = 5  # MAX_LEVELS = 32 in store_kernel.c
+# What store_kernel.c encodes (its pkv_store checks the same widths): every catalogue row.
+STORE_SUPPORT = CodecSupport(
+    encode=(pairs(EncodeRule.ROUND_BF16, (16,)) | pairs(EncodeRule.ROUND_FP16, (16,))
+            | pairs(EncodeRule.E4M3_TENSOR, (8,)) | pairs(EncodeRule.E5M2_TENSOR, (8,))
+            | pairs(EncodeRule.E4M3_GROUP, (8,)) | pairs(EncodeRule.INT_AMAX, (8,))
+            | pairs(EncodeRule.INT_SIGNED_MAX, range(2, 8))
+            | pairs(EncodeRule.TABLE_SEARCH, range(1, MAX_TABLE_BITS + 1))),
+    groups=frozenset(range(0, MAX_GROUP + 1, 8)),
+)
 _SCALE_KIND = {ScaleType.NONE: 0, ScaleType.TENSOR_FP32: 0, ScaleType.FP8_E4M3: 1,
                ScaleType.BF16: 2, ScaleType.FP16: 3}
 _X_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-TABLE_GROUP = 16  # the table search works on groups of 16 (every table codec of the catalogue)
 MAX_HEAD_DIM = 4096  # MAX_HEAD_DIM in store_kernel.c
+# float lanes of torch's CPU vectors (Vectorized<float>): the order its sums take, which the C
+# scale search follows to pick the reference's scale at exact ties (group_sum in store_kernel.c)
+TORCH_SUM_LANES = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -57,7 +77,7 @@ class _StoreArgs(ctypes.Structure):
                 ("block_stride", _i64), ("scale_offset", _i64), ("x_dtype", _i32),
                 ("block_size", _i32), ("num_heads", _i32), ("head_dim", _i32), ("kind", _i32),
                 ("bits", _i32), ("group", _i32), ("scale_kind", _i32), ("row_data_bytes", _i32),
-                ("row_scale_bytes", _i32), ("num_levels", _i32), ("pad", _i32), ("top", _f32),
+                ("row_scale_bytes", _i32), ("num_levels", _i32), ("sum_lanes", _i32), ("top", _f32),
                 ("tensor_scale", _f32)]
 
 
@@ -86,39 +106,37 @@ def _empty(dtype=torch.float32) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def store_desc(codec: Codec) -> Optional[StoreDesc]:
-    """The C store's description of `codec` (from the row's derived traits), or None when only
-    the reference store handles it (store_kernel.c packs 2/3/4/8-bit codes and 16-bit halves)."""
-    t = codec.traits
-    rule, bits, g, sk = t.encode, t.bits, t.group, _SCALE_KIND[t.scale]
-    none = (_empty(), _empty(), _empty(torch.uint8))
-    if rule is EncodeRule.ROUND_BF16:
-        return StoreDesc(SK_BF16, bits, 0, sk, 1.0, *none)
-    if rule is EncodeRule.E4M3_TENSOR:
-        return StoreDesc(SK_E4M3_TENSOR, bits, 0, sk, 1.0, *none)
-    if g % 8 or g > 64:
+    """The C store's description of `codec` (from the row's derived traits), or None for a row
+    `STORE_SUPPORT` does not declare (the dispatcher gives those to another backend)."""
+    if STORE_SUPPORT.refusal(codec, store=True) is not None:
         return None
+    t = codec.traits
+    kind, sk = _KIND[t.encode], _SCALE_KIND[t.scale]
     table = codec.value_table()
-    if rule is EncodeRule.E4M3_GROUP:
-        return StoreDesc(SK_E4M3_GROUP, bits, g, sk, float(table.max()), *none)
-    if rule is EncodeRule.INT_AMAX:  # derive: 8-bit codes only
-        return StoreDesc(SK_INT8, bits, g, sk, float(table.max()), *none)
-    if rule is EncodeRule.INT_SIGNED_MAX:
-        if bits != 4:  # the C int rule packs nibbles
-            return None
-        return StoreDesc(SK_INT4, bits, g, sk, float(-table.min()), *none)
-    if rule is EncodeRule.TABLE_SEARCH:
-        if g != TABLE_GROUP or bits not in (2, 3, 4):
-            return None
+    none = (_empty(), _empty(), _empty(torch.uint8))
+    if kind == SK_TABLE:
         levels, order = table.sort()  # the reference's own call: equal levels (E2M1 +-0) in its order
         mids = (levels[1:] + levels[:-1]) / 2
-        return StoreDesc(SK_TABLE, bits, g, sk, float(levels.abs().max()), levels.contiguous(),
+        return StoreDesc(kind, t.bits, t.group, sk, float(levels.abs().max()), levels.contiguous(),
                          mids.contiguous(), order.to(torch.uint8).contiguous())
-    return None  # a rule the C store does not implement
+    if kind == SK_INT_SIGNED:
+        return StoreDesc(kind, t.bits, t.group, sk, float(-table.min()), *none)
+    top = float(table.max()) if kind in (SK_E4M3_GROUP, SK_INT8) else 1.0
+    return StoreDesc(kind, t.bits, t.group, sk, top, *none)
 
 
-def _can_run(layer: PagedLayer, codec: Codec, pool: torch.Tensor) -> bool:
-    return (store_desc(codec) is not None and pool.device.type == "cpu" and pool.stride(1) == 1
-            and layer.head_dim <= MAX_HEAD_DIM)
+def _fallback_reason(layer: PagedLayer, codec: Codec, pool: torch.Tensor) -> Optional[str]:
+    """Why this side cannot run in the C store (None: it can)."""
+    why = STORE_SUPPORT.refusal(codec, store=True)
+    if why is not None:
+        return why
+    if pool.device.type != "cpu":
+        return f"the pool is on {pool.device.type}"
+    if pool.stride(1) != 1:
+        return "the pool's rows are not byte-contiguous"
+    if layer.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {layer.head_dim} > {MAX_HEAD_DIM}"
+    return None
 
 
 def _scale_would_saturate(codec: Codec, x: torch.Tensor, centre: Optional[torch.Tensor]) -> bool:
@@ -138,7 +156,12 @@ def _scale_would_saturate(codec: Codec, x: torch.Tensor, centre: Optional[torch.
 def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torch.Tensor,
                x: torch.Tensor, centre: Optional[torch.Tensor], slot_mapping: torch.Tensor) -> None:
     """Encode x float [T, H, D] (minus `centre` [H, D] if given) into `pool` at `slot_mapping`."""
-    runs = _can_run(layer, codec, pool) and not _scale_would_saturate(codec, x, centre)
+    why = _fallback_reason(layer, codec, pool)
+    if why is None and _scale_would_saturate(codec, x, centre):
+        why = "rows large enough to saturate the half-precision group scale"
+    if why is not None:
+        log_fallback_once(f"the CPU store of {codec.name}", why, "reference store")
+    runs = why is None
     if not runs or codec.rotated:  # centred in torch, exactly as the reference store does
         xf = x.float()
         if centre is not None:
@@ -183,6 +206,7 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
     a.row_data_bytes = codec.row_data_bytes(layer.head_dim)
     a.row_scale_bytes = codec.row_scale_bytes(layer.head_dim)
     a.num_levels = d.levels.numel() if d.kind == SK_TABLE else 0
+    a.sum_lanes = TORCH_SUM_LANES
     a.top, a.tensor_scale = d.top, tensor_scale
     rc = lib.pkv_store(ctypes.byref(a))
     if rc == 1:
