@@ -246,3 +246,38 @@ def test_a_damaged_swap_record_header_does_not_lose_the_block(tmp_path):
 
     for a, b in zip(popped("none"), popped("header")):
         assert torch.equal(a, b)
+
+
+def test_writes_a_timeout_cut_are_counted_by_what_the_server_stored(server, monkeypatch):
+    """A pipeline whose reply is lost (the server paused after storing) was counted as 6 failed
+    publishes though the server held them: once the server answers again the tier asks it."""
+    import redis as redis_mod
+
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=32, kv_format="q8_0", block_size=8,
+                      num_blocks=32, high_precision_layers=0, model_id="toy-settle")
+    cache = PagedCache(cfg, OffloadConfig(prefix_store="redis", redis_url=server.url,
+                                          store_secret="settle-secret-0123456789",
+                                          redis_retry_after_s=0))
+    real = redis_mod.client.Pipeline.execute
+    state = {"cut": 0}
+
+    def cut(self, *a, **kw):
+        writes = any(c[0][0] == "SET" for c in self.command_stack)
+        out = real(self, *a, **kw)  # the server stored the values ...
+        if writes and not state["cut"]:
+            state["cut"] = 1
+            raise redis_mod.exceptions.TimeoutError("Timeout reading from socket")  # ... no reply
+        return out
+
+    monkeypatch.setattr(redis_mod.client.Pipeline, "execute", cut)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ToyLM(cache).generate(PROMPT, 8)  # publishes blocks 0..4 in one pipeline (cut), then 5
+        assert state["cut"] == 1
+        cache.add_sequence(PROMPT[:20])  # the server answers again
+    tier, stats = cache.prefix.tier.stats, cache.offload_stats()["prefix"]
+    stored = len(server.client.keys("pagedkv:pkv2.*"))
+    assert stored == tier.puts == stats["blocks_published"] == 6
+    assert tier.put_failures == stats["publish_failures"] == 0

@@ -55,6 +55,13 @@ class PrefixStore:
         self.keys = keys
         self.batch_blocks = batch_blocks
         self.stats = PrefixStats()
+        tier.settled.append(self._settled)
+
+    def _settled(self, stored: list) -> None:
+        """Publishes counted as failed that the tier later found stored."""
+        self.stats.publish_failures -= len(stored)
+        self.stats.blocks_published += len(stored)
+        self.stats.bytes_published += sum(n for _, n in stored)
 
     def fetch(self, layout: BlockLayout, chains: Sequence[bytes], group: bytes = b""
               ) -> Iterator[Optional[list[tuple[bytes, bytes]]]]:

@@ -84,6 +84,7 @@ class RedisTier(Tier):
         self.ttl_s = ttl_s
         self._down_until = 0.0
         self._was_down = False
+        self._unsure: list[tuple[str, int]] = []  # writes a connection fault cut: maybe stored
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -117,6 +118,30 @@ class RedisTier(Tier):
             self._was_down = False
             self._recovered("down")
             log.info("%s is reachable again", self.name)
+            self._settle()
+
+    def _settle(self) -> None:
+        """Count the writes of a pipeline that a connection fault cut (a timeout while the
+        server paused after storing some of them) by what the server holds: one EXISTS each,
+        once it answers again; those stored move from put_failures to puts (and the
+        `settled` callbacks, e.g. the prefix store's counters, hear of them)."""
+        unsure, self._unsure = self._unsure, []
+        if not unsure:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key, _ in unsure:
+                pipe.exists(self._k(key))
+            found = pipe.execute(raise_on_error=False)
+        except (self._errors.RedisError, OSError):
+            return
+        stored = [(k, n) for (k, n), e in zip(unsure, found) if e == 1]
+        with self._lock:
+            self.stats.put_failures -= len(stored)
+            self.stats.puts += len(stored)
+            self.stats.bytes_written += sum(n for _, n in stored)
+        for hook in self.settled:
+            hook(stored)
 
     def _call(self, doing: str, fn, *args):
         """Run one client call: (True, result) or (False, None) after a counted fault."""
@@ -215,6 +240,8 @@ class RedisTier(Tier):
 
         ok, res = self._call("writing", run)
         if not ok:
+            if self._was_down:  # the pipeline may have reached the server: settled when back
+                self._unsure = (self._unsure + [(k, len(v)) for k, v in items])[-4096:]
             return [False] * len(items)
         out = []
         for r in res:

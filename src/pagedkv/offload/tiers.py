@@ -102,6 +102,9 @@ class Tier:
         self.stats = TierStats()
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        # called with [(key, bytes)] when writes counted as failed turn out stored (a remote
+        # tier learns it once the server answers again)
+        self.settled: list = []
 
     # ---- public, counted --------------------------------------------------------------------
     def get(self, key: str, size: Optional[int] = None) -> Optional[bytes]:
