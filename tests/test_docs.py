@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.markdown import README, ROOT, broken_links, unmarked_or_unrun
+from helpers.markdown import README, ROOT, broken_links, tables, unmarked_or_unrun
 
 DOCS = sorted([README, ROOT / "benchmarks" / "README.md", *(ROOT / "docs").glob("*.md")])
 
@@ -34,3 +34,22 @@ def test_the_checks_catch_a_broken_link_and_an_unmarked_block(tmp_path):
     assert unmarked_or_unrun(text) == [
         "line 6: code block without a `<!-- run in CI by PATH::TEST -->` or `<!-- not run in CI: REASON -->` marker",
         "line 11: marked as run by tests/test_docs.py::test_no_such_test, which does not exist"]
+
+
+def _table_with(text, *headers):
+    """The one table of `text` whose header row holds `headers`, as {first cell: {header: cell}}."""
+    (found,) = [t for t in tables(text) if set(headers) <= set(t[0])]
+    return {row[0].strip("`*"): dict(zip(found[0], (c.strip("*") for c in row))) for row in found[1:]}
+
+
+def test_readme_headline_numbers_are_the_manuals_measured_ones():
+    # the README's headline table quotes one measured run; docs/quality.md holds that run's table
+    # with its stamp: every number the README shows must be the manual's, so neither drifts alone
+    headline = _table_with(README.read_text(encoding="utf-8"), "KV cache", "tokens in 8 GiB")
+    measured = _table_with((ROOT / "docs" / "quality.md").read_text(encoding="utf-8"), "format", "max ctx @ 8 GiB")
+    assert len(headline) >= 5
+    for fmt, row in headline.items():
+        assert fmt in measured, f"README headline row {fmt} is not in docs/quality.md's default-list table"
+        m = measured[fmt]
+        assert (row["bits/elem"], row["KL vs bf16"], row["PPL"]) == (m["bits/elem"], m["KL vs bf16"], m["PPL"]), fmt
+        assert row["tokens in 8 GiB"] == m["max ctx @ 8 GiB"], fmt

@@ -97,3 +97,18 @@ def broken_links(path: Path) -> list[str]:
         elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text(encoding="utf-8")):
             problems.append(f"{path.name}: {target}: no heading #{anchor} in {dest.name}")
     return problems
+
+
+def tables(text: str) -> list[list[list[str]]]:
+    """The pipe tables of a Markdown text (code blocks skipped): rows of stripped cells, the
+    header row first, the |---| row dropped."""
+    out, rows = [], []
+    for line in _FENCE.sub("", text).splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not all(re.fullmatch(r":?-+:?", c) for c in cells):
+                rows.append(cells)
+        elif rows:
+            out.append(rows)
+            rows = []
+    return out
