@@ -44,14 +44,18 @@ def make_units(trials_by_cell: dict, choices: Sequence) -> list[Unit]:
             for (task, length), trials in trials_by_cell.items() for c in choices]
 
 
-# Prefill seconds per token on one core of the development machine (SmolLM2-135M, measured):
-# a fixed part (the weights) and a part growing with the context (attention); a recent window's
-# reference attention costs about _WINDOW_FACTOR more. Scaled to another model by its weights
-# (layers x hidden^2) and attention width (layers x heads x head_dim).
-_PER_TOKEN_S = 1.6e-3
-_PER_TOKEN_CONTEXT_S = 1.2e-7
-_DECODE_STEP_S = 0.06
-_WINDOW_FACTOR = 1.6
+# CPU seconds on one core of the development machine (SmolLM2-135M, 1 thread): a prefill token
+# at position p costs _TOKEN_S + _TOKEN_POSITION_S * p (the weights, then attention over the p
+# tokens before it), a decode step _STEP_S + _STEP_POSITION_S * p; a recent window's prefill (the
+# C kernel over pages and tail, `ops.recent_prefill`) costs about _WINDOW_FACTOR more. Fitted to
+# a 1k and an 8k eval pass (4.7 s and 157 s, full logits removed) and to prefills of 512 and 2048
+# tokens; scaled to another model by its weights (layers x hidden^2) and attention width
+# (layers x heads x head_dim). An estimate: a busy machine takes longer.
+_TOKEN_S = 1.5e-3
+_TOKEN_POSITION_S = 4.0e-6
+_STEP_S = 0.03
+_STEP_POSITION_S = 4.0e-6
+_WINDOW_FACTOR = 1.1
 _SMOLLM2 = (30 * 576 * 576, 30 * 9 * 64)
 
 
@@ -73,13 +77,15 @@ def has_sliding_layers(config) -> bool:
 
 
 def unit_seconds(unit: Unit, block_size: int, scale: tuple[float, float], reuse: bool) -> float:
-    """Estimated CPU seconds of a unit on one core (see the constants above)."""
-    tokens = computed_tokens(unit.trials, block_size, reuse)
+    """Estimated CPU seconds of a unit on one core (see the constants above): each trial's
+    computed prompt tokens (the rest are prefix hits) at their positions, then its decode steps."""
     weights, attention = scale
-    per = weights * _PER_TOKEN_S + attention * _PER_TOKEN_CONTEXT_S * unit.length
-    factor = _WINDOW_FACTOR if getattr(unit.choice, "recent", None) is not None else 1.0
-    decode = sum(t.max_new_tokens for t in unit.trials) * _DECODE_STEP_S * weights
-    return factor * per * sum(tokens) + decode
+    total = 0.0
+    for t, c in zip(unit.trials, computed_tokens(unit.trials, block_size, reuse)):
+        end = len(t.prompt)
+        total += c * (weights * _TOKEN_S + attention * _TOKEN_POSITION_S * (end - c / 2))
+        total += t.max_new_tokens * (weights * _STEP_S + attention * _STEP_POSITION_S * end)
+    return total * (_WINDOW_FACTOR if getattr(unit.choice, "recent", None) is not None else 1.0)
 
 
 def estimate(units: Sequence[Unit], block_size: int, config, workers: int) -> tuple[float, int, int]:
@@ -96,13 +102,13 @@ def estimate(units: Sequence[Unit], block_size: int, config, workers: int) -> tu
 def run_unit(model, unit: Unit, block_size: int, on_trial: Optional[Callable[[], None]] = None) -> dict:
     """Run a unit (see the module docstring): {"generated": [token ids per trial, in
     `unit.trials` order], "bits_per_element": as stored at the unit's length, "computed":
-    prompt tokens the model computed, "seconds": wall time}."""
+    prompt tokens the model computed, "seconds" / "cpu_seconds": wall / this process's CPU time}."""
     import torch
 
     from ..integrations.hf_compat import with_cache
     from .runner import cache_for, layout_numbers
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     choice = unit.choice
     cache = cache_for(model, choice, block_size, checks=False)
     bits = layout_numbers(cache, 1, choice.recent, unit.length)[0]
@@ -125,7 +131,7 @@ def run_unit(model, unit: Unit, block_size: int, on_trial: Optional[Callable[[],
             if on_trial:
                 on_trial()
     return {"generated": generated, "bits_per_element": bits, "computed": computed,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu0}
 
 
 def run_units(model, units: Sequence[Unit], block_size: int, costs: Sequence[float], workers: int,
@@ -190,5 +196,6 @@ def score(units: Sequence[Unit], results: dict, decode: Callable[[list], str]) -
                          "bf16_accuracy": ref_acc, "informative": ref_acc >= INFORMATIVE,
                          "lost": lost, "gained": gained, "mcnemar_p": mcnemar_exact(lost, gained),
                          "by_depth": depth_bins([depths[k] for k in order], ok),
-                         "computed_tokens": results[i]["computed"], "seconds": results[i]["seconds"]})
+                         "computed_tokens": results[i]["computed"], "seconds": results[i]["seconds"],
+                         "cpu_seconds": results[i].get("cpu_seconds")})
     return rows, records
