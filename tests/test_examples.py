@@ -16,15 +16,12 @@ from helpers.markdown import readme_block_run_by, shell_commands
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def readme_python_blocks() -> list[str]:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
-        return re.findall(r"```python\n(.*?)```", fh.read(), flags=re.S)
-
-
 def test_readme_example_is_the_example_file():
+    # the block the README marks as run by test_quickstart_runs_as_written is the file it runs
     with open(os.path.join(ROOT, "examples", "quickstart.py"), encoding="utf-8") as fh:
         example = fh.read()
-    assert example in readme_python_blocks(), "README's Python example differs from examples/quickstart.py"
+    block = readme_block_run_by("tests/test_examples.py::test_quickstart_runs_as_written")
+    assert block.lang == "python" and block.text == example, "README's Python example differs from examples/quickstart.py"
 
 
 def test_quickstart_runs_as_written():

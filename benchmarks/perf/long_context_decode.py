@@ -7,7 +7,7 @@ A format may name the approximate attention paths after an @ (`turbo3@int8_score
 drop-in's `approx=`, vLLM's `"approx"` setting; `pagedkv.approx`).
 
 Two front doors, each against its own cache, the embedded SmolLM2 in float32 (bf16 matmuls on an
-AVX2 CPU cost 4-7x fp32, see the README), greedy decoding:
+AVX2 CPU cost 4-7x fp32, see docs/performance.md), greedy decoding:
 - vllm: a vLLM engine (CPU, eager) with its own cache (`vllm-auto`: the model dtype, fp32) or
   pagedkv pages (`--additional-config {"pagedkv": {"kv_format": F}}`);
 - transformers: the model with transformers' own `DynamicCache` (fp32, SDPA) or pagedkv's
