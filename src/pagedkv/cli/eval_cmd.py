@@ -35,7 +35,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="comma-separated formats; NAME+hp adds the automatic high-precision "
                         "first/last layers, NAME+hpN N of them; a last +rR (+rRq8_0) keeps the "
                         "last R tokens in a bf16 (q8_0) recent window, +rRsS also the first S; tunedB "
-                        "the plan `pagedkv tune --bits B` makes for the model; `default` / `demo` name "
+                        "the plan `pagedkv tune --bits B` makes for the model, tunedB@N (e.g. tuned3.5@8k) the one "
+                        "`pagedkv tune --bits B --context N` makes for N-token contexts; `default` / `demo` name "
                         "the default list / make demo's shorter one (default: "
                         f"{','.join(DEFAULT_FORMATS)}; with a retrieval --task: {','.join(DEFAULT_PRESET.formats)})")
     p.add_argument("--windows", type=int, default=D.windows,

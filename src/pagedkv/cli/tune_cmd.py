@@ -15,12 +15,16 @@ def add_parser(sub):
     p.add_argument("--bits", type=float, required=True, help="average stored bits per K/V element")
     p.add_argument("--text", default=None, help="calibration text file (default: standard-library docstrings; "
                    "never the eval text)")
-    p.add_argument("--tokens", type=int, default=512, help="calibration tokens (default 512)")
+    p.add_argument("--tokens", default=None, metavar="N",
+                   help="calibration tokens (default: --context when given, else 512)")
     p.add_argument("--recent", default="auto", metavar="auto|none|R[sS][CODEC]",
                    help="the high-precision window, counted in the budget: auto (default: the best of the "
                         "candidates in pagedkv.tune.WINDOW_CANDIDATES), none, or R recent tokens and S sinks "
                         "(e.g. 64s16q8_0, 64q8_0, 64 = a bf16 tail)")
-    p.add_argument("--context", type=int, default=1024, help="tokens at which the recent window is counted")
+    p.add_argument("--context", default=None, metavar="N",
+                   help="the context length the plan serves (e.g. 8192 or 8k): the recent window's tail is counted "
+                        "at N tokens and the sensitivities are measured on a calibration window of N tokens "
+                        "(default: the tail counted at 1024, 512 calibration tokens)")
     p.add_argument("--out", required=True, help="plan file to write (.json)")
     return p
 
@@ -31,8 +35,12 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not args.out.lower().endswith(".json"):
         raise ConfigError(f"--out must name a .json file, got {args.out!r}")
-    if not args.bits > 0 or args.tokens < 2 or args.context < 1:
-        raise ConfigError("--bits must be > 0, --tokens >= 2 and --context >= 1")
+    from .sizes import parse_count
+
+    context = None if args.context is None else parse_count(args.context, "--context")
+    tokens = (context or 512) if args.tokens is None else parse_count(args.tokens, "--tokens")
+    if not args.bits > 0 or tokens < 2:
+        raise ConfigError(f"--bits must be > 0 and --tokens >= 2, got --bits {args.bits} --tokens {tokens}")
     from ..eval.runner import parse_window
 
     spec = args.recent.strip().lower()
@@ -49,13 +57,18 @@ def run(args) -> int:
     source = resolve_model_source(args.model)
     tokenizer = load_tokenizer(source)
     lm = load_model(source, attn_implementation="sdpa", tokenizer=tokenizer)
-    doc = tune(lm.model, tokenizer, bits=args.bits, text=text, tokens=args.tokens, recent=recent,
-               context=args.context, label=source.label)
+    if context is not None:
+        from ..tune import check_context
+
+        check_context(lm.model, max(context, tokens))
+    doc = tune(lm.model, tokenizer, bits=args.bits, text=text, tokens=tokens, recent=recent,
+               context=context or 1024, label=source.label)
     write_plan(args.out, doc)
     names = [f"{e['k']}/{e['v']}" for e in doc["layers"]]
     w = doc["recent_window"]
     window = "no window" if w is None else (f"window of {w['tokens']} recent tokens + {w.get('sinks', 0)} sinks in {w['codec']} "
                                             f"(+{doc['tail_bits']:.3f} bits at {doc['context']} tokens)")
-    print(f"{args.out}: {len(names)} layers, {doc['bits_per_element']:.3f} bits/element (K/V pages), {window}: "
+    print(f"{args.out}: {len(names)} layers, {doc['bits_per_element']:.3f} bits/element (K/V pages), {window}; "
+          f"measured on {doc['calibration_tokens']} tokens of {doc['calibration_text']}: "
           + " ".join(names), file=sys.stdout)
     return 0

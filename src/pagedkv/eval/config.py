@@ -12,11 +12,13 @@ from ..errors import ConfigError
 from .compute import Compute
 
 # The plain ladder, then the best measured formats with a high-precision window (the last R and
-# the first 16 positions in a q8_0 tail) and the plan `pagedkv tune` makes at each issue budget.
+# the first 16 positions in a q8_0 tail), the plan `pagedkv tune` makes at each issue budget, and
+# the plans it makes for an 8k context (`tunedB@8k`: measured on an 8k calibration window, bits
+# counted at 8k; SmolLM2's trained context; issue 33).
 DEFAULT_FORMATS = ("bf16", "fp8", "q8_0", "q4_0", "turbo8", "turbo4", "turbo3", "turbo2",
                    "fp8k_turbo3v", "turbo3+hp",
                    "turbo3+r64s16q8_0", "turbo3k_turbo2v+r32s16q8_0", "turbo2g64+r16s16q8_0",
-                   "tuned4.5", "tuned3.5", "tuned2.5")
+                   "tuned4.5", "tuned3.5", "tuned2.5", "tuned4.5@8k", "tuned3.5@8k")
 # `make demo` (`--formats demo`): the window rows run the recent window's reference attention
 # (~3.5x a plain pass) and a tuned plan needs the tune's measurement first, so the demo keeps the
 # plain ladder and the three window rows of the issue's budgets, near the old 12-format time.

@@ -49,7 +49,7 @@ from ..integrations.hf_compat import with_cache
 from ..ops.recent import RecentWindow, split_window_suffix, stored_tail_tokens, window_from_label
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, hidden_window_sums
-from .tuned import resolve_tuned, tuned_bits
+from .tuned import resolve_tuned, tuned_bits, tuned_context
 
 def parse_window(spec: str, what: str = "recent window") -> RecentWindow:
     """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (the first 16 positions, attention sinks,
@@ -80,6 +80,7 @@ class FormatChoice:
     high_precision_layers: Union[int, str]
     recent: Optional[RecentWindow] = None
     tune_bits: Optional[float] = None  # a `tunedB` label before its plan is made (`eval.tuned`)
+    tune_context: Optional[int] = None  # N of a `tunedB@N` label (`eval.tuned`)
 
     @property
     def format_name(self) -> str:
@@ -92,7 +93,7 @@ def parse_choice(spec: str) -> FormatChoice:
     s = spec.strip()
     bits = tuned_bits(s)
     if bits is not None:
-        return FormatChoice(s.lower(), s.lower(), 0, None, bits)
+        return FormatChoice(s.lower(), s.lower(), 0, None, bits, tuned_context(s))
     if is_plan_path(s):
         plan = read_plan(s)
         r = plan["recent_window"]
@@ -200,13 +201,7 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
     choices = [parse_choice(f) for f in cfg.formats]
     check_unique(choices)
     choices = resolve_tuned(model, tokenizer, choices, cfg.window_tokens)  # `tunedB`: plans made here
-    results = []
-    for c in choices:
-        cache = cache_for(model, c, cfg.block_size)
-        bits, bpt, fits = layout_numbers(cache, cfg.memory_bytes, c.recent, cfg.window_tokens)
-        results.append(FormatResult(c, bits, bpt, fits, cache.config.num_high_precision_layers,
-                                    approx=cfg.approx.name, scored_positions=cfg.scored_positions))
-        del cache
+    results = [format_result(model, c, cfg) for c in choices]
     if cfg.compute.workers > 1 and len(windows) > 1:
         from .workers import parallel_windows
 
@@ -221,6 +216,15 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
         if on_window:
             on_window([r.as_dict() for r in results])
     return [r.as_dict() for r in results]
+
+
+def format_result(model, choice: FormatChoice, cfg: EvalConfig) -> FormatResult:
+    """An empty FormatResult of `choice` with its layout numbers as stored at the end of a window
+    of `cfg.window_tokens` tokens (`layout_numbers`)."""
+    cache = cache_for(model, choice, cfg.block_size)
+    bits, bpt, fits = layout_numbers(cache, cfg.memory_bytes, choice.recent, cfg.window_tokens)
+    return FormatResult(choice, bits, bpt, fits, cache.config.num_high_precision_layers,
+                        approx=cfg.approx.name, scored_positions=cfg.scored_positions)
 
 
 def check_unique(choices: Sequence[FormatChoice]) -> None:

@@ -1,8 +1,12 @@
-"""`tunedB` format labels of `pagedkv eval`: the plan `pagedkv tune --bits B` makes for the model
-being evaluated (defaults of `pagedkv.tune.tune_budgets`: the standard-library docstrings as
-calibration text, never the eval text; the high-precision window searched), made once per run
-for every tuned label together (one measurement, one plan per budget) and evaluated as a plan
-file. Deterministic, so `tuned3.5` names the same plan as `pagedkv tune --bits 3.5` for that model.
+"""`tunedB` / `tunedB@N` format labels of `pagedkv eval`: the plan `pagedkv tune --bits B` (with
+`--context N`) makes for the model being evaluated (defaults of `pagedkv.tune.tune_budgets`: the
+standard-library docstrings as calibration text, never the eval text; the high-precision window
+searched). `tunedB`: measured on 512 calibration tokens, the window's tail counted at the eval's
+window length. `tunedB@N` (N tokens, or Nk = N x 1024): the plan for a context of N tokens,
+measured on a calibration window of N tokens, its tail counted at N. Made once per run for every
+tuned label of one context together (one measurement, one plan per budget) and evaluated as a
+plan file. Deterministic, so `tuned3.5@8k` names the same plan as `pagedkv tune --bits 3.5
+--context 8k` for that model.
 """
 
 from __future__ import annotations
@@ -15,32 +19,59 @@ from typing import Optional, Sequence
 
 from ..errors import ConfigError
 
-_TUNED = re.compile(r"^tuned(?P<bits>\d+(?:\.\d+)?)$")
+_TUNED = re.compile(r"^tuned(?P<bits>\d{1,3}(?:\.\d{1,6})?)(?:@(?P<n>\d{1,9})(?P<k>k?))?$")
+MAX_TUNED_CONTEXT = 1 << 20
+
+
+def _match(spec: str):
+    return _TUNED.match(spec.strip().lower())
 
 
 def tuned_bits(spec: str) -> Optional[float]:
-    """B for a label `tunedB` (e.g. tuned3.5), else None."""
-    m = _TUNED.match(spec.strip().lower())
+    """B for a label `tunedB` or `tunedB@N` (e.g. tuned3.5, tuned3.5@8k), else None."""
+    m = _match(spec)
     return float(m["bits"]) if m else None
+
+
+def tuned_context(spec: str) -> Optional[int]:
+    """N for a label `tunedB@N` (`@8k` = 8192), None for `tunedB` and other labels; ConfigError
+    for a context outside [2, 2**20]."""
+    m = _match(spec)
+    if not m or m["n"] is None:
+        return None
+    n = int(m["n"]) * (1024 if m["k"] else 1)
+    if not 2 <= n <= MAX_TUNED_CONTEXT:
+        raise ConfigError(f"{spec.strip()!r}: the context after @ must be 2..{MAX_TUNED_CONTEXT} tokens, got {n}")
+    return n
 
 
 def resolve_tuned(model, tokenizer, choices: Sequence, context: int, directory: Optional[str] = None) -> list:
     """`choices` with every tuned label replaced by its plan (a plan-file FormatChoice keeping the
-    label); the plans are written to `directory` (default: a new temporary one)."""
+    label); `context`: the eval's window length (where a `tunedB` plan counts its tail). The plans
+    are written to `directory` (default: a new temporary one)."""
     from .runner import parse_choice
 
-    budgets = sorted({c.tune_bits for c in choices if c.tune_bits is not None})
-    if not budgets:
+    groups: dict = {}
+    for c in choices:
+        if c.tune_bits is not None:
+            groups.setdefault(c.tune_context, set()).add(c.tune_bits)
+    if not groups:
         return list(choices)
     if tokenizer is None:
         raise ConfigError("tuned<B> formats need the model's tokenizer (the calibration text is tokenized)")
-    from ..tune import tune_budgets
+    from ..tune import check_context, tune_budgets
     from ..tune.choose import write_plan
 
-    docs = tune_budgets(model, tokenizer, budgets=budgets, recent="auto", context=context, label="eval")
     out = directory or tempfile.mkdtemp(prefix="pagedkv-tuned-")
     paths = {}
-    for bits, doc in zip(budgets, docs):
-        paths[bits] = os.path.join(out, f"tuned{bits:g}.json")
-        write_plan(paths[bits], doc)
-    return [c if c.tune_bits is None else replace(parse_choice(paths[c.tune_bits]), label=c.label) for c in choices]
+    for n, budgets in sorted(groups.items(), key=lambda kv: kv[0] or 0):
+        budgets = sorted(budgets)
+        if n is not None:
+            check_context(model, n, f"tuned<B>@{n}:")
+        kw = dict(context=context) if n is None else dict(context=n, tokens=n)
+        docs = tune_budgets(model, tokenizer, budgets=budgets, recent="auto", label="eval", **kw)
+        for bits, doc in zip(budgets, docs):
+            paths[bits, n] = os.path.join(out, f"tuned{bits:g}" + ("" if n is None else f"@{n}") + ".json")
+            write_plan(paths[bits, n], doc)
+    return [c if c.tune_bits is None else replace(parse_choice(paths[c.tune_bits, c.tune_context]), label=c.label)
+            for c in choices]

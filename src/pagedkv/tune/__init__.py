@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 DEFAULT_LADDER = ("turbo2g64", "turbo2", "turbo3", "turbo4", "turbo5", "q8_0")
 STDLIB_TEXT = "stdlib-docstrings"
+LONG_STDLIB_TEXT = "stdlib-docstrings+members"  # `calibration.long_calibration_text`, for long windows
 # The windows `recent="auto"` searches: (recent positions, sinks) with the tail in q8_0; None = no window.
 WINDOW_CANDIDATES = (None, (16, 16), (32, 16), (64, 16), (128, 16), (32, 0), (64, 0), (128, 0))
 WINDOW_CODEC = "q8_0"
@@ -26,13 +27,26 @@ def window_candidates() -> list:
     return [None if c is None else RecentWindow(c[0], WINDOW_CODEC, sinks=c[1]) for c in WINDOW_CANDIDATES]
 
 
+def check_context(model, context: int, what: str = "--context") -> None:
+    """ConfigError when a plan for `context` tokens is asked of a model trained to fewer positions
+    (its calibration window would be longer than anything the model has seen)."""
+    from ..errors import ConfigError
+
+    conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(conf, "max_position_embeddings", None)
+    if limit is not None and context > int(limit):
+        raise ConfigError(f"{what} {context}: the model was trained to {int(limit)} positions")
+
+
 def tune(model, tokenizer, *, bits: float, text: Optional[str] = None, tokens: int = 512,
          recent=None, ladder: Sequence[str] = DEFAULT_LADDER, context: int = 1024, label: str = "") -> dict:
     """The plan document for `model` (see `choose.plan_document`): sensitivities on the first
-    `tokens` tokens of `text` (None: the standard-library docstrings), then the greedy choice
+    `tokens` tokens of `text` (None: the standard-library docstrings; past their ~3k tokens, with
+    their modules' members' docstrings: `calibration.long_calibration_text`), then the greedy choice
     within `bits`. recent: None (no window), an `ops.recent.RecentWindow` (that window), or
     "auto" (the best of `window_candidates()`, see `choose.choose_window`); a window's tail is
-    counted at `context` tokens."""
+    counted at `context` tokens. A plan for a context of N tokens (`pagedkv tune --context N`) is
+    tokens = context = N: measured on a window as long as the one it serves, bits counted there."""
     return tune_budgets(model, tokenizer, budgets=[bits], text=text, tokens=tokens, recent=recent, ladder=ladder,
                         context=context, label=label)[0]
 
@@ -53,12 +67,17 @@ def tune_budgets(model, tokenizer, *, budgets: Sequence[float], text: Optional[s
     codecs = [get_codec(c) for c in ladder]
     source = STDLIB_TEXT if text is None else "given"
     ids = tokenizer(calibration_text() if text is None else text, add_special_tokens=False)["input_ids"]
+    if text is None and len(ids) + 1 < tokens:  # a long window: the docstrings of the modules' members too
+        from .calibration import long_calibration_text
+
+        source = LONG_STDLIB_TEXT
+        ids = tokenizer(long_calibration_text(), add_special_tokens=False)["input_ids"]
     bos = getattr(tokenizer, "bos_token_id", None)
     ids = ([int(bos)] if bos is not None else []) + list(ids)
     if len(ids) < tokens:
         raise ConfigError(f"--tokens {tokens}: the calibration text has only {len(ids)} tokens")
     layers = capture(model, torch.tensor([ids[:tokens]]))
-    dims = [(int(k.shape[0]), int(k.shape[-1])) for _, k, _ in layers]
+    dims = [(int(layer[1].shape[0]), int(layer[1].shape[-1])) for layer in layers]
     windows = window_candidates() if isinstance(recent, str) and recent == "auto" else [recent]
     per_window = window_errors(layers, codecs, windows)
     docs = []

@@ -13,7 +13,7 @@ exact, so the numbers are the same on every run (a test).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -25,8 +25,10 @@ from ..cache.calibration import CalibrationOptions, calibrate
 _CAPTURE = "pagedkv_tune_capture"
 
 
-def capture(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(q [Hq, T, D], k [H, T, D], v [H, T, D]) float32 of every attention layer for ids int64 [1, T]."""
+def capture(model, ids: torch.Tensor) -> list[tuple]:
+    """(q [Hq, T, D], k [H, T, D], v [H, T, D] float32, sliding window or None, softmax scale) of
+    every attention layer for ids int64 [1, T] (the window and scale as the layer's module has
+    them: Gemma's sliding layers attend to their last 512 keys only)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -34,7 +36,10 @@ def capture(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, 
     seen: dict[int, tuple] = {}
 
     def record(module, query, key, value, attention_mask, **kwargs):
-        seen[int(module.layer_idx)] = tuple(x[0].detach().float().clone() for x in (query, key, value))
+        qkv = tuple(x[0].detach().float().clone() for x in (query, key, value))
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        scale = kwargs.get("scaling", getattr(module, "scaling", None))
+        seen[int(module.layer_idx)] = (*qkv, int(window) if window else None, None if scale is None else float(scale))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(_CAPTURE, record)
@@ -108,45 +113,97 @@ def side_errors(layers: Sequence[tuple], ladder: Sequence[Codec], window=None) -
     return window_errors(layers, ladder, [window])[0]
 
 
+MAX_QUERY_ROWS = 512  # a longer calibration window scores this many query rows, evenly spread
+
+
+def query_rows(t: int, limit: Optional[int] = None) -> torch.Tensor:
+    """int64 [min(t, limit)]: every position of a window of t tokens, or `limit` (default
+    MAX_QUERY_ROWS) of them evenly spread, the last included (each still attends to all its keys)."""
+    limit = MAX_QUERY_ROWS if limit is None else limit
+    if t <= limit:
+        return torch.arange(t)
+    return torch.linspace(t / limit - 1, t - 1, limit).round().long()
+
+
 def window_errors(layers: Sequence[tuple], ladder: Sequence[Codec], windows: Sequence) -> list[list[dict]]:
-    """`side_errors` for each of `windows` (None or a RecentWindow): per layer the exact logits and
-    weights once, per codec its round trips and quantized logits once, per tail codec the tail's
-    logits once; per window only the mixing (the same numbers as `_attention` with each mask)."""
+    """`side_errors` for each of `windows` (None or a RecentWindow). layers: (q, k, v) per layer, or
+    (q, k, v, sliding window or None, softmax scale) as `capture` records them. Per layer the exact
+    logits and weights once, per codec its round trips and quantized logits once, per tail codec
+    the tail's logits once; per window only the columns it reads from the tail (the same numbers
+    as `_attention` with each mask, up to fp32 rounding). Windows longer than MAX_QUERY_ROWS score
+    `query_rows` of their queries (each over every key it attends to)."""
     out: list[list[dict]] = [[] for _ in windows]
-    for q, k, v in layers:
-        for o, row in zip(out, _layer_errors(q, k, v, ladder, windows)):
+    for layer in layers:
+        q, k, v = layer[:3]
+        sliding, scale = (layer[3], layer[4]) if len(layer) > 3 else (None, None)
+        for o, row in zip(out, _layer_errors(q, k, v, ladder, windows, sliding, scale)):
             o.append(row)
     return out
 
 
-def _layer_errors(q, k, v, ladder: Sequence[Codec], windows: Sequence) -> list[dict]:
+def _tail_columns(rows: torch.Tensor, t: int, recent: int, sinks: int, visible) -> tuple:
+    """(idx int64 [Q, S + R], valid bool [Q, S + R]): per query row p the keys it reads from a
+    tail, each once: the sinks j < S, then the band p - R < j <= p (j >= S), where `visible(p, j)`."""
+    p = rows[:, None]
+    cols = torch.cat([torch.arange(sinks).expand(rows.numel(), sinks), p - recent + 1 + torch.arange(recent)], 1)
+    valid = torch.cat([torch.ones(rows.numel(), sinks, dtype=torch.bool), cols[:, sinks:] >= sinks], 1)
+    idx = cols.clamp(0, t - 1)
+    return idx, valid & (cols >= 0) & visible(p, idx)
+
+
+def _layer_errors(q, k, v, ladder: Sequence[Codec], windows: Sequence, sliding=None, scale=None) -> list[dict]:
     g, t = q.shape[0] // k.shape[0], k.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    rows = query_rows(t).to(q.device)
+    qs = q[:, rows]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+
+    def visible(p, j):  # query position p sees key j (causal, the layer's sliding window)
+        ok = j <= p
+        return ok if sliding is None else ok & (j > p - sliding)
+
+    seen = visible(rows[:, None], torch.arange(t, device=q.device)[None, :])  # [Q, T]
 
     def logits(keys):
-        return (q @ keys.repeat_interleave(g, 0).mT * q.shape[-1] ** -0.5).masked_fill(~causal, float("-inf"))
+        return (qs @ keys.repeat_interleave(g, 0).mT * scale).masked_fill(~seen, float("-inf"))
 
     p_exact = torch.softmax(logits(k), dim=-1)
     v_rep = v.repeat_interleave(g, 0)
     exact = p_exact @ v_rep
     norm = float(exact.square().mean()) or 1.0
-    masks = [None if w is None else window_mask(t, w.tokens, w.sinks, q.device) for w in windows]
-    rows = [{"k": {}, "v": {}} for _ in windows]
+    cols = [None if w is None else _tail_columns(rows, t, w.tokens, w.sinks, visible) for w in windows]
+    out = [{"k": {}, "v": {}} for _ in windows]
     for codec in ladder:
         if not _stores(codec, k.shape[-1]):
             continue  # this layer's head_dim: not a rung here
         kq, vq, kc, vc = _fit_roundtrip(codec, k, v, q)
         s_q, vq_rep, tails = logits(kq), vq.repeat_interleave(g, 0), {}
-        for w, mask, row in zip(windows, masks, rows):
+        shift = s_q.amax(-1, keepdim=True)
+        e_q = torch.exp(s_q - shift)
+        num, den = e_q @ v_rep, e_q.sum(-1, keepdim=True)
+        base_v = p_exact @ vq_rep
+        for w, c, row in zip(windows, cols, out):
             if w is None:
-                k_out, v_out = torch.softmax(s_q, dim=-1) @ v_rep, p_exact @ vq_rep
+                k_out, v_out = num / den, base_v
             else:  # the tail holds both sides in its codec, relative to the same centres
                 if w.codec.name not in tails:
                     tails[w.codec.name] = (logits(_tail_roundtrip(w.codec, k, kc)),
                                            _tail_roundtrip(w.codec, v, vc).repeat_interleave(g, 0))
                 s_t, vt_rep = tails[w.codec.name]
-                k_out = torch.softmax(torch.where(mask, s_t, s_q), dim=-1) @ v_rep
-                v_out = (p_exact * ~mask) @ vq_rep + (p_exact * mask) @ vt_rep
+                idx, valid = c
+                gi = idx.expand(q.shape[0], *idx.shape)  # [Hq, Q, K]
+                # K side: the softmax with the tail's logits at the window's columns, from the
+                # plain one's sums: numerator and denominator minus the pages' terms plus the tail's
+                st_g = s_t.gather(-1, gi)
+                top = torch.maximum(shift, st_g.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True))
+                e_qg = (e_q.gather(-1, gi) * torch.exp(shift - top)).masked_fill(~valid, 0.0)
+                e_tg = torch.exp(st_g - top).masked_fill(~valid, 0.0)
+                v_g = v_rep[:, idx]  # [Hq, Q, K, D]
+                diff = e_tg - e_qg
+                r = torch.exp(shift - top)
+                k_out = (num * r + torch.einsum("hqk,hqkd->hqd", diff, v_g)) / (den * r + diff.sum(-1, keepdim=True))
+                # V side: the exact weights, the tail's values at the window's columns
+                p_g = p_exact.gather(-1, gi).masked_fill(~valid, 0.0)
+                v_out = base_v + torch.einsum("hqk,hqkd->hqd", p_g, vt_rep[:, idx] - vq_rep[:, idx])
             row["k"][codec.name] = float((k_out - exact).square().mean()) / norm
             row["v"][codec.name] = float((v_out - exact).square().mean()) / norm
-    return rows
+    return out
