@@ -113,7 +113,7 @@ def side_errors(layers: Sequence[tuple], ladder: Sequence[Codec], window=None) -
     return window_errors(layers, ladder, [window])[0]
 
 
-MAX_QUERY_ROWS = 512  # a longer calibration window scores this many query rows, evenly spread
+MAX_QUERY_ROWS = 256  # a longer calibration window scores this many query rows, evenly spread
 
 
 def query_rows(t: int, limit: Optional[int] = None) -> torch.Tensor:
