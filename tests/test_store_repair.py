@@ -281,3 +281,14 @@ def test_writes_a_timeout_cut_are_counted_by_what_the_server_stored(server, monk
     stored = len(server.client.keys("pagedkv:pkv2.*"))
     assert stored == tier.puts == stats["blocks_published"] == 6
     assert tier.put_failures == stats["publish_failures"] == 0
+
+
+def test_a_publish_replaces_a_wrong_sized_value_it_never_read(tmp_path):
+    """Publishing skips values already stored, but an empty or truncated file under the key (a
+    damaged entry behind an earlier miss, which no lookup has read yet) is replaced."""
+    tier = DiskTier(tmp_path / "store")
+    tier.put("pkv2.k", b"")
+    assert tier.put("pkv2.k", b"value", if_absent=True) and tier.get("pkv2.k") == b"value"
+    tier.put("pkv2.k", b"val", if_absent=False)
+    assert tier.put("pkv2.k", b"value", if_absent=True) and tier.get("pkv2.k") == b"value"
+    assert tier.put("pkv2.k", b"other", if_absent=True) and tier.get("pkv2.k") == b"value"

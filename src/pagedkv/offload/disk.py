@@ -310,7 +310,7 @@ class DiskTier(Tier):
             raise TierWriteError(f"{self.name} is read-only ({self._why_read_only}); "
                                  f"{key} was not stored")
         path = self._path(key)
-        if if_absent and path.exists():
+        if if_absent and _same_size_file(path, len(value)):  # anything else there is replaced
             self._touch(key, len(value))
             return True
         with self._idx.lock:
@@ -380,6 +380,16 @@ class DiskTier(Tier):
             keys = list(self._idx.sizes)
         for key in keys:
             self._delete(key)
+
+
+def _same_size_file(path: Path, size: int) -> bool:
+    """A regular file of `size` bytes is at `path` (a publish that skips existing values then
+    still replaces an empty, truncated or planted one it never read)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == size
 
 
 def _unlink_quietly(path) -> None:
