@@ -174,6 +174,7 @@ def test_quick_preset_runs_end_to_end_on_a_tiny_model(tiny_folder, capsys, tmp_p
         assert len(asked["bf16"]) == QUICK_PRESET.trials and all(v == asked["bf16"] for v in asked.values())
         for d in detail:
             assert d["correct"] == (d["extracted"] == d["answer"])
+    assert cap.err.count("done: ") == 6 and "done: passkey 1024 bf16: " in cap.err
     assert "expected ~" in cap.err and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

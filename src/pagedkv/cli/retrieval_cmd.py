@@ -64,7 +64,7 @@ def run(args, log, minutes, cpu_seconds) -> int:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are forked after tokenizing
     cfg.compute.apply()
     from ..eval import retrieval as rt
-    from ..eval.retrieval_tasks import TextCodec, generate
+    from ..eval.retrieval_tasks import TextCodec, generate, is_correct
     from ..eval.text import bos_id, tokenize
 
     tokenizer = load_tokenizer(source)
@@ -97,7 +97,12 @@ def run(args, log, minutes, cpu_seconds) -> int:
     reuse = not rt.has_sliding_layers(model_config)
     costs = [rt.unit_seconds(u, cfg.block_size, scale, reuse) for u in units]
     t_run, cpu_run = time.perf_counter(), cpu_seconds()
-    results = dict(_with_progress(lm.model, units, cfg, costs))
+    def done(unit, result) -> str:
+        right = sum(is_correct(codec.decode(g), t.answer) for t, g in zip(unit.trials, result["generated"]))
+        return (f"done: {unit.label}: {right}/{len(unit.trials)} right, {result['bits_per_element']:.3f} bits/elem, "
+                f"{result['computed']} prompt tokens computed, {result['cpu_seconds']:.0f} s CPU")
+
+    results = dict(_with_progress(lm.model, units, cfg, costs, done))
     elapsed = time.perf_counter() - t_run
     rows, records = rt.score(units, results, codec.decode)
     def show() -> None:
@@ -119,22 +124,27 @@ def run(args, log, minutes, cpu_seconds) -> int:
     return 0
 
 
-def _with_progress(model, units, cfg, costs):
+def _with_progress(model, units, cfg, costs, done):
+    """run_units with a progress bar; done(unit, result) -> a line printed as each unit finishes
+    (so that an interrupted run still leaves the finished cells' numbers on stderr)."""
     from ..eval.retrieval import run_units
 
     total = sum(len(u.trials) for u in units)
-    run = lambda step: run_units(model, units, cfg.block_size, costs, cfg.compute.workers,  # noqa: E731
-                                 cfg.compute.threads, step)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
-        yield from run(None)
+        for i, result in run_units(model, units, cfg.block_size, costs, cfg.compute.workers, cfg.compute.threads):
+            print(done(units[i], result), file=sys.stderr, flush=True)
+            yield i, result
         return
     with tqdm(total=total, desc="trials", unit="trial", file=sys.stderr) as bar:
         def step(label):
             bar.set_postfix_str(label)
             bar.update(1)
-        yield from run(step)
+        for i, result in run_units(model, units, cfg.block_size, costs, cfg.compute.workers, cfg.compute.threads,
+                                   step):
+            bar.write(done(units[i], result), file=sys.stderr)
+            yield i, result
 
 
 def _print(rows, label: str, cfg: RetrievalConfig) -> None:

@@ -46,16 +46,16 @@ def make_units(trials_by_cell: dict, choices: Sequence) -> list[Unit]:
 
 # CPU seconds on one core of the development machine (SmolLM2-135M, 1 thread): a prefill token
 # at position p costs _TOKEN_S + _TOKEN_POSITION_S * p (the weights, then attention over the p
-# tokens before it), a decode step _STEP_S + _STEP_POSITION_S * p; a recent window's prefill (the
-# C kernel over pages and tail, `ops.recent_prefill`) costs about _WINDOW_FACTOR more. Fitted to
-# a 1k and an 8k eval pass (4.7 s and 157 s, full logits removed) and to prefills of 512 and 2048
-# tokens; scaled to another model by its weights (layers x hidden^2) and attention width
-# (layers x heads x head_dim). An estimate: a busy machine takes longer.
-_TOKEN_S = 1.5e-3
-_TOKEN_POSITION_S = 4.0e-6
-_STEP_S = 0.03
-_STEP_POSITION_S = 4.0e-6
-_WINDOW_FACTOR = 1.1
+# tokens before it), a decode step _STEP_S + _STEP_POSITION_S * p, for bf16; a compressed format
+# (its stores encode, its attention decodes the pages) about _CODEC_FACTOR more. Fitted to
+# prefills of 512 and 2048 tokens and a 1k and an 8k eval pass; scaled to another model by its
+# weights (layers x hidden^2) and attention width (layers x heads x head_dim). An estimate: on a
+# busy machine the same work takes more CPU time, and more wall time still.
+_TOKEN_S = 2.5e-3
+_TOKEN_POSITION_S = 1.5e-6
+_STEP_S = 0.08
+_STEP_POSITION_S = 2.0e-6
+_CODEC_FACTOR = 1.5
 _SMOLLM2 = (30 * 576 * 576, 30 * 9 * 64)
 
 
@@ -85,7 +85,13 @@ def unit_seconds(unit: Unit, block_size: int, scale: tuple[float, float], reuse:
         end = len(t.prompt)
         total += c * (weights * _TOKEN_S + attention * _TOKEN_POSITION_S * (end - c / 2))
         total += t.max_new_tokens * (weights * _STEP_S + attention * _STEP_POSITION_S * end)
-    return total * (_WINDOW_FACTOR if getattr(unit.choice, "recent", None) is not None else 1.0)
+    return total * (1.0 if _is_bf16(unit.choice) else _CODEC_FACTOR)
+
+
+def _is_bf16(choice) -> bool:
+    fmt = getattr(choice, "kv_format", None)
+    return getattr(choice, "recent", None) is None and getattr(fmt, "name", None) == "bf16" \
+        and not getattr(choice, "high_precision_layers", 0)
 
 
 def estimate(units: Sequence[Unit], block_size: int, config, workers: int) -> tuple[float, int, int]:
