@@ -155,6 +155,8 @@ def run_case(name, lens, q_lens, formats, reps, gen, clock=time.perf_counter):
 
 
 CASES = {
+    "decode b8 x 256": ([256] * 8, [1] * 8),
+    "decode b32 x 512": ([512] * 32, [1] * 32),
     "decode b8 x 1k": ([1000] * 8, [1] * 8),
     "decode b2 x 2k": ([2000] * 2, [1] * 2),
     "decode b1 x 8k": ([8192], [1]),
