@@ -1,7 +1,7 @@
 """Serving measured the way vLLM users measure it: the OpenAI server per configuration, vLLM's own
 serving benchmark (`vllm bench serve`) against it, every row of the table in one invocation.
 
-    .venv-vllm/bin/python benchmarks/vllm_bench_serve.py [--quick] [--dtype float32] [--budgets 96MiB,1GiB]
+    .venv-vllm/bin/python benchmarks/perf/vllm_bench_serve.py [--quick] [--dtype float32] [--budgets 96MiB,1GiB]
 
 For each configuration and KV budget one server is started as a user starts it (module form,
 `python -m vllm.entrypoints.openai.api_server`: the wheel's `vllm serve` script crashes), always
@@ -40,7 +40,7 @@ import tempfile
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_serving import parse_bytes  # noqa: E402  (one parser of "64MiB"-style sizes)
 
@@ -185,9 +185,11 @@ RATIOS = KEYS + ("kv_tokens", "output_tok_per_cpu_s")
 def measure(configs, budgets, mixes, args) -> list[dict]:
     rows, failed = [], {}
     work = tempfile.mkdtemp(prefix="pagedkv-bench-serve-")
-    for budget in budgets:
-        for config in configs:
+    for config in configs:  # a configuration's budgets back to back: each pair's rows close in time
+        for budget in budgets:
             base = {"config": config, "budget_bytes": budget}
+            if config.startswith("vllm-fp8") and not fp8_kv_supported():
+                failed[config] = "vLLM's fp8 KV cache on CPU needs x86 AVX-512 or AMX (this CPU has neither)"
             if config in failed:  # an unsupported configuration fails at every budget
                 rows += [dict(base, mix=m, error=failed[config]) for m in mixes]
                 continue
@@ -215,9 +217,30 @@ def measure(configs, budgets, mixes, args) -> list[dict]:
                                **{k: res.get(k) for k in KEYS})
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
+                    save(rows, args.json)  # every row as it comes: a run cut short keeps what it measured
             finally:
                 stop_server(proc)
     return rows
+
+
+def save(rows: list[dict], path) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=2)
+
+
+def fp8_kv_supported() -> bool:
+    """vLLM's own rule for its CPU fp8 cache (cpu_attn: x86 with AVX-512 or AMX), read from
+    /proc/cpuinfo so that an engine that would refuse is not started (minutes on a loaded machine)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return True  # not x86: let the server answer
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        return True
+    return "avx512f" in flags or "amx_tile" in flags
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -246,7 +269,7 @@ def table(rows: list[dict], mixes: dict, args) -> str:
            "TPOT p50 ms | x | TPOT p99 ms | x | out tok / server CPU s | x | peak in flight | load |",
            "|" + "---|" * 19]
     for m in mixes:
-        for r in (r for r in rows if r["mix"] == m):
+        for r in sorted((r for r in rows if r["mix"] == m), key=lambda r: r["budget_bytes"]):  # stable: configs in order
             mib = f"{r['budget_bytes'] / (1 << 20):g} MiB"
             if "error" in r:
                 out.append(f"| {m} | {mib} | {r['config']} | not supported here: {r['error']} |")
@@ -304,9 +327,7 @@ def main(argv=None) -> int:
     args.max_model_len = max(mix_len(x) for x in mixes.values()) + 16
     t0 = time.monotonic()
     rows = with_ratios(measure(configs, budgets, mixes, args))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=2)
+    save(rows, args.json)
     print(table(rows, mixes, args))
     print(f"total {time.monotonic() - t0:.0f} s; uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     return 0
