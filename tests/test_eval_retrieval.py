@@ -234,3 +234,17 @@ def test_config_refuses_what_the_cli_would():
     assert RetrievalConfig(formats=("turbo3", "bf16")).all_formats == ("bf16", "turbo3")
     with pytest.raises(ConfigError, match="past the context"):
         RetrievalConfig(lengths=(8192,)).check_context(4096, "m")
+
+
+def test_the_estimate_counts_prefix_hits_and_knows_which_caches_take_none():
+    transformers = pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from pagedkv.eval.retrieval import has_sliding_layers, make_units, unit_seconds
+
+    assert not has_sliding_layers(transformers.LlamaConfig())
+    assert has_sliding_layers(transformers.Gemma3TextConfig())  # 5 of 6 layers slide: no prefix hits
+    assert not has_sliding_layers(transformers.Qwen2Config(sliding_window=4096, use_sliding_window=False))
+    (unit,) = make_units({("passkey", 3000): _trials("passkey")}, [SimpleNamespace(label="bf16", recent=None)])
+    hits, whole = unit_seconds(unit, 16, (1.0, 1.0), True), unit_seconds(unit, 16, (1.0, 1.0), False)
+    assert 0 < hits < 0.8 * whole

@@ -70,10 +70,15 @@ def model_scale(config) -> tuple[float, float]:
 
 
 def has_sliding_layers(config) -> bool:
-    text = getattr(config, "text_config", None) or config
-    return any("sliding" in str(t) for t in (getattr(text, "layer_types", None) or ())) or \
-        bool(getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
-             and "gemma" in str(getattr(text, "model_type", "")))
+    """Whether some layer of `config` slides (as the cache lays them out): such caches take no
+    prefix hits (`PagedKVCache.begin`), so every prompt is computed whole."""
+    from ..errors import ConfigError
+    from ..integrations.hf_common import _layer_layout
+
+    try:
+        return any(w is not None for w in _layer_layout(config)[1])
+    except ConfigError:  # latent (MLA) layers: none slide
+        return False
 
 
 def unit_seconds(unit: Unit, block_size: int, scale: tuple[float, float], reuse: bool) -> float:
