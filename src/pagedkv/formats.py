@@ -119,6 +119,7 @@ def all_formats() -> Iterator[KVFormat]:
 
 # ---- plan files (`pagedkv tune --out plan.json`): a per-layer format wherever a format is accepted ----
 PLAN_VERSION = 1
+MAX_PLAN_BYTES = 1 << 20  # a plan of 1000 layers is ~60 KB
 
 
 def is_plan_path(name) -> bool:
@@ -130,13 +131,10 @@ def read_plan(path: str, layer_dims=None) -> dict:
     """The plan file at `path` as {"formats": tuple[KVFormat] per layer, "recent_window": None or
     {"tokens", "codec"}, "doc": the JSON}; with `layer_dims` (per layer (kv heads, head_dim)) it
     is checked against the model's layout. ConfigError naming the file and what is wrong."""
-    import json
+    from .safe_io import loads_json, read_regular_file
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"plan file {path!r} cannot be read as JSON ({exc})") from None
+    # a plan is kilobytes: a FIFO, a device (a link to /dev/zero) or a huge file is refused unread
+    doc = loads_json(read_regular_file(path, MAX_PLAN_BYTES, "plan file"), f"plan file {path!r}")
     if not isinstance(doc, dict) or doc.get("pagedkv_plan") != PLAN_VERSION or not isinstance(doc.get("layers"), list):
         raise ConfigError(f"plan file {path!r} is not a pagedkv plan (version {PLAN_VERSION}; make one "
                           "with `pagedkv tune`)")

@@ -60,6 +60,6 @@ def loads_json(text, what: str) -> Any:
     try:
         return json.loads(text)
     except RecursionError:
-        raise ConfigError(f"{what}: JSON nested too deeply") from None
+        raise ConfigError(f"{what} cannot be read as JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, the 4300-digit limit
-        raise ConfigError(f"{what} is not valid JSON ({str(exc)[:200]})") from None
+        raise ConfigError(f"{what} cannot be read as JSON ({str(exc)[:200]})") from None
