@@ -20,7 +20,6 @@ over every layer's K and V block; fp8's per-layer fp32 scales are outside the bl
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Optional, Sequence, Union
@@ -29,41 +28,15 @@ import torch
 
 from ..codecs.derive import auto_high_precision_layers
 from ..errors import ConfigError
-from ..formats import KVFormat, is_plan_path, parse_format, read_plan
+from ..formats import KVFormat, parse_format
+from ..spec import spec_and_arguments
 
 if TYPE_CHECKING:
     from ..ops.latent_layer import LatentSpec
-    from ..ops.recent import RecentWindow
+    from ..spec import RecentWindow
     from .latent import LatentLayout
 
 FormatSpec = Union[str, KVFormat]
-
-_HP_SUFFIX = re.compile(r"^(?P<fmt>.+?)\+hp(?P<n>\d*)$")
-
-
-def split_hp(spec: FormatSpec) -> tuple[FormatSpec, Optional[Union[int, str]]]:
-    """(format, high-precision layers the name asks for): "turbo3+hp" -> ("turbo3", "auto"),
-    "turbo3+hp2" -> ("turbo3", 2), "turbo3" -> ("turbo3", None). The one parser of the suffix."""
-    if isinstance(spec, str):
-        m = _HP_SUFFIX.match(spec.strip().lower())
-        if m:
-            return m["fmt"], int(m["n"]) if m["n"] else "auto"
-    return spec, None
-
-
-def recent_window_of(recent) -> Optional["RecentWindow"]:
-    """A recent-window setting as an `ops.recent.RecentWindow` (None = off; an int R = a bf16
-    tail of R tokens); ConfigError naming the value otherwise."""
-    if recent is None:
-        return None
-    from ..ops.recent import RecentWindow
-
-    if isinstance(recent, int) and not isinstance(recent, bool):
-        return RecentWindow(recent)
-    if not isinstance(recent, RecentWindow):
-        raise ConfigError(f"recent_window must be None, an int or a RecentWindow, got {recent!r}")
-    return recent
-
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -98,8 +71,9 @@ class CacheConfig:
 
     num_layers, num_kv_heads, head_dim: the attention layers and their default dims.
     layer_dims: optional per-layer (num_kv_heads, head_dim), length num_layers.
-    kv_format: one format (name or KVFormat; "name+hp" / "name+hpN" ask for high-precision
-    layers) or one per layer.
+    kv_format: a spec (`pagedkv.spec`: a format name or KVFormat, "name+hp" / "name+hpN" for
+    high-precision layers, a last "+rRsS<codec>" recent window, a plan file) or one format per
+    layer; after construction the KVFormat, or the tuple of per-layer formats.
     high_precision_layers: None (default: what the name says, 0 for a plain name), N >= 0 or
     "auto" (see module doc); hp_format: their format.
     block_size: tokens per block. num_blocks or memory_bytes: capacity (give exactly one).
@@ -107,7 +81,8 @@ class CacheConfig:
     keeps one block group per distinct window and releases the blocks no query can see any more
     (`reclaim_sliding`, default True; False keeps every token in one group, as a prefix store
     needs). Attention parameters are the caller's (`AttentionParams.sliding_window`).
-    recent_window: None or an `ops.recent.RecentWindow(R, codec)` (an int R = a bf16 tail): every
+    recent_window: None or a `spec.RecentWindow(R, codec)` (an int R = a bf16 tail; or named by
+    the spec, not both unless they agree): every
     layer also keeps its last R tokens in the tail codec, in a block group of window R, and
     attention reads them from there (`ops.recent`). Part of the fingerprint.
     device: where the pools live. trace: record per-block events (off by default).
@@ -163,45 +138,19 @@ class CacheConfig:
                 _pos_int(f"layer_dims[{i}] head_dim", d[1])
             _set(self, "layer_dims", dims)
 
-        # formats, parsed once; a "+hp" suffix is the high-precision policy; a plan file
-        # (`pagedkv tune`) is one format per layer, checked against the dims
-        if is_plan_path(self.kv_format):
-            _set(self, "kv_format", read_plan(self.kv_format, dims)["formats"])
-        name, named_hp = split_hp(self.kv_format)
-        if named_hp is not None:
-            if self.high_precision_layers is not None:
-                raise ConfigError(
-                    f"kv_format {self.kv_format!r} names its high-precision layers; do not pass "
-                    f"high_precision_layers={self.high_precision_layers!r} as well")
-            _set(self, "kv_format", name)
-            _set(self, "high_precision_layers", named_hp)
-        elif self.high_precision_layers is None:
-            _set(self, "high_precision_layers", 0)
-        if isinstance(self.kv_format, (str, KVFormat)):
-            fmt = parse_format(self.kv_format)
-            base = (fmt,) * L
-            _set(self, "kv_format", fmt)
-        else:
-            try:
-                base = tuple(parse_format(f) for f in self.kv_format)
-            except TypeError:
-                raise ConfigError(
-                    f"kv_format must be a format name, a KVFormat, or one per layer; got "
-                    f"{self.kv_format!r}"
-                ) from None
-            if len(base) != L:
-                raise ConfigError(f"kv_format has {len(base)} entries, num_layers is {L}")
-            _set(self, "kv_format", base)
+        # the spec, parsed once (`pagedkv.spec`: one format or one per layer, a "+hp" suffix, a
+        # last "+r..." window, a plan file checked against the dims), merged with the arguments
+        spec = spec_and_arguments(self.kv_format, self.high_precision_layers, self.recent_window)
+        base = spec.layer_formats(L, dims)
+        _set(self, "kv_format", spec.format if spec.layers is None else spec.layers)
+        _set(self, "high_precision_layers", 0 if spec.high_precision_layers is None else spec.high_precision_layers)
+        _set(self, "recent_window", spec.recent_window)
         hp_fmt = parse_format(self.hp_format)
         _set(self, "hp_format", hp_fmt)
 
         n_hp = self.high_precision_layers
         if n_hp == "auto":
             n_hp = max(auto_high_precision_layers(f.k) for f in base)
-        elif not isinstance(n_hp, int) or isinstance(n_hp, bool) or n_hp < 0:
-            raise ConfigError(
-                f"high_precision_layers must be an int >= 0 or 'auto', got {n_hp!r}"
-            )
         hp_set = set(range(min(n_hp, L))) | set(range(max(L - n_hp, 0), L))
 
         # sliding windows
@@ -229,7 +178,6 @@ class CacheConfig:
 
         if not isinstance(self.reclaim_sliding, bool):
             raise ConfigError(f"reclaim_sliding must be a bool, got {self.reclaim_sliding!r}")
-        _set(self, "recent_window", recent_window_of(self.recent_window))
         if self.recent_window is not None and self.latent is not None:
             raise ConfigError("a recent window is not implemented for latent (MLA) layers")
         if self.latent is not None:

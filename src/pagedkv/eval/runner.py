@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -41,15 +40,16 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..approx import Approximation
-from ..cache.config import split_hp
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError, PagedKVError
-from ..formats import KVFormat, is_plan_path, parse_format, read_plan
+from ..formats import KVFormat
 from ..integrations.hf_compat import with_cache
-from ..ops.recent import RecentWindow, split_window_suffix, stored_tail_tokens, window_from_label
+from ..ops.recent import stored_tail_tokens
+from ..spec import RecentWindow, parse_spec, window_from_label
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, hidden_window_sums
-from .tuned import resolve_tuned, tuned_bits, tuned_context
+from .tuned import resolve_tuned
+
 
 def parse_window(spec: str, what: str = "recent window") -> RecentWindow:
     """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (the first 16 positions, attention sinks,
@@ -88,29 +88,14 @@ class FormatChoice:
 
 
 def parse_choice(spec: str) -> FormatChoice:
-    """A FormatChoice from `name`, `name+hp` or `name+hpN`, each optionally followed by
-    `+r<R>[codec]`; ConfigError naming the bad value."""
-    s = spec.strip()
-    bits = tuned_bits(s)
-    if bits is not None:
-        return FormatChoice(s.lower(), s.lower(), 0, None, bits, tuned_context(s))
-    if is_plan_path(s):
-        plan = read_plan(s)
-        r = plan["recent_window"]
-        recent = None if r is None else parse_window(f"{int(r['tokens'])}s{int(r.get('sinks', 0))}{r['codec']}",
-                                                     f"plan file {s!r}: recent_window")
-        return FormatChoice(os.path.basename(s), s, 0, recent)
-    rest, window = split_window_suffix(s)
-    if window is not None:
-        base = parse_choice(rest)
-        recent = parse_window(window, f"{spec!r}: the window")
-        return FormatChoice(f"{base.label}+{recent.name}", base.kv_format, base.high_precision_layers, recent)
-    base, hp = split_hp(s)
-    if hp is not None:
-        fmt = parse_format(base)
-        return FormatChoice(f"{fmt.name}+hp{'' if hp == 'auto' else hp}", fmt, hp)
-    fmt = parse_format(s)
-    return FormatChoice(fmt.name, fmt, 0)
+    """The FormatChoice of a spec string (`pagedkv.spec`: `name`, `name+hp`, `name+hpN`, each
+    optionally followed by `+r<R>[sS][codec]`; a plan file; `tunedB[@N]`); ConfigError naming the bad part."""
+    k = parse_spec(spec, "format")
+    if k.tune_bits is not None:
+        return FormatChoice(k.label, k.label, 0, None, k.tune_bits, k.tune_context)
+    if k.plan is not None:
+        return FormatChoice(k.label, k.plan, 0, k.recent_window)
+    return FormatChoice(k.label, k.format, k.high_precision_layers or 0, k.recent_window)
 
 
 @dataclass

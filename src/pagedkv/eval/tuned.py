@@ -12,37 +12,11 @@ plan file. Deterministic, so `tuned3.5@8k` names the same plan as `pagedkv tune 
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from dataclasses import replace
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
-
-_TUNED = re.compile(r"^tuned(?P<bits>\d{1,3}(?:\.\d{1,6})?)(?:@(?P<n>\d{1,9})(?P<k>k?))?$")
-MAX_TUNED_CONTEXT = 1 << 20
-
-
-def _match(spec: str):
-    return _TUNED.match(spec.strip().lower())
-
-
-def tuned_bits(spec: str) -> Optional[float]:
-    """B for a label `tunedB` or `tunedB@N` (e.g. tuned3.5, tuned3.5@8k), else None."""
-    m = _match(spec)
-    return float(m["bits"]) if m else None
-
-
-def tuned_context(spec: str) -> Optional[int]:
-    """N for a label `tunedB@N` (`@8k` = 8192), None for `tunedB` and other labels; ConfigError
-    for a context outside [2, 2**20]."""
-    m = _match(spec)
-    if not m or m["n"] is None:
-        return None
-    n = int(m["n"]) * (1024 if m["k"] else 1)
-    if not 2 <= n <= MAX_TUNED_CONTEXT:
-        raise ConfigError(f"{spec.strip()!r}: the context after @ must be 2..{MAX_TUNED_CONTEXT} tokens, got {n}")
-    return n
 
 
 def resolve_tuned(model, tokenizer, choices: Sequence, context: int, directory: Optional[str] = None) -> list:

@@ -69,10 +69,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..cache.config import CacheConfig, recent_window_of
+from ..cache.config import CacheConfig
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..approx import Approximation
+from ..spec import spec_and_arguments
 from .hf_attention import _dense_attention, _pagedkv_mask, enable, paged_attention_forward, register
 from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _concrete_class, _layer_layout,
                         _model_device, _model_identity, _transformers)
@@ -88,10 +89,11 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
     """A transformers `Cache` storing K/V compressed in pages (see the module docstring).
 
     model_or_config: the model (its `.config` is used) or a HF config.
-    kv_format: a format name / KVFormat, or one per layer. A name means what it means on the
-    command line: "turbo3" is turbo3 in every layer (5040 B/token on SmolLM2);
+    kv_format: a spec (`pagedkv.spec`), or one format per layer. A spec means what it means on
+    the command line and in vLLM: "turbo3" is turbo3 in every layer (5040 B/token on SmolLM2);
     "turbo3+hp" adds the automatic first/last high-precision layers (3+3 q8_0: 6480 B/token),
-    "turbo3+hp2" two at each end.
+    "turbo3+hp2" two at each end; "turbo3+r64s16q8_0" adds a recent window (as
+    recent_window=RecentWindow(64, "q8_0", sinks=16)); "plan.json" is a `pagedkv tune` plan.
     high_precision_layers, hp_format: the same policy as an argument (N, or "auto": N from the
     K codec, see `pagedkv.cache.config`); None (default) = what the name says.
     key_centring: None = on when some layer's K codec is not bf16.
@@ -140,8 +142,8 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
                  recent_window=None, approx=None):
         config = getattr(model_or_config, "config", model_or_config)
         self.approx = Approximation.parse(approx)  # ConfigError before anything is built
-        self.recent_window = recent_window_of(recent_window if recent_window is not None
-                                              else _plan_recent(kv_format))
+        spec = spec_and_arguments(kv_format, high_precision_layers, recent_window)  # one parser
+        self.recent_window = spec.recent_window
         if check_attn_implementation and hasattr(model_or_config, "config"):
             impl = getattr(config, "_attn_implementation", None)
             if impl != ATTN_IMPLEMENTATION:
@@ -158,12 +160,11 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
         initial_blocks = -(-max_tokens // block_size) if max_tokens else 16
         self.config = CacheConfig(
             num_layers=len(types), num_kv_heads=kv_heads[0], head_dim=head_dims[0],
-            layer_dims=list(zip(kv_heads, head_dims)), kv_format=kv_format,
-            high_precision_layers=high_precision_layers, hp_format=hp_format,
+            layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec, hp_format=hp_format,
             block_size=block_size, num_blocks=initial_blocks, sliding_window=windows,
             device=device or _model_device(model_or_config),
             model_id=_model_identity(model_or_config) if offload is not None else "",
-            recent_window=self.recent_window, reclaim_sliding=bool(reclaim_sliding),
+            reclaim_sliding=bool(reclaim_sliding),
         )
         if key_centring is None:
             key_centring = any(not s.format.k.traits.raw for s in self.config.layers)
@@ -353,16 +354,3 @@ def _watch_input_ids(model) -> None:
         model.register_forward_pre_hook(_note_input_ids, with_kwargs=True)
         model._pagedkv_ids_hook = True
 
-
-def _plan_recent(kv_format):
-    """The recent window a plan file (`pagedkv tune`) asks for, or None."""
-    from ..formats import is_plan_path, read_plan
-
-    if not is_plan_path(kv_format):
-        return None
-    r = read_plan(kv_format)["recent_window"]
-    if r is None:
-        return None
-    from ..ops.recent import RecentWindow
-
-    return RecentWindow(int(r["tokens"]), r["codec"], sinks=int(r.get("sinks", 0)))

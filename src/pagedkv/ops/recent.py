@@ -37,80 +37,20 @@ over the tail's band of recent keys, torch over the sinks, merged by log-sum-exp
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..codecs import wht
-from ..codecs.catalogue import Codec, get_codec
 from ..errors import ConfigError, InvalidInput
+from ..spec import MAX_WINDOW_TOKENS, RecentWindow, check_window_count as _check_count  # noqa: F401 (their old home)
+from ..spec import split_window_suffix, window_from_label  # noqa: F401 (their old home)
 from . import transform
 from .batch import AttentionParams, PagedLayer
 from .recent_decode import original_basis, sink_blocks, split_applies, split_decode
 from .recent_prefill import split_prefill, split_prefill_applies
 from .reference.attention import attention_logits, gather_rows, masked_softmax, varlen_query_chunks
 from .validate import check_decode, check_prefill
-
-
-MAX_WINDOW_TOKENS = 1 << 24  # R and S at most 16M positions: beyond any context a cache holds
-
-
-def _check_count(what: str, v, low: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_WINDOW_TOKENS:
-        raise ConfigError(f"{what} must be an integer in [{low}, {MAX_WINDOW_TOKENS}] (2**24), "
-                          f"got {v if isinstance(v, int) and len(str(v)) <= 30 else repr(v)[:40]}")
-
-
-@dataclass(frozen=True)
-class RecentWindow:
-    """The high-precision recent window: `tokens` (R >= 1) last positions of each sequence, and
-    its first `sinks` (S >= 0) positions (attention sinks), are read from a tail stored with
-    `codec` (a catalogue row or its name; default bf16)."""
-
-    tokens: int
-    codec: Codec = get_codec("bf16")
-    sinks: int = 0
-
-    def __post_init__(self):
-        _check_count("recent window tokens", self.tokens, 1)
-        _check_count("recent window sinks", self.sinks, 0)
-        object.__setattr__(self, "codec", get_codec(self.codec))
-        if self.codec.traits.tensor_scaled:
-            raise ConfigError(f"recent window codec {self.codec.name!r} needs a tensor scale; use a "
-                              "self-scaled codec such as bf16, f16, q8_0 or turbo8")
-
-    @property
-    def name(self) -> str:
-        """`r64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (16 sinks): the suffix `+r...` of an eval
-        format label."""
-        return (f"r{self.tokens}" + (f"s{self.sinks}" if self.sinks else "")
-                + ("" if self.codec.name == "bf16" else self.codec.name))
-
-
-_WINDOW_LABEL = re.compile(r"^r?(?P<r>\d+)(?:s(?P<s>\d+))?(?P<codec>[a-z0-9_]*)$")
-_WINDOW_SUFFIX = re.compile(r"^(?P<rest>.+?)\+(?P<window>r\d+(?:s\d+)?[a-z0-9_]*)$")
-
-
-def window_from_label(label: str) -> Optional[RecentWindow]:
-    """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (`RecentWindow.name`'s form) ->
-    RecentWindow; None when `label` is not of that form. The one parser of a window label."""
-    m = _WINDOW_LABEL.match(label.strip().lower())
-    if m is None:
-        return None
-    for part, what in (("r", "tokens"), ("s", "sinks")):  # int() of 4,300+ digits is a ValueError
-        if m[part] and len(m[part]) > 12:
-            raise ConfigError(f"recent window {what} in {label.strip()[:40]!r}...: at most "
-                              f"{MAX_WINDOW_TOKENS} (2**24), got a {len(m[part])}-digit number")
-    return RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
-
-
-def split_window_suffix(name: str) -> tuple[str, Optional[str]]:
-    """"turbo3+r64s16q8_0" -> ("turbo3", "r64s16q8_0") (lower-cased); a name without a last
-    `+rR...` suffix -> (name, None)."""
-    m = _WINDOW_SUFFIX.match(name.strip().lower())
-    return (name, None) if m is None else (m["rest"], m["window"])
 
 
 def stored_tail_tokens(seq_len: int, recent: int, block_size: int, sinks: int = 0) -> int:

@@ -22,7 +22,7 @@ WINDOW_CODEC = "q8_0"
 
 def window_candidates() -> list:
     """The RecentWindow objects (or None) of WINDOW_CANDIDATES, in order."""
-    from ..ops.recent import RecentWindow
+    from ..spec import RecentWindow
 
     return [None if c is None else RecentWindow(c[0], WINDOW_CODEC, sinks=c[1]) for c in WINDOW_CANDIDATES]
 

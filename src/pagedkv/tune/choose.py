@@ -22,7 +22,7 @@ from ..codecs.catalogue import Codec
 from ..errors import ConfigError
 from ..formats import PLAN_VERSION, KVFormat
 from ..eval.runner import tail_tokens
-from ..ops.recent import RecentWindow
+from ..spec import RecentWindow
 
 
 def tail_bits(recent: Optional[RecentWindow], context: int, block_size: int = 16) -> float:

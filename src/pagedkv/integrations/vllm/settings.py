@@ -50,10 +50,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from ...errors import ConfigError
-from ...cache.config import split_hp
 from ...formats import KVFormat, is_plan_path, parse_format, read_plan
 from ...approx import Approximation
-from ...ops.recent import RecentWindow, split_window_suffix, window_from_label
+from ...spec import RecentWindow, check_hp_count, parse_spec, recent_window_from  # noqa: F401 (recent_window_from: re-exported)
 
 ENV_VAR = "PAGEDKV_VLLM"
 CONFIG_KEY = "pagedkv"
@@ -62,22 +61,6 @@ DEFAULT_CALIBRATION_TOKENS = 512
 _KEYS = ("kv_format", "high_precision_layers", "hp_format", "key_centring", "value_centring",
          "key_scaling", "calibration", "calibration_tokens", "cache_dir", "backend", "checks",
          "recent_window", "approx")
-
-
-def recent_window_from(value, what: str = "pagedkv recent_window") -> Optional[RecentWindow]:
-    """A recent-window setting as a RecentWindow: None / 0 (none), R (bf16 tail), "R[sS][codec]",
-    {"tokens", "codec"[, "sinks"]} (a plan file's form) or a RecentWindow; ConfigError naming
-    `what` and the value otherwise."""
-    if value is None or value == 0 or isinstance(value, RecentWindow):
-        return value or None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return RecentWindow(value)
-    if isinstance(value, str) and (recent := window_from_label(value)) is not None:
-        return recent
-    if isinstance(value, Mapping) and {"tokens", "codec"} <= set(value) <= {"tokens", "codec", "sinks"}:
-        return RecentWindow(value["tokens"], value["codec"], sinks=value.get("sinks", 0))
-    raise ConfigError(f"{what} must be null, an int R, 'R[sS][codec]' (e.g. '64s16q8_0') or "
-                      f"{{'tokens': R, 'codec': C, 'sinks': S}}, got {value!r}")
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> str:
@@ -105,47 +88,19 @@ class VllmSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "approx", Approximation.parse(self.approx))
-        fmt = self.kv_format
-        recent = recent_window_from(self.recent_window)
-        named = None  # the window the format names (a plan's, or a +r suffix)
-        if is_plan_path(fmt):
-            path = os.path.abspath(fmt.strip())
-            named = recent_window_from(read_plan(path)["recent_window"],  # ConfigError naming the file
-                                       f"pagedkv kv_format {fmt!r}: the plan's recent_window")
-            object.__setattr__(self, "kv_format", path)  # the engine's processes may not share a cwd
-            names = ()  # the plan's codecs were parsed by read_plan
-        elif isinstance(fmt, str) and (suffix := split_window_suffix(fmt))[1] is not None:
-            named = recent_window_from(suffix[1], f"pagedkv kv_format {fmt!r}: the window")
-            fmt = suffix[0]
-            object.__setattr__(self, "kv_format", fmt)
-            names = (fmt,)
-        elif isinstance(fmt, (list, tuple)):
-            if not fmt:
-                raise ConfigError("pagedkv kv_format: an empty list; give a format name or one per layer")
-            object.__setattr__(self, "kv_format", tuple(fmt))
-            names = fmt
-        else:
-            names = (fmt,)
-        if named is not None and recent is not None:
-            raise ConfigError(f"pagedkv kv_format {self.kv_format!r} names a recent window ({named.name}); "
-                              f"do not give recent_window={self.recent_window!r} as well")
-        object.__setattr__(self, "recent_window", named or recent)
-        for name in names:
-            base, named_hp = split_hp(name)
-            if named_hp is not None and not isinstance(fmt, str):
-                raise ConfigError(f"pagedkv kv_format: {name!r} in a per-layer list; the +hp suffix "
-                                  "names a policy for one format, give each layer's format instead")
-            if named_hp is not None and self.high_precision_layers is not None:
-                raise ConfigError(f"pagedkv kv_format {name!r} names its high-precision layers; do not "
-                                  f"give high_precision_layers={self.high_precision_layers!r} as well")
-            parse_format(base)  # ConfigError naming the value and the accepted forms
-            if named_hp is not None:  # resolved once: the format, and the layers its name asks for
-                object.__setattr__(self, "kv_format", base)
-                object.__setattr__(self, "high_precision_layers", named_hp)
+        check_hp_count(self.high_precision_layers, "pagedkv high_precision_layers")
+        # the one spec parser (`pagedkv.spec`), as in Python and on the command line
+        spec = parse_spec(self.kv_format, "pagedkv kv_format").with_arguments(
+            self.high_precision_layers, recent_window_from(self.recent_window, "pagedkv recent_window"),
+            "pagedkv kv_format")
+        if spec.tune_bits is not None:
+            spec.layer_formats(1)  # ConfigError: a tuned label is made by `pagedkv eval`
+        kv_format = (spec.plan if spec.plan is not None  # the engine's processes may not share a cwd
+                     else spec.format.name if spec.layers is None else tuple(f.name for f in spec.layers))
+        object.__setattr__(self, "kv_format", kv_format)
+        object.__setattr__(self, "high_precision_layers", spec.high_precision_layers)
+        object.__setattr__(self, "recent_window", spec.recent_window)
         parse_format(self.hp_format)
-        hp = self.high_precision_layers
-        if hp is not None and hp != "auto" and (isinstance(hp, bool) or not isinstance(hp, int) or hp < 0):
-            raise ConfigError(f"pagedkv high_precision_layers must be null, an int >= 0 or 'auto', got {hp!r}")
         for name in ("key_centring", "value_centring"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):

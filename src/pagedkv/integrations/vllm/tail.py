@@ -45,7 +45,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout, SlidingWindowSpec
 
 from ...errors import ConfigError
 from ...formats import KVFormat
-from ...ops.recent import RecentWindow
+from ...spec import RecentWindow
 from .layout import content_bytes, page_bytes
 
 TAIL_SUFFIX = ".pagedkv_tail"
