@@ -20,19 +20,21 @@ over every layer's K and V block; fp8's per-layer fp32 scales are outside the bl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
 from ..codecs.derive import auto_high_precision_layers
+from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from ..formats import KVFormat, parse_format
 from ..spec import spec_and_arguments
 
 if TYPE_CHECKING:
     from ..ops.latent_layer import LatentSpec
+    from ..options import CacheOptions
     from ..spec import RecentWindow
     from .latent import LatentLayout
 
@@ -90,6 +92,8 @@ class CacheConfig:
     key_centring: give every layer a `k_centre` (zeros until `PagedCache.configure_layer`).
     check_slots: `store` verifies every slot belongs to a block some sequence holds (a host
     sync for device tensors; turn off in production serving once the caller is trusted).
+    options: a `pagedkv.options.CacheOptions` supplies block_size, hp_format, recent_window,
+    reclaim_sliding and key_centring (None: on for a non-raw K codec), instead of those fields.
     latent: a `pagedkv.cache.latent.LatentLayout` makes every layer a latent (MLA) layer: one pool
     of [latent | rope] per token (num_kv_heads/head_dim/layer_dims are then ignored).
     """
@@ -101,7 +105,7 @@ class CacheConfig:
     layer_dims: Optional[Sequence[tuple[int, int]]] = None
     high_precision_layers: Union[None, int, str] = None
     hp_format: FormatSpec = "q8_0"
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     num_blocks: Optional[int] = None
     memory_bytes: Optional[int] = None
     sliding_window: Union[None, int, Sequence[Optional[int]]] = None
@@ -113,11 +117,14 @@ class CacheConfig:
     latent: Optional["LatentLayout"] = None
     recent_window: Optional["RecentWindow"] = None
     reclaim_sliding: bool = True
+    options: Optional["CacheOptions"] = None
     layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
     num_high_precision_layers: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
+        if self.options is not None:
+            self._take_options()
         _pos_int("num_layers", self.num_layers)
         _pos_int("num_kv_heads", self.num_kv_heads)
         _pos_int("head_dim", self.head_dim)
@@ -211,6 +218,7 @@ class CacheConfig:
             ))
         _set(self, "layers", tuple(specs))
         _set(self, "num_high_precision_layers", min(n_hp, L))
+        self._options_key_centring()
 
         if (self.num_blocks is None) == (self.memory_bytes is None):
             raise ConfigError(
@@ -226,6 +234,32 @@ class CacheConfig:
                     f"memory_bytes={self.memory_bytes} is less than one block "
                     f"({self.bytes_per_block} bytes over all layers, K and V)"
                 )
+
+    def _take_options(self) -> None:
+        """Fill the fields a `CacheOptions` declares (block_size, hp_format, recent_window,
+        reclaim_sliding, key_centring: None = on for a non-raw K codec) from `options`; a field
+        also given here (not at its default) is refused."""
+        from ..options import CacheOptions
+
+        opts = self.options
+        if not isinstance(opts, CacheOptions):
+            raise ConfigError(f"options must be a pagedkv.options.CacheOptions, got {opts!r}")
+        taken = ("block_size", "hp_format", "recent_window", "reclaim_sliding", "key_centring")
+        defaults = {f.name: f.default for f in fields(CacheConfig)}
+        both = [n for n in taken if getattr(self, n) != defaults[n]]
+        if both:
+            raise ConfigError(f"{', '.join(both)}: given both as a field and in options; give them once")
+        for name in taken[:-1]:
+            object.__setattr__(self, name, getattr(opts, name))
+        object.__setattr__(self, "key_centring", bool(opts.key_centring))  # None: see the end
+
+    def _options_key_centring(self) -> None:
+        """`options.key_centring` None: on when some layer's K codec (after the high-precision
+        policy) is not raw, as in every front door."""
+        from ..options import default_key_centring
+
+        if self.options is not None and self.options.key_centring is None and self.latent is None:
+            object.__setattr__(self, "key_centring", default_key_centring(self.layer_formats))
 
     # ---- derived ----------------------------------------------------------------------------
     @property

@@ -11,23 +11,28 @@ import os
 import sys
 import time
 
+from ..options import add_option_arguments, options_from_args
 from .edge import add_compute_arguments, compute_from_args
 from .output import print_json
+
+# the cache options (`pagedkv.options.CacheOptions`) with a flag here; the recent window is
+# named in --kv-format (turbo3+r64s16q8_0)
+OPTION_FLAGS = ("block_size", "hp_format", "key_centring", "value_centring", "key_scaling", "reclaim_sliding",
+                "approx", "backend", "checks")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text with a compressed KV cache", description=__doc__)
     p.add_argument("prompt", help="the user message (the chat template is applied when the model has one)")
     p.add_argument("--model", default=None, help="local HF model folder or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--kv-format", default="turbo3", help="KV format (default turbo3); NAME+hp for "
-                   "the automatic high-precision first/last layers")
+    p.add_argument("--kv-format", default="turbo3", help="KV format spec (default turbo3): NAME+hp for "
+                   "the automatic high-precision first/last layers, a last +rR[sS][codec] recent window, "
+                   "or a plan file (.json, `pagedkv tune`)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     add_compute_arguments(p)
-    p.add_argument("--approx", default="exact", metavar="SPEC",
-                   help="approximate attention paths: exact (default) or a comma list of int8_scores, "
-                        "bf16_dots, sparse_v_threshold=T")
+    add_option_arguments(p, OPTION_FLAGS)
     p.add_argument("--json", action="store_true", help="print one JSON object (reply, sizes, speed)")
     return p
 
@@ -45,9 +50,7 @@ def run(args) -> int:
         raise ConfigError(f"the prompt is not valid UTF-8 (a byte 0x{ord(exc.object[exc.start]) & 0xff:02x} "
                           f"at character {exc.start}); pass UTF-8 text") from None
     compute = compute_from_args(args)
-    from ..approx import Approximation
-
-    approx = Approximation.parse(args.approx)
+    options = options_from_args(args, OPTION_FLAGS)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ..eval.model import load_model, load_tokenizer, resolve_device, resolve_model_source
     from ..eval.runner import cache_for, parse_choice
@@ -68,7 +71,7 @@ def run(args) -> int:
                                       add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tok(args.prompt, return_tensors="pt")["input_ids"]
-    cache = cache_for(lm.model, choice, approx=approx)
+    cache = cache_for(lm.model, choice, options=options)
     streamer = None if args.json else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -79,7 +82,7 @@ def run(args) -> int:
     new = int(out.shape[1] - ids.shape[1])
     used = cache.used_bytes()
     bf16_used = used * _bf16_bytes_per_token(cache) / cache.bytes_per_token()  # same blocks, in bf16
-    row = {"format": choice.label, "approx": approx.name, "prompt_tokens": int(ids.shape[1]), "new_tokens": new,
+    row = {"format": choice.label, "approx": options.approx.name, "prompt_tokens": int(ids.shape[1]), "new_tokens": new,
            "text": tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), "seconds": dt,
            "tok_s": new / dt, "tokens_in_cache": cache.get_seq_length(), "kv_bytes_in_use": used,
            "kv_bytes_per_token": cache.bytes_per_token(), "bf16_bytes_in_use": bf16_used,

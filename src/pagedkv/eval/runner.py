@@ -40,6 +40,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..approx import Approximation
+from ..options import CacheOptions
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError, PagedKVError
 from ..formats import KVFormat
@@ -132,24 +133,27 @@ class FormatResult:
 
 
 def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks: bool = True,
-              approx: Approximation = Approximation()):
+              approx: Approximation = Approximation(), options: Optional[CacheOptions] = None):
+    """The cache `choice` names for `model`: `options` (default: block_size, checks and approx
+    as given, the rest at their defaults; the choice's window added)."""
     from ..integrations.deepseek import mla_dims
 
+    opts = options or CacheOptions(block_size=block_size, checks=checks, approx=approx)
     if mla_dims(model.config) is not None:  # latent (MLA) models: one [latent | rope] per token
         if choice.recent is not None:
             raise ConfigError(f"{choice.label}: a recent window is not implemented for latent (MLA) layers")
-        if not approx.exact:
-            raise ConfigError(f"approx {approx.name!r} is not implemented for latent (MLA) layers; use exact")
+        if not opts.approx.exact:
+            raise ConfigError(f"approx {opts.approx.name!r} is not implemented for latent (MLA) layers; use exact")
         from ..integrations.deepseek import PagedLatentCache
         from ..integrations.deepseek import enable as enable_mla
 
         enable_mla(model)
         return PagedLatentCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
-                                block_size=block_size, checks=checks)
+                                options=opts)
     from ..integrations.transformers import PagedKVCache
 
     return PagedKVCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
-                        block_size=block_size, checks=checks, recent_window=choice.recent, approx=approx)
+                        recent_window=choice.recent, options=opts)
 
 
 def layout_numbers(cache, memory_bytes: int, recent: Optional[RecentWindow] = None,

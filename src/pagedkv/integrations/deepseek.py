@@ -49,6 +49,7 @@ import torch
 from ..cache.config import CacheConfig
 from ..cache.latent import (LATENT_TRANSFORM_SHAPES, LatentLayout, fit_latent_scales,
                             latent_transform, with_latent_transform)
+from ..options import CacheOptions, option_names
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..ops import AttentionParams
@@ -99,14 +100,19 @@ class AbsorbedCache:
         raise NotImplementedError
 
 
+# K/V-model options that do not apply to a latent (the latent is both key and value)
+_KV_ONLY_OPTIONS = {"key_centring", "value_centring", "key_scaling", "recent_window", "approx", "reclaim_sliding"}
+
+
 class PagedLatentCache(PagedKVCache, AbsorbedCache):
     """A transformers `Cache` holding each layer's `[latent | rope]` per token compressed in pages.
 
     model_or_config: an MLA model (DeepSeek-V2/V3 family) or its HF config.
     kv_format: a format name / KVFormat or one per layer (the latent takes the more precise codec
     of the pair, see `pagedkv.cache.latent`). rope_format: None = auto (measured), "same", or a
-    codec name. high_precision_layers / hp_format / block_size / max_tokens / device / backend /
-    checks: as `PagedKVCache` (backend: a `pagedkv.ops.latent` backend name). offload /
+    codec name. high_precision_layers / max_tokens / device, and of the options (`CacheOptions`
+    or keywords) hp_format / block_size / backend / checks: as `PagedKVCache` (backend: a
+    `pagedkv.ops.latent` backend name; the K/V-only options are refused). offload /
     swap_tier / prefix_tier: the resident cap and the shared prefix store, as `PagedKVCache`
     (`cache.begin(ids)` before `generate` takes the prefix hits; a layer's record is its latent
     pool block, its stored transform the fp8 scales).
@@ -114,10 +120,14 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "bf16", *,
                  rope_format: Optional[str] = None, high_precision_layers: Union[None, int, str] = None,
-                 hp_format: Union[str, KVFormat] = "q8_0", block_size: int = 16,
-                 max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
-                 checks: bool = True, offload=None, swap_tier=None, prefix_tier=None):
+                 max_tokens: Optional[int] = None, device=None, offload=None, swap_tier=None, prefix_tier=None,
+                 options: Optional[CacheOptions] = None, **option_fields):
         config = getattr(model_or_config, "config", model_or_config)
+        opts = CacheOptions.of(options, **option_fields)
+        kv_only = sorted(set(opts.changed()) & _KV_ONLY_OPTIONS)
+        if kv_only:
+            raise ConfigError(f"{', '.join(kv_only)}: not implemented for latent (MLA) layers; accepted here: "
+                              f"{', '.join(sorted(set(option_names()) - _KV_ONLY_OPTIONS))}")
         dims = mla_dims(config)
         if dims is None:
             raise ConfigError(
@@ -127,13 +137,13 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens <= 0):
             raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        block_size = opts.block_size
+        self.options = opts
         num_layers = int(_text(config).num_hidden_layers)
         initial_blocks = -(-max_tokens // block_size) if max_tokens else 16
         self.config = CacheConfig(
             num_layers=num_layers, num_kv_heads=1, head_dim=dims[0] + dims[1], kv_format=kv_format,
-            high_precision_layers=high_precision_layers, hp_format=hp_format, block_size=block_size,
+            high_precision_layers=high_precision_layers, hp_format=opts.hp_format, block_size=block_size,
             num_blocks=initial_blocks, latent=LatentLayout(dims[0], dims[1], rope_format),
             device=device or _model_device(model_or_config),
             model_id=_model_identity(model_or_config) if offload is not None else "",
@@ -141,8 +151,8 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         self.key_centring = False  # K/V-model quality options that do not apply to latents
         self.key_scaling = False
         self.value_centring = False
-        self.backend = backend
-        self.checks = bool(checks)
+        self.backend = opts.backend
+        self.checks = opts.checks
         self._make_groups(block_size, max_tokens)  # latent layers: one global block group
         if offload is not None:
             from .hf_tiers import DropInTiers

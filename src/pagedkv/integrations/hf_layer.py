@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..options import centres_values, scales_keys
 from ..errors import InvalidInput
 from ..heap import release_free_heap
 from ..cache.storage import apply_group_step, build_layer, build_tail
@@ -54,8 +55,8 @@ class PagedCacheLayer:
         self.tail: Optional[PagedLayer] = None  # the high-precision recent window (cache.recent_window)
         self.k_mult: Optional[torch.Tensor] = None  # float32 [H, D]: stored keys are k * k_mult
         self.pending = None  # (k, v, start column) of the chunk waiting for the attention function
-        self.scale_keys = cache.key_scaling and not spec.format.k.traits.raw
-        self.centre_values = cache.value_centring and not spec.format.v.traits.raw
+        self.scale_keys = scales_keys(spec.format, cache.key_scaling)
+        self.centre_values = centres_values(spec.format, cache.value_centring)
         self.v_centre: Optional[torch.Tensor] = None  # float32 [H, D]
         self.device = cache.config.device
         self.group: GroupView = cache._group_of[spec.index]

@@ -73,6 +73,7 @@ from ..cache.config import CacheConfig
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..approx import Approximation
+from ..options import CacheOptions, default_key_centring
 from ..spec import spec_and_arguments
 from .hf_attention import _dense_attention, _pagedkv_mask, enable, paged_attention_forward, register
 from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _concrete_class, _layer_layout,
@@ -104,6 +105,9 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
     key_scaling: per-channel key multipliers fitted to the first chunk's keys and queries (see
     `calibration.channel_multipliers`). Off by default: exact, but on SmolLM2 it did not lower KL (turbo3
     0.106 vs 0.107, turbo4 0.029 vs 0.026, q4_0 0.062 vs 0.055 on the first eval window).
+    options: a `pagedkv.options.CacheOptions`, or its fields as keywords (block_size, hp_format,
+    key_centring, value_centring, key_scaling, reclaim_sliding, recent_window, approx, backend,
+    checks; the keywords replace the options' fields), as described here.
     block_size: tokens per block. max_tokens: None grows the pools on demand; an int caps every
     block group at that many tokens summed over rows (CacheFull beyond, raised before any change):
     the global layers' pools are allocated at that size; sliding-window layers' pools start small
@@ -132,17 +136,14 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
     approx = Approximation()  # exact unless the constructor's approx= says otherwise
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
-                 high_precision_layers: Union[None, int, str] = None, hp_format: Union[str, KVFormat] = "q8_0",
-                 key_centring: Optional[bool] = None, value_centring: Optional[bool] = None,
-                 key_scaling: bool = False,
-                 block_size: int = 16,
-                 max_tokens: Optional[int] = None, device=None, backend: Optional[str] = None,
-                 checks: bool = True, check_attn_implementation: bool = True,
-                 reclaim_sliding: bool = True, offload=None, swap_tier=None, prefix_tier=None,
-                 recent_window=None, approx=None):
+                 high_precision_layers: Union[None, int, str] = None, max_tokens: Optional[int] = None,
+                 device=None, check_attn_implementation: bool = True, offload=None, swap_tier=None,
+                 prefix_tier=None, options: Optional[CacheOptions] = None, **option_fields):
         config = getattr(model_or_config, "config", model_or_config)
-        self.approx = Approximation.parse(approx)  # ConfigError before anything is built
-        spec = spec_and_arguments(kv_format, high_precision_layers, recent_window)  # one parser
+        opts = CacheOptions.of(options, **option_fields)  # ConfigError before anything is built
+        self.options = opts
+        self.approx = opts.approx
+        spec = spec_and_arguments(kv_format, high_precision_layers, opts.recent_window)  # one parser
         self.recent_window = spec.recent_window
         if check_attn_implementation and hasattr(model_or_config, "config"):
             impl = getattr(config, "_attn_implementation", None)
@@ -155,25 +156,22 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
         types, windows, kv_heads, head_dims = _layer_layout(config)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
             raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        block_size = opts.block_size
         initial_blocks = -(-max_tokens // block_size) if max_tokens else 16
         self.config = CacheConfig(
             num_layers=len(types), num_kv_heads=kv_heads[0], head_dim=head_dims[0],
-            layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec, hp_format=hp_format,
+            layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec, hp_format=opts.hp_format,
             block_size=block_size, num_blocks=initial_blocks, sliding_window=windows,
             device=device or _model_device(model_or_config),
             model_id=_model_identity(model_or_config) if offload is not None else "",
-            reclaim_sliding=bool(reclaim_sliding),
+            reclaim_sliding=opts.reclaim_sliding,
         )
-        if key_centring is None:
-            key_centring = any(not s.format.k.traits.raw for s in self.config.layers)
-        self.key_centring = bool(key_centring)
-        self.key_scaling = bool(key_scaling)
-        self.value_centring_auto = value_centring is None
-        self.value_centring = True if value_centring is None else bool(value_centring)
-        self.backend = backend
-        self.checks = bool(checks)
+        self.key_centring = default_key_centring(self.config.layer_formats, opts.key_centring)
+        self.key_scaling = opts.key_scaling
+        self.value_centring_auto = opts.value_centring is None
+        self.value_centring = opts.value_centring is not False  # the sinks default: hf_attention
+        self.backend = opts.backend
+        self.checks = opts.checks
         self._make_groups(block_size, max_tokens)
         self.tiers = None
         if offload is not None:

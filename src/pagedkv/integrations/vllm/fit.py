@@ -28,6 +28,7 @@ from ...errors import ConfigError
 from ...private import private_dir, stat_problem
 from ...safe_io import read_regular_file
 from ...formats import KVFormat
+from ...options import centres_values, default_key_centring, needs_tensor_scales, scales_keys
 from ...cache.calibration import Calibration, CalibrationOptions, calibrate
 
 # fixed, ordered: the calibration text never changes with the request stream
@@ -65,21 +66,20 @@ class FitPlan:
     def build(formats: Sequence[KVFormat], key_centring: Optional[bool],
               value_centring: Optional[bool], key_scaling: bool,
               has_sinks: Optional[Sequence[bool]] = None) -> "FitPlan":
-        """The transformers cache's defaults: key centring on when some K codec is not bf16;
-        value centring on for non-bf16 V, by default off in layers with attention sinks (exact
-        there too: the ops add v_centre times the token weights' sum)."""
-        kc = any(f.k.name != "bf16" for f in formats) if key_centring is None else key_centring
+        """The transformers cache's defaults, from the codecs' traits (`pagedkv.options`): key
+        centring on when some K codec is not raw; value centring on for a non-raw V codec, by
+        default off in layers with attention sinks (exact there too: the ops add v_centre times
+        the token weights' sum); key multipliers when asked, for a non-raw K codec."""
         sinks = has_sinks or [False] * len(formats)
-        vc = [(not sk) if value_centring is None else bool(value_centring) for sk in sinks]
-        return FitPlan(tuple(formats), bool(kc),
-                       tuple(on and f.v.name != "bf16" for f, on in zip(formats, vc)),
-                       tuple(bool(key_scaling) and f.k.name != "bf16" for f in formats))
+        return FitPlan(tuple(formats), default_key_centring(formats, key_centring),
+                       tuple(centres_values(f, value_centring, sk) for f, sk in zip(formats, sinks)),
+                       tuple(scales_keys(f, key_scaling) for f in formats))
 
     @property
     def needed(self) -> bool:
         """False when no layer uses any statistic (then nothing is fitted)."""
         return (self.key_centring or any(self.value_centring) or any(self.key_scaling)
-                or any("fp8" in (f.k.name, f.v.name) for f in self.formats))
+                or any(needs_tensor_scales(f) for f in self.formats))
 
     def key(self, model_id: str, tokens: int) -> str:
         text = hashlib.blake2b(calibration_text().encode(), digest_size=8).hexdigest()

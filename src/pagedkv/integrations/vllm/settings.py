@@ -52,6 +52,7 @@ from typing import Any, Mapping, Optional, Union
 from ...errors import ConfigError
 from ...formats import KVFormat, is_plan_path, parse_format, read_plan
 from ...approx import Approximation
+from ...options import CacheOptions
 from ...spec import RecentWindow, check_hp_count, parse_spec, recent_window_from  # noqa: F401 (recent_window_from: re-exported)
 
 ENV_VAR = "PAGEDKV_VLLM"
@@ -85,6 +86,7 @@ class VllmSettings:
     checks: bool = False
     recent_window: Optional[RecentWindow] = None
     approx: Approximation = Approximation()
+    options: CacheOptions = field(init=False, repr=False, compare=False)  # the fields above, as CacheOptions
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "approx", Approximation.parse(self.approx))
@@ -100,14 +102,14 @@ class VllmSettings:
         object.__setattr__(self, "kv_format", kv_format)
         object.__setattr__(self, "high_precision_layers", spec.high_precision_layers)
         object.__setattr__(self, "recent_window", spec.recent_window)
-        parse_format(self.hp_format)
-        for name in ("key_centring", "value_centring"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, bool):
-                raise ConfigError(f"pagedkv {name} must be true, false or null, got {v!r}")
-        for name in ("key_scaling", "checks"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"pagedkv {name} must be true or false, got {getattr(self, name)!r}")
+        try:  # the cache options, declared once (`pagedkv.options`), as the Python caches take them
+            options = CacheOptions(hp_format=self.hp_format, key_centring=self.key_centring,
+                                   value_centring=self.value_centring, key_scaling=self.key_scaling,
+                                   recent_window=self.recent_window, approx=self.approx, backend=self.backend,
+                                   checks=self.checks)
+        except ConfigError as exc:
+            raise ConfigError(f"pagedkv {exc}") from None
+        object.__setattr__(self, "options", options)
         n = self.calibration_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 16:
             raise ConfigError(f"pagedkv calibration_tokens must be an int >= 16, got {n!r}")
