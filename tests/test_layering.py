@@ -1,8 +1,12 @@
-"""The package's shape (shared/DESIGN.md): imports point one way, and modules stay small.
+"""The package's shape (shared/DESIGN.md): imports point one way, no module imports itself
+through others (no circles), and modules and classes stay small.
 
-Order, top to bottom: cli -> bench / eval -> integrations -> cache -> offload -> ops ->
-formats / codecs; alloc and codecs import nothing above them. Every import counts, also one
-inside a function (a lazy import is still an edge of the graph).
+Order, top to bottom: cli -> bench / eval / tune -> integrations -> cache -> offload -> ops /
+options -> spec / formats -> codecs; alloc and codecs import nothing above them. Every import
+counts for the order, also one inside a function (a lazy import is still an edge of the graph).
+For circles, the imports that run on import count (a lazy one included); one under `if
+TYPE_CHECKING:` names a type for annotations only, one under `if __name__ == "__main__":` runs
+only as a script: neither can close a circle.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "pagedkv"
 RANK = {"errors": 0, "private": 0, "safe_io": 0, "heap": 0, "defaults": 0, "timing": 0, "codecs": 0, "alloc": 0, "formats": 1, "spec": 1, "ops": 2, "approx": 2, "options": 2, "offload": 3,
         "cache": 4, "integrations": 5, "eval": 6, "bench": 6, "tune": 6, "cli": 7}
 MAX_LINES = 400
+MAX_CLASS_LINES = 400  # a class spread over mixin files counts all of its bases' lines
+# circles allowed: vLLM's backend / impl pair (vLLM's own idiom: the backend class names its impl)
+KNOWN_CIRCLES = [{"integrations.vllm.backend", "integrations.vllm.impl"}]
 # known back-edges, each to be removed by its owner (listed so no new one slips in):
 # the vLLM converter reuses the GGUF -> safetensors writer of eval (belongs below both)
 KNOWN_BACK_EDGES: set = set()
@@ -23,6 +30,104 @@ KNOWN_BACK_EDGES: set = set()
 
 def _part(module: str) -> str:
     return module.split(".")[0]
+
+
+def _modules() -> set:
+    return {".".join(p.relative_to(SRC).with_suffix("").parts) for p in SRC.rglob("*.py")}
+
+
+def _is_main_test(test) -> bool:
+    return (isinstance(test, ast.Compare) and getattr(test.left, "id", None) == "__name__"
+            and any(getattr(c, "value", None) == "__main__" for c in test.comparators))
+
+
+def _type_checking_lines(tree) -> set:
+    """Line numbers of the statements under `if TYPE_CHECKING:` or `if __name__ == "__main__":`
+    (never run on import)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                                         or _is_main_test(node.test)):
+            for sub in node.body:
+                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
+    return lines
+
+
+def _runtime_graph() -> dict:
+    """module -> the modules its executed imports load (`from . import x` loads module x; `from
+    .pkg import name` loads pkg.name when that is a module, else pkg's __init__)."""
+    mods = _modules()
+
+    def resolve(name: str):
+        return name if name in mods else f"{name}.__init__" if f"{name}.__init__" in mods else None
+
+    graph: dict = {m: set() for m in mods}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        src = ".".join(rel.parts)
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_lines(tree)
+        package = list(rel.parts[:-1])
+        for node in ast.walk(tree):
+            if node.lineno in skip if hasattr(node, "lineno") else False:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[:len(package) - (node.level - 1)]
+                elif node.module and node.module.startswith("pagedkv."):
+                    base = []
+                else:
+                    continue
+                mod = base + (node.module.split(".")[node.level == 0:] if node.module else [])
+                for a in node.names:
+                    target = resolve(".".join(mod + [a.name])) or resolve(".".join(mod))
+                    if target and target != src:
+                        graph[src].add(target)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("pagedkv.") and (t := resolve(a.name[len("pagedkv."):])):
+                        graph[src].add(t)
+    return graph
+
+
+def _circles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(comp)
+    return out
 
 
 def _edges():
@@ -70,3 +175,51 @@ def test_modules_are_small():
     big = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_no_import_circles():
+    circles = [sorted(c) for c in _circles(_runtime_graph()) if c not in KNOWN_CIRCLES]
+    assert not circles, "import circles (each module reaches the others and itself):\n" + "\n".join(map(str, circles))
+
+
+def test_the_circle_finder_finds_one():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [{"a", "b", "c"}]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def _class_lines() -> dict:
+    """Class name -> lines of its body plus those of every base class defined in the package
+    (a class split into mixins across files is measured whole). Names are module.Class."""
+    classes, bases = {}, {}
+    short: dict = {}
+    for path in sorted(SRC.rglob("*.py")):
+        mod = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                key = f"{mod}.{node.name}"
+                classes[key] = node.end_lineno - node.lineno + 1
+                bases[key] = [getattr(b, "id", getattr(b, "attr", None)) for b in node.bases]
+                short.setdefault(node.name, []).append(key)
+
+    def total(key, seen):
+        n = classes[key]
+        for b in bases[key]:
+            for base in short.get(b, []):  # a base of that name in the package (mixins are unique names)
+                if base not in seen:
+                    seen.add(base)
+                    n += total(base, seen)
+        return n
+
+    return {k: total(k, {k}) for k in classes}
+
+
+# classes over the budget today, each to be split into objects it calls by its owner (issue 30.2)
+KNOWN_BIG_CLASSES = {"cache.paged.PagedCache", "alloc.sequences.SequenceManager", "offload.disk.DiskTier",
+                     "integrations.transformers.PagedKVCache", "integrations.deepseek.PagedLatentCache"}
+
+
+def test_classes_are_small():
+    sizes = _class_lines()
+    big = {k: n for k, n in sizes.items() if n > MAX_CLASS_LINES and k not in KNOWN_BIG_CLASSES}
+    assert not big, f"classes over {MAX_CLASS_LINES} lines with their mixins: {big}"

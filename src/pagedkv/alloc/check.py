@@ -9,11 +9,16 @@ blocks hold the chain key of the tokens every holder has there.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .hashing import chain_hash
-from .sequences import RELEASED, SequenceManager, swapped_record
+from .swapstate import RELEASED, swapped_record
+
+if TYPE_CHECKING:  # the manager calls this check (`check_invariants`): no import back at run time
+    from .sequences import SequenceManager
 
 
-def check_sequences(m: SequenceManager) -> None:
+def check_sequences(m: "SequenceManager") -> None:
     """Check one block group (its sequences, records and pool)."""
     pool, bs = m.pool, m.block_size
     refs = [0] * pool.num_blocks

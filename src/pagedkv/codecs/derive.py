@@ -1,6 +1,6 @@
 """Everything a backend needs to know about a codec, derived from its catalogue row in one place.
 
-A row (`catalogue.Codec`) says what is stored: code bits, what a code means (`ValueKind`), the
+A row (`row.Codec`) says what is stored: code bits, what a code means (`ValueKind`), the
 group size and scale type, whether the row is rotated. `traits(codec)` turns that into the four
 facts every implementation switches on:
 - `decode`: how a code becomes a value before the scale (`DecodeKind`): raw bf16 or IEEE half,
@@ -24,9 +24,13 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .catalogue import Codec, ScaleType, ValueKind
+from .kinds import ScaleType, ValueKind
+
+if TYPE_CHECKING:  # a row's `traits` calls down here: only the kinds at run time
+    from .row import Codec
 
 
 class DecodeKind(enum.Enum):

@@ -21,13 +21,18 @@ width (2**(bits-1) - 1 and -2**(bits-1)), so a q5 row would be llama.cpp's q5_0 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..errors import InvalidInput
 from . import packing, wht
-from .catalogue import Codec, ScaleType
 from .derive import DecodeKind, EncodeRule, traits
 from .floats import FP16_MAX, from_e4m3_bytes, from_half_bytes, to_e4m3_bytes, to_e5m2_bytes, to_half_bytes
+from .kinds import ScaleType
+
+if TYPE_CHECKING:
+    from .row import Codec
 
 SCALE_SEARCH = range(-5, 5)  # E4M3 code offsets tried around amax / max|level|
 _HALF = {ScaleType.BF16: torch.bfloat16, ScaleType.FP16: torch.float16}

@@ -16,12 +16,16 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from .catalogue import Codec, ValueKind
 from .floats import e2m1_table, e4m3_table, e5m2_table
+from .kinds import ValueKind
 from .lloyd_max import fit_levels, gaussian_levels
+
+if TYPE_CHECKING:  # a row's `value_table` calls down here: only the kinds at run time
+    from .row import Codec
 
 FIT_SEED = 20240917
 FIT_GROUPS = 1 << 14
@@ -94,12 +98,11 @@ def value_table(codec: Codec) -> torch.Tensor | None:
     raise AssertionError(f"no value table for {kind}")
 
 
-def write_codebooks() -> dict:
-    """Fit every turbo codec's codebook and write codebooks.json (levels in LEVEL_QUANTUM units)."""
-    from .catalogue import CODECS
-
+def write_codebooks(codecs: Iterable["Codec"]) -> dict:
+    """Fit the codebook of every turbo codec of `codecs` (the catalogue's rows) and write
+    codebooks.json (levels in LEVEL_QUANTUM units)."""
     out = {}
-    for codec in CODECS.values():
+    for codec in codecs:
         if codec.values is ValueKind.LLOYD_MAX:
             levels = fit_lloyd_max_table(codec.code_bits, codec.group_size)
             out[_key(codec.code_bits, codec.group_size)] = [
@@ -112,5 +115,7 @@ def write_codebooks() -> dict:
 
 
 if __name__ == "__main__":
-    for name, quanta in write_codebooks().items():
+    from .catalogue import CODECS
+
+    for name, quanta in write_codebooks(CODECS.values()).items():
         print(name, [q * LEVEL_QUANTUM for q in quanta])

@@ -35,7 +35,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -43,60 +43,13 @@ from ..approx import Approximation
 from ..options import CacheOptions
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError, PagedKVError
-from ..formats import KVFormat
 from ..integrations.hf_compat import with_cache
-from ..ops.recent import stored_tail_tokens
-from ..spec import RecentWindow, parse_spec, window_from_label
+from ..ops.recent import tail_tokens
+from ..spec import RecentWindow
+from .choice import FormatChoice, parse_choice, parse_window  # noqa: F401 (parse_window: re-exported)
 from .config import DEFAULT_FORMATS, REFERENCE_FORMAT, EvalConfig  # noqa: F401 (re-exported)
 from .metrics import MetricSums, hidden_window_sums
 from .tuned import resolve_tuned
-
-
-def parse_window(spec: str, what: str = "recent window") -> RecentWindow:
-    """`r64` / `64` (bf16 tail), `r64q8_0`, `r64s16q8_0` (the first 16 positions, attention sinks,
-    also read from the tail) -> RecentWindow; ConfigError naming `what` and the bad value."""
-    recent = window_from_label(spec)
-    if recent is None:
-        raise ConfigError(f"{what} must be R[sS][codec] (e.g. 64s16q8_0, 64q8_0, 64), got {spec!r}")
-    return recent
-
-
-def tail_tokens(recent: Optional[RecentWindow], seq_len: int, block_size: int) -> int:
-    """Token slots a window's tail holds at `seq_len` tokens (0 without a window)."""
-    return 0 if recent is None else stored_tail_tokens(seq_len, recent.tokens, block_size, recent.sinks)
-
-
-@dataclass(frozen=True)
-class FormatChoice:
-    """One row of the evaluation: a KV format and its high-precision layers.
-
-    `turbo3` = turbo3 everywhere; `turbo3+hp` = turbo3 with the automatic first/last
-    high-precision layers (see `pagedkv.cache.config`); `turbo3+hp2` = two at each end;
-    a last `+r64` / `+r64q8_0` adds a high-precision recent window of 64 tokens in bf16 / q8_0
-    (`pagedkv.ops.recent`).
-    """
-
-    label: str
-    kv_format: Union[KVFormat, str]  # a str: a plan file (`pagedkv tune`), one format per layer
-    high_precision_layers: Union[int, str]
-    recent: Optional[RecentWindow] = None
-    tune_bits: Optional[float] = None  # a `tunedB` label before its plan is made (`eval.tuned`)
-    tune_context: Optional[int] = None  # N of a `tunedB@N` label (`eval.tuned`)
-
-    @property
-    def format_name(self) -> str:
-        return self.kv_format if isinstance(self.kv_format, str) else self.kv_format.name
-
-
-def parse_choice(spec: str) -> FormatChoice:
-    """The FormatChoice of a spec string (`pagedkv.spec`: `name`, `name+hp`, `name+hpN`, each
-    optionally followed by `+r<R>[sS][codec]`; a plan file; `tunedB[@N]`); ConfigError naming the bad part."""
-    k = parse_spec(spec, "format")
-    if k.tune_bits is not None:
-        return FormatChoice(k.label, k.label, 0, None, k.tune_bits, k.tune_context)
-    if k.plan is not None:
-        return FormatChoice(k.label, k.plan, 0, k.recent_window)
-    return FormatChoice(k.label, k.format, k.high_precision_layers or 0, k.recent_window)
 
 
 @dataclass
@@ -194,7 +147,7 @@ def evaluate(model, windows: Sequence[torch.Tensor], cfg: EvalConfig,
     if cfg.compute.workers > 1 and len(windows) > 1:
         from .workers import parallel_windows
 
-        parts_by_window = parallel_windows(model, windows, choices, cfg, progress)
+        parts_by_window = parallel_windows(model, windows, choices, cfg, progress, window_parts)
     else:
         parts_by_window = ((wi, window_parts(model, wi, w, choices, cfg, progress)) for wi, w in enumerate(windows))
     for wi, parts in parts_by_window:

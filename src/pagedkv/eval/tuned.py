@@ -23,7 +23,7 @@ def resolve_tuned(model, tokenizer, choices: Sequence, context: int, directory: 
     """`choices` with every tuned label replaced by its plan (a plan-file FormatChoice keeping the
     label); `context`: the eval's window length (where a `tunedB` plan counts its tail). The plans
     are written to `directory` (default: a new temporary one)."""
-    from .runner import parse_choice
+    from .choice import parse_choice
 
     groups: dict = {}
     for c in choices:

@@ -24,24 +24,23 @@ def fork_available() -> bool:
     return "fork" in mp.get_all_start_methods()
 
 
-def _window_work(model, share, conn, windows, choices, cfg) -> None:
-    """A worker's windows: every format's parts of each, sent as ("result", wi, parts)."""
-    from .runner import window_parts
-
+def _window_work(model, share, conn, windows, choices, cfg, window_parts) -> None:
+    """A worker's windows: every format's parts of each (`window_parts`, the runner's: passed in,
+    so that this module never imports the runner back), sent as ("result", wi, parts)."""
     for wi in share:
         parts = window_parts(model, wi, windows[wi], choices, cfg, lambda label: conn.send(("progress", label)))
         conn.send(("result", wi, parts))
 
 
-def parallel_windows(model, windows: Sequence, choices, cfg,
-                     on_pass: Optional[Callable[[str], None]] = None) -> Iterator[tuple[int, list]]:
+def parallel_windows(model, windows: Sequence, choices, cfg, on_pass: Optional[Callable[[str], None]],
+                     window_parts: Callable) -> Iterator[tuple[int, list]]:
     """Yield (window index, per-format parts) in window order, computed by cfg.compute.workers
-    forked processes (see the module docstring)."""
+    forked processes (see the module docstring) each calling `window_parts`."""
     n = min(cfg.compute.workers, len(windows))
     shares = [list(range(k, len(windows), n)) for k in range(n)]
     pending: dict = {}
     nxt = 0
-    for wi, parts in fork_map(model, shares, _window_work, (windows, choices, cfg), cfg.compute.threads,
+    for wi, parts in fork_map(model, shares, _window_work, (windows, choices, cfg, window_parts), cfg.compute.threads,
                               on_pass, "eval"):
         pending[wi] = parts
         while nxt in pending:

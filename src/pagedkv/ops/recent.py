@@ -65,6 +65,11 @@ def stored_tail_tokens(seq_len: int, recent: int, block_size: int, sinks: int = 
     return (last - max(first, keep) + 1 + keep) * block_size
 
 
+def tail_tokens(recent: Optional["RecentWindow"], seq_len: int, block_size: int) -> int:
+    """Token slots a window's tail holds at `seq_len` tokens (0 without a window)."""
+    return 0 if recent is None else stored_tail_tokens(seq_len, recent.tokens, block_size, recent.sinks)
+
+
 def _values(p: torch.Tensor, v: torch.Tensor, layer: PagedLayer, weight_sum) -> torch.Tensor:
     """sum_j p_j v_j in the original basis (+ the layer's value centre times the weight sum)."""
     hh, g, tq, _ = p.shape

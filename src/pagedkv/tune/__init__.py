@@ -1,7 +1,7 @@
 """`pagedkv tune`: a per-layer, per-side codec plan under an average-bits budget.
 
 `sensitivity` measures, on calibration text that is not the eval text (standard-library
-docstrings, `integrations.vllm.fit.calibration_text`, unless --text is given), how much each
+docstrings, `integrations.capture.calibration_text`, unless --text is given), how much each
 layer's attention output moves when only its keys or only its values are stored in each codec
 of the ladder (with the statistics the cache would fit). `choose` picks per layer a K and a V
 codec by a greedy knapsack on those errors (best error drop per bit first) within the budget and
@@ -59,24 +59,18 @@ def tune_budgets(model, tokenizer, *, budgets: Sequence[float], text: Optional[s
     import torch
 
     from ..codecs.catalogue import get_codec
-    from ..errors import ConfigError
-    from ..integrations.vllm.fit import calibration_text
+    from ..integrations.capture import calibration_ids, calibration_text
     from .choose import choose_window, plan_document
     from .sensitivity import capture, window_errors
 
     codecs = [get_codec(c) for c in ladder]
     source = STDLIB_TEXT if text is None else "given"
-    ids = tokenizer(calibration_text() if text is None else text, add_special_tokens=False)["input_ids"]
-    if text is None and len(ids) + 1 < tokens:  # a long window: the docstrings of the modules' members too
-        from .calibration import long_calibration_text
+    if text is None and len(tokenizer(calibration_text(), add_special_tokens=False)["input_ids"]) + 1 < tokens:
+        from .calibration import long_calibration_text  # a long window: the modules' members' docstrings too
 
-        source = LONG_STDLIB_TEXT
-        ids = tokenizer(long_calibration_text(), add_special_tokens=False)["input_ids"]
-    bos = getattr(tokenizer, "bos_token_id", None)
-    ids = ([int(bos)] if bos is not None else []) + list(ids)
-    if len(ids) < tokens:
-        raise ConfigError(f"--tokens {tokens}: the calibration text has only {len(ids)} tokens")
-    layers = capture(model, torch.tensor([ids[:tokens]]))
+        text, source = long_calibration_text(), LONG_STDLIB_TEXT
+    ids = calibration_ids(tokenizer, tokens, text, what=f"--tokens {tokens}")
+    layers = capture(model, torch.tensor([ids]))
     dims = [(int(layer[1].shape[0]), int(layer[1].shape[-1])) for layer in layers]
     windows = window_candidates() if isinstance(recent, str) and recent == "auto" else [recent]
     per_window = window_errors(layers, codecs, windows)

@@ -22,7 +22,7 @@ def _public(obj) -> list:
 def long_calibration_text() -> str:
     """`calibration_text()`, then per module of its list the docstrings of its public classes and
     functions and of each class's public methods, each headed by its dotted name, joined by blank lines."""
-    from ..integrations.vllm.fit import CALIBRATION_MODULES, calibration_text
+    from ..integrations.capture import CALIBRATION_MODULES, calibration_text
 
     parts = [calibration_text()]
     for name in CALIBRATION_MODULES:

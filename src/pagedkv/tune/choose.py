@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from ..codecs.catalogue import Codec
 from ..errors import ConfigError
 from ..formats import PLAN_VERSION, KVFormat
-from ..eval.runner import tail_tokens
+from ..ops.recent import tail_tokens
 from ..spec import RecentWindow
 
 

@@ -21,40 +21,14 @@ from ..codecs import reference as codec_ref
 from ..codecs.catalogue import Codec
 from ..errors import ConfigError
 from ..cache.calibration import CalibrationOptions, calibrate
-
-_CAPTURE = "pagedkv_tune_capture"
-
+from ..integrations.capture import capture_attention
 
 def capture(model, ids: torch.Tensor) -> list[tuple]:
     """(q [Hq, T, D], k [H, T, D], v [H, T, D] float32, sliding window or None, softmax scale) of
     every attention layer for ids int64 [1, T] (the window and scale as the layer's module has
-    them: Gemma's sliding layers attend to their last 512 keys only)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    seen: dict[int, tuple] = {}
-
-    def record(module, query, key, value, attention_mask, **kwargs):
-        qkv = tuple(x[0].detach().float().clone() for x in (query, key, value))
-        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        scale = kwargs.get("scaling", getattr(module, "scaling", None))
-        seen[int(module.layer_idx)] = (*qkv, int(window) if window else None, None if scale is None else float(scale))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register(_CAPTURE, record)
-    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
-    before = getattr(model.config, "_attn_implementation", None)
-    model.set_attn_implementation(_CAPTURE)
-    try:
-        with torch.no_grad():
-            model(ids.to(model.device), use_cache=False)
-    finally:
-        if before is not None:
-            model.set_attn_implementation(before)
-    if not seen:
-        raise ConfigError("tune: the model ran no attention layer through transformers' attention interface")
-    return [seen[i] for i in sorted(seen)]
+    them: Gemma's sliding layers attend to their last 512 keys only), recorded by
+    `integrations.capture`, the capture the vLLM fit uses."""
+    return [(q[0], k[0], v[0], window, scale) for q, k, v, window, scale in capture_attention(model, ids)]
 
 
 def window_mask(t: int, recent: int, sinks: int = 0, device=None) -> torch.Tensor:

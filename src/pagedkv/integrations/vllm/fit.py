@@ -14,7 +14,6 @@ text, the formats and the options, so later engine starts only read it.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import io
 import json
 import os
@@ -30,27 +29,11 @@ from ...safe_io import read_regular_file
 from ...formats import KVFormat
 from ...options import centres_values, default_key_centring, needs_tensor_scales, scales_keys
 from ...cache.calibration import Calibration, CalibrationOptions, calibrate
+from ..capture import CALIBRATION_MODULES, calibration_ids, calibration_text, capture_attention  # noqa: F401 (CALIBRATION_MODULES: re-exported)
 
-# fixed, ordered: the calibration text never changes with the request stream
-CALIBRATION_MODULES = ("collections", "functools", "itertools", "json", "pathlib", "argparse",
-                       "logging", "threading", "dataclasses", "contextlib", "heapq", "bisect",
-                       "textwrap", "fractions", "decimal", "string", "datetime", "subprocess")
 FIT_VERSION = "pagedkv-vllm-fit-v1"
 _FIELDS = ("k_centre", "k_mult", "v_centre", "k_scale", "v_scale")
-_CAPTURE = "pagedkv_capture"
 MAX_FILE_BYTES = 256 << 20  # a statistics file is a few float32 [H, D] per layer: far less
-
-
-def calibration_text() -> str:
-    """Docstrings of a fixed list of standard-library modules, joined by blank lines."""
-    import importlib
-
-    parts = []
-    for name in CALIBRATION_MODULES:
-        doc = inspect.getdoc(importlib.import_module(name))
-        if doc:
-            parts.append(doc)
-    return "\n\n".join(parts)
 
 
 @dataclass(frozen=True)
@@ -110,38 +93,20 @@ def capture(model_dir: str, tokens: int) -> list[tuple[torch.Tensor, torch.Tenso
         return _captured[ident]
     try:
         import transformers
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as exc:
         raise ConfigError(f"pagedkv: fitting statistics at engine start needs transformers ({exc})") from None
-    seen: dict[int, tuple] = {}
-
-    def record(module, query, key, value, attention_mask, **kwargs):
-        seen[int(module.layer_idx)] = (query.detach().float().clone(), key.detach().float().clone(),
-                                       value.detach().float().clone())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register(_CAPTURE, record)
-    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, local_files_only=True, dtype=torch.float32, attn_implementation=_CAPTURE)
+            model_dir, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa")
     except Exception as exc:  # no HF weights there (a dummy-weight config, a GGUF, ...)
         raise ConfigError(
             f"pagedkv: fitting the statistics at engine start needs the model in Hugging Face "
             f"format at {model_dir!r} ({type(exc).__name__}: {exc}); pass \"calibration\": FILE "
             "(python -m pagedkv.integrations.vllm.calibrate), or turn key/value centring off"
         ) from None
-    ids = tok(calibration_text(), add_special_tokens=False)["input_ids"]
-    bos = getattr(tok, "bos_token_id", None)
-    ids = ([int(bos)] if bos is not None else []) + list(ids)
-    if len(ids) < tokens:
-        raise ConfigError(f"pagedkv calibration_tokens={tokens}: the calibration text has only {len(ids)} tokens")
-    with torch.no_grad():
-        model(torch.tensor([ids[:tokens]]), use_cache=False)
-    out = [seen[i] for i in sorted(seen)]
+    ids = calibration_ids(tok, tokens, what=f"pagedkv calibration_tokens={tokens}")
+    out = [layer[:3] for layer in capture_attention(model, torch.tensor([ids]))]
     _captured.clear()  # one model per process is the normal case: keep memory bounded
     _captured[ident] = out
     del model

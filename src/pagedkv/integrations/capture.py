@@ -1,0 +1,87 @@
+"""The calibration text and the attention capture shared by `pagedkv tune` and the vLLM fit.
+
+Both fit or measure on fixed text that is not the evaluation text: the docstrings of a fixed,
+ordered list of standard-library modules (`calibration_text`), tokenized with BOS first when the
+tokenizer has one (`calibration_ids`). `capture_attention` runs one transformers forward in
+which every attention layer's queries, keys and values (after RoPE, float32) are recorded through
+transformers' attention interface (then computed by sdpa, so the forward is the model's own).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+
+# fixed, ordered: the calibration text never changes with the request stream
+CALIBRATION_MODULES = ("collections", "functools", "itertools", "json", "pathlib", "argparse",
+                       "logging", "threading", "dataclasses", "contextlib", "heapq", "bisect",
+                       "textwrap", "fractions", "decimal", "string", "datetime", "subprocess")
+CAPTURE = "pagedkv_capture"  # the attention implementation name the capture registers
+
+
+def calibration_text() -> str:
+    """Docstrings of CALIBRATION_MODULES, joined by blank lines."""
+    import importlib
+
+    parts = []
+    for name in CALIBRATION_MODULES:
+        doc = inspect.getdoc(importlib.import_module(name))
+        if doc:
+            parts.append(doc)
+    return "\n\n".join(parts)
+
+
+def calibration_ids(tokenizer, tokens: int, text: Optional[str] = None, what: str = "") -> list[int]:
+    """The first `tokens` token ids of `text` (default: `calibration_text()`), BOS first when the
+    tokenizer has one; ConfigError naming `what` (the setting, e.g. "--tokens 512") when the text
+    is shorter."""
+    ids = tokenizer(calibration_text() if text is None else text, add_special_tokens=False)["input_ids"]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    ids = ([int(bos)] if bos is not None else []) + list(ids)
+    if len(ids) < tokens:
+        raise ConfigError(f"{what or tokens}: the calibration text has only {len(ids)} tokens")
+    return ids[:tokens]
+
+
+def register_capture(seen: dict) -> None:
+    """Register the CAPTURE attention (and its sdpa mask): each call records its layer's (q, k, v
+    float32 [B, H, T, D], sliding window or None, softmax scale or None) in `seen[layer_idx]`,
+    then runs sdpa."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        qkv = tuple(x.detach().float().clone() for x in (query, key, value))
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        scale = kwargs.get("scaling", getattr(module, "scaling", None))
+        seen[int(module.layer_idx)] = (*qkv, int(window) if window else None, None if scale is None else float(scale))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(CAPTURE, record)
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+
+
+def capture_attention(model, ids: torch.Tensor) -> list[tuple]:
+    """(q [B, Hq, T, D], k [B, H, T, D], v [B, H, T, D] float32, sliding window or None, softmax
+    scale or None, as the layer's module has them) of every attention layer of a loaded
+    transformers model for ids int64 [B, T], in layer order (its attention implementation is
+    restored afterwards)."""
+    seen: dict[int, tuple] = {}
+    register_capture(seen)
+    before = getattr(model.config, "_attn_implementation", None)
+    if before != CAPTURE:
+        model.set_attn_implementation(CAPTURE)
+    try:
+        with torch.no_grad():
+            model(ids.to(model.device), use_cache=False)
+    finally:
+        if before is not None and before != CAPTURE:
+            model.set_attn_implementation(before)
+    if not seen:
+        raise ConfigError("the model ran no attention layer through transformers' attention interface")
+    return [seen[i] for i in sorted(seen)]
