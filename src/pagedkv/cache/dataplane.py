@@ -204,10 +204,12 @@ class DataPlane:
 
     def configure_layer(self, layer: int, *, k_scale: Optional[float] = None,
                         v_scale: Optional[float] = None,
-                        k_centre: Optional[torch.Tensor] = None) -> None:
-        """Set a layer's fp8 tensor scales and/or key centre (float32 [H, D]; needs
-        CacheConfig(key_centring=True)). Only while the cache holds no data (they change what
-        stored bytes mean). The prefix keys' namespace then covers the transform
+                        k_centre: Optional[torch.Tensor] = None, k_mult: Optional[torch.Tensor] = None,
+                        v_centre: Optional[torch.Tensor] = None) -> None:
+        """Set a layer's transform: fp8 tensor scales, key centre (float32 [H, D]; needs
+        CacheConfig(key_centring=True)), key channel multipliers and value centre (float32
+        [H, D]; see `PagedLayer`). Only while the cache holds no data (they change what stored
+        bytes mean). The prefix keys' namespace then covers the transform
         (`storage.transform_namespace`): caches with different transforms share no prefix."""
         pl = self._kv(layer)
         if any(g.pool.num_used or g.pool.num_cached for g in self.core.groups):
@@ -219,14 +221,18 @@ class DataPlane:
             if val is not None and not (isinstance(val, (int, float)) and 0 < float(val) < float("inf")):
                 raise ConfigError(f"{name} must be a finite number > 0, got {val!r}")
         changes = {}
-        if k_centre is not None:
-            if not self.config.key_centring:
-                raise ConfigError("k_centre needs CacheConfig(key_centring=True)")
-            shape = (pl.num_kv_heads, pl.head_dim)
-            if not isinstance(k_centre, torch.Tensor) or tuple(k_centre.shape) != shape \
-                    or not torch.is_floating_point(k_centre) or not bool(torch.isfinite(k_centre).all()):
-                raise InvalidInput(f"k_centre must be a finite float tensor of shape {list(shape)}")
-            changes["k_centre"] = k_centre.detach().to(self.device, torch.float32).clone()
+        if k_centre is not None and not self.config.key_centring:
+            raise ConfigError("k_centre needs CacheConfig(key_centring=True)")
+        shape = (pl.num_kv_heads, pl.head_dim)
+        for name, t in (("k_centre", k_centre), ("k_mult", k_mult), ("v_centre", v_centre)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape \
+                    or not torch.is_floating_point(t) or not bool(torch.isfinite(t).all()):
+                raise InvalidInput(f"{name} must be a finite float tensor of shape {list(shape)}")
+            if name == "k_mult" and not bool((t > 0).all()):
+                raise InvalidInput("k_mult must be > 0 in every channel")
+            changes[name] = t.detach().to(self.device, torch.float32).clone()
         if k_scale is not None:
             changes["k_scale"] = torch.tensor([float(k_scale)], dtype=torch.float32, device=self.device)
         if v_scale is not None:
@@ -243,3 +249,26 @@ class DataPlane:
             for g in self.core.groups:  # empty (checked above): no key was computed with the old one
                 g.namespace = ns
             self._changed()
+
+    def calibrate_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                        queries: Optional[torch.Tensor] = None, *, options=None, has_sinks: bool = False):
+        """Fit and set a layer's transform from sample K/V (float [B, H, T, D]) and queries
+        ([B, Hq, T, D] or None), as the transformers drop-in fits its first chunk
+        (`calibration.calibrate`): key centre when the config centres keys, value centre and key
+        multipliers as `options` (a `CacheOptions`; default: the config's, else the defaults)
+        ask, decided from the codec traits (`pagedkv.options`), fp8 scales for tensor-scaled
+        sides. Only while the cache holds no data (`configure_layer`). Returns the Calibration."""
+        from ..options import CacheOptions, centres_values, scales_keys
+        from .calibration import CalibrationOptions, calibrate
+
+        pl = self._kv(layer)
+        opts = options or self.config.options or CacheOptions()
+        fmt = self.config.layers[self._index(layer)].format
+        cal = calibrate(keys, values, queries, pl.k_codec.name, pl.v_codec.name,
+                        CalibrationOptions(key_centring=self.config.key_centring,
+                                           key_scaling=scales_keys(fmt, opts.key_scaling),
+                                           value_centring=centres_values(fmt, opts.value_centring, has_sinks)),
+                        self.device)
+        scale = {name: float(getattr(cal, name)) for name in ("k_scale", "v_scale") if getattr(cal, name) is not None}
+        self.configure_layer(layer, k_centre=cal.k_centre, k_mult=cal.k_mult, v_centre=cal.v_centre, **scale)
+        return cal
