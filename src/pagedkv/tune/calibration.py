@@ -1,6 +1,6 @@
 """The calibration text of `pagedkv tune`: standard-library docstrings, never the eval text.
 
-`integrations.vllm.fit.calibration_text` (the module docstrings of a fixed list of modules, ~3k
+`integrations.capture.calibration_text` (the module docstrings of a fixed list of modules, ~3k
 tokens) serves the default 512-token measurement. A plan for a long context (`--context N`)
 measures on a window of N tokens, so `long_calibration_text` continues it with the docstrings of
 those modules' public classes, functions and methods, in sorted order (~22k tokens of SmolLM2's
