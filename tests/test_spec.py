@@ -44,7 +44,7 @@ SPECS = ["turbo3", "TURBO3", "turbo3+hp", "turbo4k3v+hp1", "q8_0k_turbo2v", "tur
          "PLAN:plain.json+r8s2"]
 BAD = [("turbo9", "turbo9"), ("turbo3+r8zz9", "zz9"), ("turbo3+r8+hp", "a window must be last"),
        ("turbo3+hpx", "turbo3\\+hpx"), ("turbo3+r8fp8", "tensor scale"), ("PLAN:plan.json+r16", "differs"),
-       ("PLAN:plain.json+hp", "\\+hp after a plan"), ("tuned3+r8", "after tunedB"), ("PLAN:missing.json", "cannot be read")]
+       ("PLAN:plain.json+hp", "\\+hp after a plan"), ("tuned3+r8", "after tunedB"), ("PLAN:missing.json", "missing.json. cannot be")]
 
 
 def _spec(text, plans, tmp_path=None):
