@@ -386,6 +386,27 @@ def test_the_scale_search_sums_a_group_as_torch_does(group):
         assert not torch.equal(_c_group_sums(x, 1), x.sum(-1))
 
 
+@pytest.mark.slow
+def test_the_avx512_path_emulated_where_the_cpu_lacks_it(tmp_path, monkeypatch):
+    """On a CPU without AVX-512 the avx512 build's store path is checked through SIMDe's portable
+    intrinsics (tests/helpers/simde_store.py): the reference's bytes for every catalogue row and
+    the rows beyond it. (Where the CPU has AVX-512, the session's build runs the path natively.)"""
+    import ctypes
+
+    from helpers import simde_store
+
+    if kbuild.detect_variant() == "avx512":
+        pytest.skip("this CPU runs the AVX-512 store natively (the other tests)")
+    lib = simde_store.build(kbuild.STORE_SOURCE, tmp_path)
+    if lib is None:
+        pytest.skip("SIMDe headers (libsimde-dev) or a C compiler missing")
+    lib.pkv_store.restype = ctypes.c_int
+    lib.pkv_store.argtypes = [ctypes.POINTER(cstore._StoreArgs)]
+    monkeypatch.setattr(cpu, "store", lambda layer, k, v, slots: cstore.store(lib, layer, k, v, slots))
+    for codec in [*CODECS.values(), *BEYOND_CATALOGUE]:
+        run_case(codec, 96 if codec.group_size and 64 % codec.group_size else 64, t=24, seed=8)
+
+
 def test_tolerance_rejects_a_worse_scale_choice():
     """The near-tie allowance is no blanket pass: a group stored with another scale fails it."""
     codec = CODECS["turbo3"]
