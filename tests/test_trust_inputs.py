@@ -15,6 +15,7 @@ import pytest
 from pagedkv.cache import CacheConfig
 from pagedkv.errors import ConfigError
 from pagedkv.formats import read_plan
+from pagedkv.ops.recent import RecentWindow
 
 
 def _plan(tmp_path, recent=None, name="plan.json"):
@@ -28,6 +29,17 @@ def _plan(tmp_path, recent=None, name="plan.json"):
 def _cfg(kv_format, **kw):
     return CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, kv_format=kv_format,
                        num_blocks=16, **kw)
+
+
+# ---- N6: a plan's recent window ------------------------------------------------------------------
+def test_a_plan_file_brings_its_recent_window(tmp_path):
+    path = _plan(tmp_path, {"tokens": 16, "codec": "q8_0", "sinks": 4})
+    cfg = _cfg(path)
+    assert cfg.recent_window == RecentWindow(16, "q8_0", sinks=4)
+    assert _cfg(path, recent_window=RecentWindow(16, "q8_0", sinks=4)).fingerprint == cfg.fingerprint
+    with pytest.raises(ConfigError, match="recent"):
+        _cfg(path, recent_window=RecentWindow(8))
+    assert _cfg(_plan(tmp_path, None, "plain.json")).recent_window is None
 
 
 # ---- N8: plan files --------------------------------------------------------------------------------
@@ -71,3 +83,17 @@ def test_json_the_parser_cannot_take_is_a_config_error(tmp_path):
     digits = tmp_path / "digits.json"
     digits.write_text('{"pagedkv_plan": ' + "9" * 5000 + ', "layers": []}')
     _refused_quickly(lambda: read_plan(str(digits)), "JSON")
+
+
+def test_settings_json_and_suffixes_the_parser_cannot_take(tmp_path):
+    from pagedkv.integrations.vllm.settings import parse_settings
+
+    for text in ('{"kv_format": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                 '{"kv_format": "turbo3", "calibration_tokens": ' + "9" * 5000 + "}"):
+        with pytest.raises(ConfigError, match="JSON"):
+            parse_settings(text, environ={})
+    for name in ("turbo3+hp" + "9" * 5000, "turbo3+r" + "9" * 5000, "turbo3+r4s" + "9" * 5000):
+        with pytest.raises(ConfigError, match="digit"):
+            parse_settings({"kv_format": name}, environ={})
+        with pytest.raises(ConfigError, match="digit"):
+            _cfg(name)

@@ -86,11 +86,16 @@ def window_from_label(label: str) -> Optional[RecentWindow]:
     m = _WINDOW_LABEL.match(label.strip().lower())
     if m is None:
         return None
-    for part, what in (("r", "tokens"), ("s", "sinks")):  # int() of 4,300+ digits is a ValueError
-        if m[part] and len(m[part]) > 12:
-            raise ConfigError(f"recent window {what} in {label.strip()[:40]!r}...: at most "
-                              f"{MAX_WINDOW_TOKENS} (2**24), got a {len(m[part])}-digit number")
-    return RecentWindow(int(m["r"]), m["codec"] or "bf16", sinks=int(m["s"] or 0))
+    return RecentWindow(_count(m["r"], "recent window tokens", label), m["codec"] or "bf16",
+                        sinks=_count(m["s"] or "0", "recent window sinks", label))
+
+
+def _count(digits: str, what: str, spec: str) -> int:
+    """int(digits), refusing a count too long to be one (int() of 4,300+ digits is a ValueError,
+    and no count in a spec needs 13)."""
+    if len(digits) > 12:
+        raise ConfigError(f"{what} in {spec.strip()[:40]!r}...: got a {len(digits)}-digit number")
+    return int(digits)
 
 
 def split_window_suffix(name: str) -> tuple[str, Optional[str]]:
@@ -106,7 +111,7 @@ def split_hp(spec):
     if isinstance(spec, str):
         m = _HP_SUFFIX.match(spec.strip().lower())
         if m:
-            return m["fmt"], int(m["n"]) if m["n"] else "auto"
+            return m["fmt"], _count(m["n"], "high-precision layers", spec) if m["n"] else "auto"
     return spec, None
 
 

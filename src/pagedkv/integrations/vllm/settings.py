@@ -44,12 +44,12 @@ Nothing here imports vLLM, so the main test suite checks the parsing without it.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from ...errors import ConfigError
+from ...safe_io import loads_json
 from ...formats import KVFormat, is_plan_path, parse_format, read_plan
 from ...approx import Approximation
 from ...options import CacheOptions
@@ -155,10 +155,7 @@ def parse_settings(value: Any, environ: Optional[Mapping[str, str]] = None) -> V
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("{"):
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"pagedkv settings are not valid JSON ({exc}): {text!r}") from None
+            value = loads_json(text, f"pagedkv settings {text[:200]!r}")  # too deep, 4300+ digits
         else:
             value = {"kv_format": text}
     if not isinstance(value, Mapping):
