@@ -158,7 +158,7 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
     """Encode x float [T, H, D] (minus `centre` [H, D] if given) into `pool` at `slot_mapping`."""
     why = _fallback_reason(layer, codec, pool)
     if why is None and _scale_would_saturate(codec, x, centre):
-        why = "rows large enough to saturate the half-precision group scale"
+        why = "rows at or past the range of the half-precision group scale (or not finite)"
     if why is not None:
         log_fallback_once(f"the CPU store of {codec.name}", why, "reference store")
     runs = why is None
