@@ -279,3 +279,15 @@ def test_weights_identity_samples_tensors_past_2_to_the_24_elements():
     a = weights_identity({"w": big})
     big[-1] = 1.0  # the last element is sampled
     assert weights_identity({"w": big}) != a
+
+
+def test_no_config_that_holds_a_redis_url_prints_its_password():
+    """Every dataclass with a `redis_url` field (the offload settings, `bench offload`'s) prints
+    it redacted: a password must not reach a log through a repr (issue 28, N3)."""
+    from pagedkv.bench.config import OffloadBench
+
+    url = "redis://user:hunter2-secret@127.0.0.1:6379/0?password=hunter3-secret"
+    for config in (OffloadConfig(redis_url=url), OffloadBench(redis_url=url)):
+        text = repr(config)
+        assert "hunter2" not in text and "hunter3" not in text, text
+        assert "redis_url=redis://user:***@127.0.0.1:6379/0" in text, text

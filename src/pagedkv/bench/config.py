@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
+from ..offload.config import redacted_repr
 
 # The embedded model's attention shape (SmolLM2-135M): the CPU benchmarks' default.
 EMBEDDED_SHAPE = {"layers": 30, "num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64}
@@ -129,6 +130,9 @@ class OffloadBench:
     redis_url: Optional[str] = None
     disk_dir: Optional[str] = None
     model: Optional[str] = None
+
+    def __repr__(self) -> str:  # a password in redis_url shown as ***
+        return redacted_repr(self)
 
 
 @dataclass(frozen=True)

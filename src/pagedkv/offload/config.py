@@ -29,6 +29,17 @@ SWAP_KINDS = ("disk", "memory")
 PREFIX_KINDS = ("none", "disk", "redis")
 
 
+def redacted_repr(config) -> str:
+    """A dataclass's repr with its `redis_url` field through `redact_url` (and `repr=False`
+    fields left out): what a config that may hold a Redis password prints."""
+    shown = []
+    for f in fields(config):
+        if f.repr:
+            v = getattr(config, f.name)
+            shown.append(f"{f.name}={redact_url(v) if f.name == 'redis_url' else repr(v)}")
+    return f"{type(config).__name__}({', '.join(shown)})"
+
+
 def default_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
     """`$XDG_CACHE_HOME/pagedkv`, else `~/.cache/pagedkv`. `environ` is passed by the CLI; the
     library default (None) ignores the environment and uses `~/.cache/pagedkv`."""
@@ -123,12 +134,7 @@ class OffloadConfig:
             raise ConfigError(f"prefetch must be a bool, got {self.prefetch!r}")
 
     def __repr__(self) -> str:  # the secret is left out, the Redis password shown as ***
-        shown = []
-        for f in fields(self):
-            if f.repr:
-                v = getattr(self, f.name)
-                shown.append(f"{f.name}={redact_url(v) if f.name == 'redis_url' else repr(v)}")
-        return f"OffloadConfig({', '.join(shown)})"
+        return redacted_repr(self)
 
     @property
     def enabled(self) -> bool:
