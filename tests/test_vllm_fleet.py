@@ -108,3 +108,19 @@ def test_model_identity_follows_the_files_not_the_folder(tmp_path):
 def test_bad_settings_are_refused_naming_them(extra, match):
     with pytest.raises(ConfigError, match=match):
         ConnectorSettings.parse(extra)
+
+
+def test_a_rank_keeps_the_statistics_of_the_heads_vllm_gives_it():
+    from pagedkv.integrations.vllm.fit import for_rank, rank_heads
+
+    assert [rank_heads(4, 2, r) for r in (0, 1)] == [[0, 1], [2, 3]]
+    assert [rank_heads(2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]  # replicated, as vLLM
+    assert rank_heads(3, 1, 0) == [0, 1, 2]
+    with pytest.raises(ConfigError, match="3 KV heads"):
+        rank_heads(3, 2, 0)
+    full = Calibration(k_centre=torch.randn(4, D), k_mult=torch.rand(4, D), v_centre=torch.randn(4, D),
+                       k_scale=torch.tensor([0.5]))
+    part = for_rank(full, rank_heads(4, 2, 1))
+    assert torch.equal(part.k_centre, full.k_centre[2:]) and torch.equal(part.k_mult, full.k_mult[2:])
+    assert torch.equal(part.v_centre, full.v_centre[2:]) and part.k_scale is full.k_scale
+    assert for_rank(Calibration(), [0]).k_centre is None

@@ -6,7 +6,8 @@ SPEC: {"pagedkv": {...}, "store": {extra config} or null (no connector), "role":
 "steps": [...]}; each step is {"prompts": [token id lists], "max_tokens": N} (greedy), or
 {"reset": true} (empty vLLM's own prefix cache, so the next prompt can only hit the store), or
 {"damage": DIR} / {"wipe": DIR} (flip a byte in / remove every stored entry under DIR), or
-{"kill": PID} (SIGKILL a process, e.g. the redis-server). Per generate step the result lists
+{"kill": PID} (SIGKILL a process, e.g. the redis-server), or {"prompts": [...], "logprobs": K}
+(each prompt position's top-K log-probabilities and the actual token's). Per generate step the result lists
 each prompt's tokens, vLLM's num_cached_tokens and the step's wall time; "stats" holds the connector's counters
 (scheduler and worker side) after each step.
 """
@@ -24,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine import engine  # noqa: E402
+from engine import engine, prompt_logprobs  # noqa: E402
 
 CONNECTOR = {"kv_connector": "PagedKVConnector", "kv_connector_module_path": "pagedkv.integrations.vllm.connector"}
 
@@ -74,6 +75,9 @@ def run(spec: dict) -> dict:
                     os.unlink(path)
             elif "kill" in step:
                 os.kill(int(step["kill"]), signal.SIGKILL)
+            elif "logprobs" in step:
+                lps = prompt_logprobs(llm, step["prompts"], k=step["logprobs"])
+                results.append({"logprobs": [[{str(t): v for t, v in pos.items()} for pos in w] for w in lps]})
             else:
                 sp = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, ignore_eos=True)
                 t0 = time.perf_counter()

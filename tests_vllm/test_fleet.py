@@ -147,3 +147,15 @@ def test_redis_killed_mid_run_gives_the_same_tokens_after_one_warning(fleet):
     assert after["stats"]["worker"]["load_blocks"] == SHARED_BLOCKS  # nothing more was loaded
     stderr = fleet["D"][1]
     assert stderr.count("unreachable or slow") == 1, stderr[-3000:]
+
+
+def test_a_recent_window_with_the_connector_is_refused_saying_what_works(tmp_path):
+    """The window's tail is a second KV-cache group the connector does not carry: refused at
+    engine start (before any statistics are fitted), naming what does work."""
+    from engine import engine
+    from fleet_instance import transfer_config
+
+    with pytest.raises(Exception, match="recent window .* without the window"):
+        with engine({"kv_format": "turbo3+r64"}, load_format="dummy",
+                    kv_transfer_config=transfer_config({"path": str(tmp_path / "store")}, "kv_both")):
+            pass

@@ -282,7 +282,7 @@ def prepare_layers(vllm_config) -> None:
     s = impls[0].settings
     has_sinks = [i.sinks is not None for i in impls]
     plan = FitPlan.build([i.fmt for i in impls], s.key_centring, s.value_centring, s.key_scaling, has_sinks)
-    geometry = [(i.num_kv_heads, i.head_size) for i in impls]
+    geometry = [(_whole_model_heads(vllm_config, i), i.head_size) for i in impls]  # the fit's, not a rank's
     if s.calibration is not None:
         cals = load(s.calibration, len(impls), geometry)
     elif plan.needed:
@@ -294,6 +294,11 @@ def prepare_layers(vllm_config) -> None:
         impl.calibration = cal
         impl._paged = impl._tail_paged = None
     log.info("pagedkv: statistics per layer %s", describe(cals))
+
+
+def _whole_model_heads(vllm_config, impl) -> int:
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return impl.num_kv_heads if tp <= 1 else vllm_config.model_config.get_total_num_kv_heads()
 
 
 def _rank_statistics(vllm_config, cals: list) -> list:
