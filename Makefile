@@ -64,7 +64,7 @@ $(VBIN)/python:
 
 $(VVENV)/.deps: $(VBIN)/python pyproject.toml
 	$(VBIN)/pip install torch==2.13.0
-	$(VBIN)/pip install -e '.[vllm]' pytest
+	$(VBIN)/pip install -e '.[vllm,redis]' pytest
 	$(VBIN)/pip uninstall -y torchvision torchaudio torchcodec triton
 	touch $@
 
