@@ -8,8 +8,10 @@ VLLM_CPU_OMP_THREADS_BIND=0|1), both with turbo3+hp pages and the connector on a
 OPEN (xfail, strict): TP=2 does not match TP=1 yet. vLLM's own cache on this model gives a
 prompt-logprob KL(TP=1 || TP=2) of 7.5e-11, pagedkv's turbo3+hp pages 4.1e-2 (1.7e-2 with
 centring off, so not the per-rank statistics alone; 1 vs 2 threads: bit-identical, so not the
-thread count): the size of the format's own error (0.0465 against bf16 pages on SmolLM2), as if
-the two runs quantized different data. The test asks for a tenth of that; it fails until the
+thread count; TP=1 on the uni and the mp executor: bit-identical; the ops themselves split
+exactly: one layer of 2 KV heads and 6 query heads gives the same outputs, bit for bit, as two
+layers of one KV head and its 3 query heads): the size of the format's own error (0.0465
+against bf16 pages on SmolLM2), as if the two runs quantized different data. The test asks for a tenth of that; it fails until the
 cause is found, and then passes (strict: an XPASS fails, so the mark must go with the fix).
 The connector under TP: each rank publishes its own
 pages under its own keys (twice the records), and the TP=2 engine, its prefix cache emptied,
