@@ -22,8 +22,9 @@ turbo3+r64s16q8_0) and pagedkv-plan (the plan file given by --plan, e.g. `pagedk
 Per row: KV capacity in tokens (the server's log), output tokens/s, TTFT and TPOT p50 / p99 (ms),
 output tokens per CPU second of the server's processes over the run (/proc: on a shared machine
 rows minutes apart see different loads, and CPU time moves much less with it than wall clock),
-the most requests in flight vLLM's benchmark saw, each as a ratio to the first vLLM row (the
-baseline) of the same mix and budget, and the 1-minute load when the row ran: read the ratios,
+each as a ratio to the first vLLM row (the baseline) of the same mix and budget; the most
+requests vLLM's scheduler ran at once and the highest KV-cache use (the server's /metrics, polled:
+whether the capacity became admitted concurrency); and the 1-minute load when the row ran: read the ratios,
 all from one run.
 """
 
@@ -141,6 +142,40 @@ def stop_server(proc) -> None:
             proc.wait()
 
 
+class Peaks:
+    """Polls the server's Prometheus metrics while a benchmark runs: the most requests vLLM's
+    scheduler ran at once (vllm:num_requests_running) and the highest KV-cache use, i.e. whether
+    the capacity turned into admitted concurrency."""
+
+    PATTERN = re.compile(r"^vllm:(num_requests_running|kv_cache_usage_perc)\{[^}]*\} ([0-9.eE+-]+)$", re.M)
+
+    def __init__(self, port: int, every_s: float = 0.5) -> None:
+        import threading
+
+        self.url, self.every_s = f"http://127.0.0.1:{port}/metrics", every_s
+        self.peak = {"num_requests_running": 0.0, "kv_cache_usage_perc": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    for name, value in self.PATTERN.findall(r.read().decode()):
+                        self.peak[name] = max(self.peak[name], float(value))
+            except OSError:
+                pass
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> "Peaks":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its descendants (Linux /proc), so far."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -209,11 +244,14 @@ def measure(configs, budgets, mixes, args) -> list[dict]:
                 cap = kv_tokens(log_path)
                 for m, mix in mixes.items():
                     load, cpu = os.getloadavg()[0], tree_cpu_s(proc.pid)
-                    res = run_bench(port, mix, args, work, f"{config}-{budget}-{m}".replace("/", "_"))
+                    with Peaks(port) as peaks:
+                        res = run_bench(port, mix, args, work, f"{config}-{budget}-{m}".replace("/", "_"))
                     cpu = tree_cpu_s(proc.pid) - cpu
                     row = dict(base, mix=m, kv_tokens=cap, server_start_s=start_s, load_1min=load,
                                completed=res.get("completed"), server_cpu_s=cpu,
                                output_tok_per_cpu_s=(res.get("total_output_tokens") or 0) / cpu if cpu else None,
+                               peak_running=int(peaks.peak["num_requests_running"]),
+                               peak_kv_use=peaks.peak["kv_cache_usage_perc"],
                                **{k: res.get(k) for k in KEYS})
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
@@ -266,8 +304,8 @@ def table(rows: list[dict], mixes: dict, args) -> str:
            f"{args.max_num_batched_tokens}, prefix caching on, request rate {args.request_rate}; {desc}; "
            f"load {min(loads):.1f}-{max(loads):.1f}; x = ratio to the first vLLM row of the same mix and budget",
            "| mix | KV budget | config | KV tokens | x | out tok/s | x | TTFT p50 ms | x | TTFT p99 ms | x | "
-           "TPOT p50 ms | x | TPOT p99 ms | x | out tok / server CPU s | x | peak in flight | load |",
-           "|" + "---|" * 19]
+           "TPOT p50 ms | x | TPOT p99 ms | x | out tok / server CPU s | x | peak running | peak KV use | load |",
+           "|" + "---|" * 20]
     for m in mixes:
         for r in sorted((r for r in rows if r["mix"] == m), key=lambda r: r["budget_bytes"]):  # stable: configs in order
             mib = f"{r['budget_bytes'] / (1 << 20):g} MiB"
@@ -284,7 +322,7 @@ def table(rows: list[dict], mixes: dict, args) -> str:
             out.append(f"| {m} | {mib} | {r['config']} | {cell('kv_tokens', '{:,}')} | {cell('output_throughput')} | "
                        f"{cell('median_ttft_ms', '{:.0f}')} | {cell('p99_ttft_ms', '{:.0f}')} | "
                        f"{cell('median_tpot_ms')} | {cell('p99_tpot_ms')} | {cell('output_tok_per_cpu_s', '{:.2f}')} | "
-                       f"{r.get('max_concurrent_requests')} | "
+                       f"{r.get('peak_running', '')} | {r.get('peak_kv_use', 0) * 100:.0f}% | "
                        f"{r['load_1min']:.1f} |")
     return "\n".join(out)
 
@@ -304,7 +342,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1, help="threads per engine (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny mixes (a smoke run of every row)")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE (row by row)")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="print the table of the rows saved in FILE (a run cut short too) and exit")
     args = p.parse_args(argv)
     source = QUICK if args.quick else MIXES
     names = [m.strip() for m in args.mixes.split(",") if m.strip()]
@@ -312,6 +352,10 @@ def main(argv=None) -> int:
         if m not in source:
             p.error(f"--mixes: unknown {m!r}; accepted: {', '.join(source)}")
     mixes = {m: source[m] for m in names}
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            print(table(with_ratios(json.load(f)), mixes, args))
+        return 0
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         if not (c in ("vllm-bf16", "vllm-auto") or c.startswith(("vllm-fp8", "pagedkv-"))):
