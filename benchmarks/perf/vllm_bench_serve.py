@@ -322,7 +322,8 @@ def table(rows: list[dict], mixes: dict, args) -> str:
             out.append(f"| {m} | {mib} | {r['config']} | {cell('kv_tokens', '{:,}')} | {cell('output_throughput')} | "
                        f"{cell('median_ttft_ms', '{:.0f}')} | {cell('p99_ttft_ms', '{:.0f}')} | "
                        f"{cell('median_tpot_ms')} | {cell('p99_tpot_ms')} | {cell('output_tok_per_cpu_s', '{:.2f}')} | "
-                       f"{r.get('peak_running', '')} | {r.get('peak_kv_use', 0) * 100:.0f}% | "
+                       f"{r.get('peak_running', '')} | "
+                       f"{'' if r.get('peak_kv_use') is None else format(r['peak_kv_use'], '.0%')} | "
                        f"{r['load_1min']:.1f} |")
     return "\n".join(out)
 
