@@ -124,3 +124,14 @@ def test_a_rank_keeps_the_statistics_of_the_heads_vllm_gives_it():
     assert torch.equal(part.k_centre, full.k_centre[2:]) and torch.equal(part.k_mult, full.k_mult[2:])
     assert torch.equal(part.v_centre, full.v_centre[2:]) and part.k_scale is full.k_scale
     assert for_rank(Calibration(), [0]).k_centre is None
+
+
+def test_the_stores_description_never_shows_a_redis_password(tmp_path):
+    """The connector logs where its store is (`settings.where`) at engine start: a password in
+    `redis_url` must be shown as *** there, as everywhere (issue 28, N3)."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    settings = ConnectorSettings.parse({"store": "redis", "redis_url": "redis://u:hunter2@127.0.0.1:6379/0",
+                                        "store_secret_file": str(secret)})
+    assert "hunter2" not in settings.where and "redis://u:***@127.0.0.1:6379/0" in settings.where

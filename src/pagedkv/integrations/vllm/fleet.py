@@ -37,6 +37,7 @@ from typing import Mapping, Optional, Sequence
 
 from ...errors import ConfigError
 from ...offload import OffloadConfig, PrefixStore, StoreKeys
+from ...offload.config import redact_url
 from ...offload.record import BlockLayout, write_block
 from ...offload.store import make_prefix_tier, store_secret
 from ...ops.batch import PagedLayer
@@ -97,7 +98,7 @@ class ConnectorSettings:
     @property
     def where(self) -> str:
         o = self.offload
-        return f"redis {o.redis_url}" if o.prefix_store == "redis" else f"disk {o.prefix_path()}"
+        return f"redis {redact_url(o.redis_url)}" if o.prefix_store == "redis" else f"disk {o.prefix_path()}"
 
 
 def model_identity(model: str, revision: Optional[str] = None) -> str:
