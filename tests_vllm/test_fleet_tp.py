@@ -13,7 +13,9 @@ thread count; TP=1 on the uni and the mp executor: bit-identical; the ops themse
 exactly: one layer of 2 KV heads and 6 query heads gives the same outputs, bit for bit, as two
 layers of one KV head and its 3 query heads): the size of the format's own error (0.0465
 against bf16 pages on SmolLM2), as if the two runs quantized different data. The test asks for a tenth of that; it fails until the
-cause is found, and then passes (strict: an XPASS fails, so the mark must go with the fix).
+cause is found. Not strict: the KL varied 6x between two runs, so a run could pass by chance, and
+a strict XPASS would then fail the suite; the measured KL is printed (`-s`), and the mark goes
+with the fix.
 The connector under TP: each rank publishes its own
 pages under its own keys (twice the records), and the TP=2 engine, its prefix cache emptied,
 loads both ranks' pages back and generates the same tokens as from its own computation.
@@ -71,7 +73,7 @@ def tp_runs(tmp_path_factory):
     return one, two, stored
 
 
-@pytest.mark.xfail(strict=True, reason="open: pagedkv pages under TP=2 differ from TP=1 (KL 4e-2, vLLM's "
+@pytest.mark.xfail(strict=False, reason="open: pagedkv pages under TP=2 differ from TP=1 (KL 4e-2, vLLM's "
                    "own cache 7.5e-11); see the module docstring")
 def test_tensor_parallel_2_matches_one_rank(tp_runs):
     one, two, _ = tp_runs
