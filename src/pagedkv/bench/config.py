@@ -9,7 +9,6 @@ from typing import Callable, Optional
 
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
-from ..offload.config import redacted_repr
 
 # The embedded model's attention shape (SmolLM2-135M): the CPU benchmarks' default.
 EMBEDDED_SHAPE = {"layers": 30, "num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64}
@@ -132,6 +131,8 @@ class OffloadBench:
     model: Optional[str] = None
 
     def __repr__(self) -> str:  # a password in redis_url shown as ***
+        from ..offload.config import redacted_repr  # here: the CLI parses these settings without torch
+
         return redacted_repr(self)
 
 
