@@ -102,8 +102,8 @@ def test_a_plan_for_a_context_past_the_models_is_refused():
     with pytest.raises(ConfigError, match="256 positions"):
         resolve_tuned(model, WordTokenizer(), [parse_choice("tuned3.5@300")], context=64)
     with pytest.raises(ConfigError, match="--context 257: the model was trained to 256"):
-        check_context(model, 257)
-    check_context(model, 256)
+        check_context(model.config, 257)
+    check_context(model.config, 256)
 
 
 @pytest.mark.parametrize("argv, word", [
@@ -165,3 +165,42 @@ def test_sampled_rows_and_sliding_windows_are_the_masked_attention(monkeypatch):
             want_v = float((attend(k, vq, hv)[:, rows] - exact).square().mean()) / norm
             assert out[0]["k"][c.name] == pytest.approx(want_k, rel=1e-4)
             assert out[0]["v"][c.name] == pytest.approx(want_v, rel=1e-4)
+
+
+def _config_folder(tmp_path, positions: int) -> str:
+    """A model folder with only a config.json (Llama, trained to `positions`): enough for every
+    check made before the weights load; loading them fails."""
+    transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             hidden_size=64, max_position_embeddings=positions).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_every_reader_of_the_trained_context_reads_the_same_number(tmp_path, capsys):
+    """One `trained_context(config)`: the decoder's max_position_embeddings (a composite config's
+    text config), None where the config gives none or 0. tune's check, `pagedkv plan`'s default
+    length and the retrieval CLI's length check all read it."""
+    from pagedkv.cli.main import main
+    from pagedkv.eval.plan import plan
+    from pagedkv.integrations.model_config import trained_context
+    from pagedkv.tune import check_context
+
+    llama = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=16, hidden_size=64, max_position_embeddings=300)
+    gemma = transformers.Gemma3Config(text_config=dict(max_position_embeddings=700, num_hidden_layers=2))
+    assert trained_context(llama) == 300 and trained_context(gemma) == 700
+    with pytest.raises(ConfigError, match="--context 701: the model was trained to 700 positions"):
+        check_context(gemma, 701)
+    check_context(gemma, 700)
+    assert plan(llama, 2**20, ["bf16"])[0]["seq_len"] == 300
+    unknown = transformers.LlamaConfig(**{**llama.to_dict(), "max_position_embeddings": 0})
+    assert trained_context(unknown) is None and trained_context(object()) is None
+    check_context(unknown, 10**6)  # unknown: nothing to refuse
+    assert plan(unknown, 2**20, ["bf16"])[0]["seq_len"] == 4096  # plan's stated default
+    folder = _config_folder(tmp_path, 1024)
+    assert main(["eval", "--task", "passkey", "--lengths", "1025", "--model", folder]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--lengths 1025: past the context" in err and "(1024 tokens" in err
+    out = str(tmp_path / "p.json")
+    assert main(["tune", "--bits", "3.5", "--context", "2k", "--model", folder, "--out", out]) == 2  # no weights read
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--context 2048: the model was trained to 1024 positions" in err

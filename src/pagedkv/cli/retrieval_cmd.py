@@ -35,12 +35,6 @@ def config_from_args(args) -> RetrievalConfig:
                            approx=Approximation.parse(args.approx))
 
 
-def context_of(config) -> int | None:
-    text = getattr(config, "text_config", None) or config
-    n = getattr(text, "max_position_embeddings", None)
-    return int(n) if n else None
-
-
 def run(args, log, minutes, cpu_seconds) -> int:
     t0, cpu0 = time.perf_counter(), cpu_seconds()
     cfg = config_from_args(args)
@@ -58,8 +52,10 @@ def run(args, log, minutes, cpu_seconds) -> int:
 
     source = resolve_model_source(cfg.model)
     resolve_device(args.device)
+    from ..integrations.model_config import trained_context
+
     model_config = load_config(source)
-    cfg.check_context(context_of(model_config), source.label)
+    cfg.check_context(trained_context(model_config), source.label)
     if cfg.compute.workers > 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are forked after tokenizing
     cfg.compute.apply()

@@ -50,17 +50,15 @@ def run(args) -> int:
         from .edge import read_text_arg
 
         text = read_text_arg(args.text)
-    from ..eval.model import load_model, load_tokenizer, resolve_model_source
-    from ..tune import tune
+    from ..eval.model import load_config, load_model, load_tokenizer, resolve_model_source
+    from ..tune import check_context, tune
     from ..tune.choose import write_plan
 
     source = resolve_model_source(args.model)
+    if context is not None:  # before the weights load
+        check_context(load_config(source), max(context, tokens))
     tokenizer = load_tokenizer(source)
     lm = load_model(source, attn_implementation="sdpa", tokenizer=tokenizer)
-    if context is not None:
-        from ..tune import check_context
-
-        check_context(lm.model, max(context, tokens))
     doc = tune(lm.model, tokenizer, bits=args.bits, text=text, tokens=tokens, recent=recent,
                context=context or 1024, label=source.label)
     write_plan(args.out, doc)

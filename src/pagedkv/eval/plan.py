@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 from ..cache.config import CacheConfig
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
+from ..integrations.model_config import text_config, trained_context
 from .runner import parse_choice
 
 DEFAULT_PLAN_FORMATS = ("bf16", "fp8", "q8_0", "turbo8", "q4_0", "turbo4", "fp8k_turbo3v", "turbo3",
@@ -53,15 +54,13 @@ def plan(config, memory_bytes: int, formats: Sequence[str], *, seq_len: Optional
     if latent is not None:
         from ..cache.latent import LatentLayout
 
-        n_layers = int((config.get_text_config(decoder=True) if hasattr(config, "get_text_config")
-                        else config).num_hidden_layers)
+        n_layers = int(text_config(config).num_hidden_layers)
         kv, hd, windows = [1] * n_layers, [sum(latent)] * n_layers, [None] * n_layers
         latent = LatentLayout(*latent)
     else:
         kv, hd, windows = layer_layout(config)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if seq_len is None:
-        seq_len = int(getattr(text, "max_position_embeddings", 4096) or 4096)
+        seq_len = trained_context(config) or 4096
     if seq_len <= 0:
         raise ConfigError(f"--seq-len must be positive, got {seq_len}")
     def sizes(choice):

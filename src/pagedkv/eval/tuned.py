@@ -41,7 +41,7 @@ def resolve_tuned(model, tokenizer, choices: Sequence, context: int, directory: 
     for n, budgets in sorted(groups.items(), key=lambda kv: kv[0] or 0):
         budgets = sorted(budgets)
         if n is not None:
-            check_context(model, n, f"tuned<B>@{n}:")
+            check_context(model.config, n, f"tuned<B>@{n}:")
         kw = dict(context=context) if n is None else dict(context=n, tokens=n)
         docs = tune_budgets(model, tokenizer, budgets=budgets, recent="auto", label="eval", **kw)
         for bits, doc in zip(budgets, docs):

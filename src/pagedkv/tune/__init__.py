@@ -27,15 +27,16 @@ def window_candidates() -> list:
     return [None if c is None else RecentWindow(c[0], WINDOW_CODEC, sinks=c[1]) for c in WINDOW_CANDIDATES]
 
 
-def check_context(model, context: int, what: str = "--context") -> None:
-    """ConfigError when a plan for `context` tokens is asked of a model trained to fewer positions
-    (its calibration window would be longer than anything the model has seen)."""
+def check_context(config, context: int, what: str = "--context") -> None:
+    """ConfigError when a plan for `context` tokens is asked of a model (its HF `config`, read
+    before the weights load) trained to fewer positions: its calibration window would be longer
+    than anything the model has seen."""
     from ..errors import ConfigError
+    from ..integrations.model_config import trained_context
 
-    conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    limit = getattr(conf, "max_position_embeddings", None)
-    if limit is not None and context > int(limit):
-        raise ConfigError(f"{what} {context}: the model was trained to {int(limit)} positions")
+    limit = trained_context(config)
+    if limit is not None and context > limit:
+        raise ConfigError(f"{what} {context}: the model was trained to {limit} positions")
 
 
 def tune(model, tokenizer, *, bits: float, text: Optional[str] = None, tokens: int = 512,
