@@ -4,6 +4,7 @@ calibration window of N tokens (sampled query rows, sliding windows), bits count
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 import math
 
 import pytest
@@ -204,3 +205,41 @@ def test_every_reader_of_the_trained_context_reads_the_same_number(tmp_path, cap
     assert main(["tune", "--bits", "3.5", "--context", "2k", "--model", folder, "--out", out]) == 2  # no weights read
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--context 2048: the model was trained to 1024 positions" in err
+
+
+def test_the_default_list_runs_on_a_model_trained_to_fewer_positions(tmp_path, capsys, monkeypatch):
+    """`pagedkv eval` with the default list on a model trained to 1024 positions: its `tunedB@8k`
+    plans are taken at 1024, a line says so, the rest of the list is unchanged; on a model trained
+    to 8k the list is the default list as it stands. `--formats tuned3.5@8k` named on its own is
+    refused in one line before the tokenizer or the weights load."""
+    import pagedkv.eval.model as em
+    import pagedkv.eval.runner as er
+    from pagedkv.cli.main import main
+    from pagedkv.eval.config import DEFAULT_FORMATS
+
+    class Tok:
+        bos_token_id = 1
+
+        def __call__(self, text, **kw):
+            return {"input_ids": list(range(2, 5000))}
+
+    seen = []
+    monkeypatch.setattr(em, "load_tokenizer", lambda src: Tok())
+    monkeypatch.setattr(em, "load_model", lambda src, **kw: SimpleNamespace(model=None, tokenizer=kw["tokenizer"]))
+    monkeypatch.setattr(er, "evaluate", lambda model, windows, cfg, **kw: seen.append(cfg.formats) or [])
+    argv = ["eval", "--windows", "1", "--window-tokens", "64", "--threads", "1", "--workers", "1", "--json"]
+    short = _config_folder(tmp_path / "short", 1024)
+    assert main(argv + ["--model", short]) == 0
+    want = tuple({"tuned4.5@8k": "tuned4.5@1024", "tuned3.5@8k": "tuned3.5@1024"}.get(f, f) for f in DEFAULT_FORMATS)
+    assert seen.pop() == want and want != DEFAULT_FORMATS
+    err = capsys.readouterr().err
+    assert "tuned3.5@8k of the default list: the model was trained to 1024 positions; tuned3.5@1024 instead" in err
+    assert main(argv + ["--model", _config_folder(tmp_path / "long", 8192), "--formats", "default"]) == 0
+    assert seen.pop() == DEFAULT_FORMATS and "instead" not in capsys.readouterr().err
+
+    for name in ("load_model", "load_tokenizer"):
+        monkeypatch.setattr(em, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    for task in (["--task", "kl"], ["--task", "passkey", "--lengths", "1k"]):
+        assert main(argv + ["--model", short, "--formats", "bf16,tuned3.5@8k", *task]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "tuned3.5@8k" in err and "trained to 1024 positions" in err, err

@@ -54,3 +54,30 @@ def read_text_arg(path: Optional[str]) -> str:
     if not text.strip():
         raise ConfigError(f"--text {path!r} is empty; pass a UTF-8 text file with some text in it")
     return text
+
+
+def formats_for_model(names, source, log, config=None) -> tuple:
+    """The formats of the --formats `names` for the model at `source` (an `eval.model.ModelSource`),
+    checked against the context it was trained to before its tokenizer and weights load: a
+    list's plan for a longer context is taken at the model's (`eval.config.expand_formats`), a
+    `tunedB@N` named on its own past it is a ConfigError. The model's config (`config`, else
+    read from `source`) is read only when a plan for a context is listed."""
+    from ..eval.config import expand_formats
+    from ..spec import tuned_context
+
+    formats = expand_formats(names)
+    if all(tuned_context(f) is None for f in formats):
+        return formats
+    from ..integrations.model_config import trained_context
+    from ..tune import check_context
+
+    if config is None:
+        from ..eval.model import load_config
+
+        config = load_config(source)
+    formats = expand_formats(names, trained_context(config), log)
+    for f in formats:
+        n = tuned_context(f)
+        if n is not None:
+            check_context(config, n, f"--formats {f}: a plan for a context of")
+    return formats

@@ -13,11 +13,12 @@ import os
 import resource
 import sys
 import time
+from dataclasses import replace
 
 from ..approx import Approximation
 from ..eval.config import DEFAULT_FORMATS, EvalConfig, expand_formats
 from ..eval.retrieval_config import DEFAULT_PRESET, QUICK_PRESET
-from .edge import add_compute_arguments, check_output_file, compute_from_args, read_text_arg
+from .edge import add_compute_arguments, check_output_file, compute_from_args, formats_for_model, read_text_arg
 from .output import print_json, print_table, print_then_plot
 from .sizes import parse_bytes, parse_names
 
@@ -36,8 +37,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "first/last layers, NAME+hpN N of them; a last +rR (+rRq8_0) keeps the "
                         "last R tokens in a bf16 (q8_0) recent window, +rRsS also the first S; tunedB "
                         "the plan `pagedkv tune --bits B` makes for the model, tunedB@N (e.g. tuned3.5@8k) the one "
-                        "`pagedkv tune --bits B --context N` makes for N-token contexts; `default` / `demo` name "
-                        "the default list / make demo's shorter one (default: "
+                        "`pagedkv tune --bits B --context N` makes for N-token contexts (at most the model's); "
+                        "`default` / `demo` name the default list (its tunedB@8k taken at the model's context "
+                        "where that is shorter) / make demo's shorter one (default: "
                         f"{','.join(DEFAULT_FORMATS)}; with a retrieval --task: {','.join(DEFAULT_PRESET.formats)})")
     p.add_argument("--windows", type=int, default=D.windows,
                    help=f"windows spread over the text (default {D.windows})")
@@ -90,7 +92,8 @@ def run(args) -> int:
 
         return run_retrieval(args, _log, _minutes, _cpu_seconds)
     # ---- everything checkable before the model loads
-    formats = expand_formats(parse_names(args.formats or ",".join(DEFAULT_FORMATS)))
+    names = parse_names(args.formats or "default")
+    formats = expand_formats(names)
     cfg = EvalConfig(model=args.model, text=args.text, formats=formats, windows=args.windows, subset=args.subset,
                      window_tokens=args.window_tokens, memory_bytes=parse_bytes(args.memory, "--memory"),
                      decode_steps=args.decode_steps, compute=compute_from_args(args, parallel_work=args.subset or args.windows),
@@ -107,6 +110,8 @@ def run(args) -> int:
     check_unique([parse_choice(f) for f in formats])
     source = resolve_model_source(cfg.model)
     resolve_device(args.device)
+    formats = formats_for_model(names, source, _log)  # a plan's context against the model's
+    cfg = replace(cfg, formats=formats)
     if cfg.compute.workers > 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are forked after tokenizing
     cfg.compute.apply()

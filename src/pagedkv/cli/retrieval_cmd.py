@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 
 from ..approx import Approximation
 from ..eval.config import expand_formats
 from ..eval.retrieval_config import (DEFAULT_PRESET, QUICK_PRESET, RetrievalConfig, parse_depths, parse_lengths,
                                      parse_tasks)
-from .edge import check_output_file, compute_from_args, read_text_arg
+from .edge import check_output_file, compute_from_args, formats_for_model, read_text_arg
 from .output import print_json, print_table, print_then_plot
 from .sizes import parse_names
 
@@ -56,6 +57,9 @@ def run(args, log, minutes, cpu_seconds) -> int:
 
     model_config = load_config(source)
     cfg.check_context(trained_context(model_config), source.label)
+    if args.formats:  # a plan's context against the model's
+        cfg = replace(cfg, formats=formats_for_model(parse_names(args.formats), source, log, model_config))
+        choices = [parse_choice(f) for f in cfg.all_formats]
     if cfg.compute.workers > 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are forked after tokenizing
     cfg.compute.apply()

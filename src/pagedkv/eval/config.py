@@ -4,7 +4,7 @@ CLI shows and checks them before anything heavy is imported."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from ..approx import Approximation
 from ..defaults import BLOCK_SIZE
@@ -14,7 +14,8 @@ from .compute import Compute
 # The plain ladder, then the best measured formats with a high-precision window (the last R and
 # the first 16 positions in a q8_0 tail), the plan `pagedkv tune` makes at each issue budget, and
 # the plans it makes for an 8k context (`tunedB@8k`: measured on an 8k calibration window, bits
-# counted at 8k; SmolLM2's trained context; issue 33).
+# counted at 8k; SmolLM2's trained context; issue 33). On a model trained to fewer positions
+# those two are taken at its context (`expand_formats`).
 DEFAULT_FORMATS = ("bf16", "fp8", "q8_0", "q4_0", "turbo8", "turbo4", "turbo3", "turbo2",
                    "fp8k_turbo3v", "turbo3+hp",
                    "turbo3+r64s16q8_0", "turbo3k_turbo2v+r32s16q8_0", "turbo2g64+r16s16q8_0",
@@ -28,15 +29,35 @@ FORMAT_LISTS = {"default": DEFAULT_FORMATS, "demo": DEMO_FORMATS}
 REFERENCE_FORMAT = "bf16"
 
 
-def expand_formats(names) -> tuple[str, ...]:
+def expand_formats(names, context: Optional[int] = None,
+                   log: Optional[Callable[[str], None]] = None) -> tuple[str, ...]:
     """Format names with the list names of FORMAT_LISTS (`default`, `demo`) replaced by their
-    formats, in order, each format once."""
+    formats, in order, each format once. context: the model's trained positions (None: not
+    known); a list's plan for a longer context (`tunedB@N`, N > context) is taken at the
+    model's context instead (`tunedB@<context>`, said in a line to `log`), so that a list runs
+    on any model. A format named on its own is kept as given (`pagedkv.tune.check_context`
+    refuses it)."""
     out: list[str] = []
     for n in names:
-        for f in FORMAT_LISTS.get(n.strip().lower(), (n,)):
+        listed = FORMAT_LISTS.get(n.strip().lower())
+        for f in listed or (n,):
+            if listed and context is not None:
+                f = _within_context(f, n.strip().lower(), context, log)
             if f not in out:
                 out.append(f)
     return tuple(out)
+
+
+def _within_context(label: str, listed: str, context: int, log) -> str:
+    from ..spec import tuned_bits, tuned_context
+
+    n = tuned_context(label)
+    if n is None or n <= context:
+        return label
+    fitted = f"tuned{tuned_bits(label):g}@{context}"
+    if log is not None:
+        log(f"{label} of the {listed} list: the model was trained to {context} positions; {fitted} instead")
+    return fitted
 
 
 MAX_WINDOWS = 100_000  # windows spread over a text: each is a forward pass per format
