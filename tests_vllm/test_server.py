@@ -12,7 +12,6 @@ answer from pagedkv's backend."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,9 @@ from engine import ROOT, model_dir
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from helpers.markdown import readme_block_run_by, shell_commands  # noqa: E402
+from helpers.processes import free_port, stop_server  # noqa: E402
 
 STARTUP_S = 1200  # a quiet 2-core machine: ~1 min; a loaded shared one took 11
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url, data=None, timeout=5.0):
@@ -59,7 +53,7 @@ def test_readme_server_command_answers_with_turbo3_pages(tmp_path):
     # the README's folder, relative to the checkout, unless PAGEDKV_VLLM_MODEL names another one
     same = os.path.realpath(os.path.join(ROOT, argv[4])) == os.path.realpath(model_dir())
     model = argv[4] if same else model_dir()
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cmd = [sys.executable, *argv[1:4], model, *argv[5:], "--host", "127.0.0.1", "--port", str(port)]
     started = time.monotonic()
@@ -83,9 +77,5 @@ def test_readme_server_command_answers_with_turbo3_pages(tmp_path):
         text = (tmp_path / "server.log").read_text()
         assert "pagedkv: 30 attention layers in turbo3" in text  # pagedkv served it, not CPU_ATTN
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         log.close()

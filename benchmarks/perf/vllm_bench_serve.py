@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,9 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_serving import parse_bytes  # noqa: E402  (one parser of "64MiB"-style sizes)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from helpers.processes import free_port, stop_server  # noqa: E402
+from vllm_serving import parse_bytes, value_ratio  # noqa: E402  (one parser of "64MiB"-style sizes, one table cell)
 
 DEFAULT_MODEL = os.path.join(ROOT, ".venv-vllm", "smollm2-hf")
 SERVED = "smollm2"
@@ -96,12 +97,6 @@ def server_cmd(config: str, budget: int, port: int, args) -> list[str]:
     return cmd
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
@@ -112,7 +107,7 @@ def _healthy(port: int) -> bool:
 
 def start_server(config: str, budget: int, args, log_path: str):
     """(process, port) once /health answers, or (None, error line) if it exited first."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
     env["OMP_NUM_THREADS"] = str(args.threads)
@@ -130,16 +125,6 @@ def start_server(config: str, budget: int, args, log_path: str):
         time.sleep(2)
     log.close()
     return proc, port
-
-
-def stop_server(proc) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class Peaks:
@@ -315,9 +300,7 @@ def table(rows: list[dict], mixes: dict, args) -> str:
             q = r.get("ratio", {})
 
             def cell(k, fmt="{:.1f}"):
-                v = r.get(k)
-                x = f"{q[k]:.2f}x" if k in q else ""
-                return ("" if v is None else fmt.format(v)) + " | " + x
+                return value_ratio(r.get(k), q.get(k), fmt)
 
             out.append(f"| {m} | {mib} | {r['config']} | {cell('kv_tokens', '{:,}')} | {cell('output_throughput')} | "
                        f"{cell('median_ttft_ms', '{:.0f}')} | {cell('p99_ttft_ms', '{:.0f}')} | "

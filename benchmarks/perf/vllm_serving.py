@@ -137,6 +137,12 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def value_ratio(value, ratio, fmt: str = "{:.1f}") -> str:
+    """Two table cells, `value | ratio`: the value in `fmt` and its ratio to the baseline row as
+    `1.23x`, each blank when missing (both serving benchmarks' tables)."""
+    return ("" if value is None else fmt.format(value)) + " | " + ("" if ratio is None else f"{ratio:.2f}x")
+
+
 def table(rows: list[dict], args) -> str:
     loads = [r["load_1min"] for r in rows if "load_1min" in r] or [os.getloadavg()[0]]
     threads = ",".join(str(t) for t in sorted({r["torch_threads"] for r in rows if "torch_threads" in r})) or "?"
@@ -153,17 +159,13 @@ def table(rows: list[dict], args) -> str:
             continue
         q = r.get("ratio", {})
 
-        def f(k, fmt):
-            v = r.get(k)
-            return "" if v is None else fmt.format(v)
+        def cell(k, fmt="{:.1f}"):
+            return value_ratio(r.get(k), q.get(k), fmt)
 
-        def x(k):
-            return f"{q[k]:.2f}x" if q.get(k) is not None else ""
-        lines.append(f"| {mib} | {r['config']} | {r['capacity_tokens']:,} | {x('capacity_tokens')} | "
-                     f"{r['concurrency']} | {x('concurrency')} | {f('output_tok_s', '{:.1f}')} | "
-                     f"{x('output_tok_s')} | {f('mean_ttft_s', '{:.1f}')} | {x('mean_ttft_s')} | "
-                     f"{f('total_s', '{:.1f}')} | {x('total_s')} | {f('cpu_s', '{:.1f}')} | {x('cpu_s')} | "
-                     f"{f('output_tok_per_cpu_s', '{:.2f}')} | {x('output_tok_per_cpu_s')} | {f('load_1min', '{:.1f}')} |")
+        load = "" if r.get("load_1min") is None else f"{r['load_1min']:.1f}"
+        lines.append(f"| {mib} | {r['config']} | {cell('capacity_tokens', '{:,}')} | {cell('concurrency', '{}')} | "
+                     f"{cell('output_tok_s')} | {cell('mean_ttft_s')} | {cell('total_s')} | {cell('cpu_s')} | "
+                     f"{cell('output_tok_per_cpu_s', '{:.2f}')} | {load} |")
     return "\n".join(lines)
 
 

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .processes import free_port
 
 
 class RedisServer:
