@@ -301,3 +301,29 @@ def test_store_kernel_refuses_unknown_code_width():
     a.top, a.tensor_scale = d.top, 1.0
     assert cpu._require().lib.pkv_store(ctypes.byref(a)) == 3
     assert int(layer.k_pool.count_nonzero()) == 0
+
+
+def test_every_hand_over_to_the_reference_ops_is_logged_once(caplog):
+    """Issue 30.5, declared, never silent: the dispatcher passing the CPU backend over (a head_dim
+    its kernel does not take) and the kernel handing its one unfinished case (a value centre with
+    sink logits) to the reference ops each log one line per codec and reason, however many calls;
+    the results are the reference's."""
+    import logging
+
+    from pagedkv.ops.dispatch import log_fallback_once
+
+    log_fallback_once.cache_clear()
+    odd = CheckCase("bf16", "fp8", head_dim=24, seq_lens=(9, 4)).build().layer
+    sunk = CheckCase("turbo3", "turbo4", seq_lens=(19, 1, 33), sinks=True, transform=True)
+    case, params = sunk.build(), sunk.params()
+    assert case.layer.v_centre is not None and params.sinks is not None
+    want = reference.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.ops.dispatch"):
+        for _ in range(3):
+            assert select_backend(Op.DECODE, odd.k_pool.device, odd, AttentionParams(scale=0.1)).name == "reference"
+            got = cpu.decode_attention(case.q_decode, case.layer, case.block_tables, case.seq_lens, params)
+            assert torch.equal(got, want)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "decode_attention on cpu runs on the reference ops" in lines[0] and "head_dim=24" in lines[0]
+    assert "k=turbo3, v=turbo4" in lines[1] and "runs on the reference ops" in lines[1] and "sink" in lines[1]

@@ -9,7 +9,8 @@ What happens around the kernel (once per call, O(Tq * Hq * D), never O(context))
 - the output [Tq, Hq, D] fp32 is multiplied by the fp8 V tensor scale (inside the kernel) and
   un-rotated when V is stored rotated; `layer.v_centre` is added (times each row's token-weight
   sum: 1, or 0 for an empty decode row; with sinks the kernel does not report the sinks' weight,
-  so that one case runs the reference ops instead, `_reference_attention`); then cast to q's dtype.
+  so that one case runs the reference ops instead, `_reference_attention`, logged once per codec
+  pair); then cast to q's dtype.
 
 A codec side is described to the kernel by its properties (`side_desc`): code bits, how a code
 becomes a value (bf16 raw, E4M3 bits, int8, or a table lookup), group size and scale type, the
@@ -32,6 +33,7 @@ from ...codecs.floats import e4m3_table
 from ...errors import InvalidInput
 from .. import transform
 from ..batch import AttentionParams, PagedLayer
+from ..dispatch import log_fallback_once
 from ..support import CodecSupport, pairs
 
 EK_BF16, EK_LUT, EK_E4M3, EK_I8 = 0, 1, 2, 3
@@ -171,6 +173,9 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
             raise InvalidInput(f"lse= and key_start= are not available with sink logits and a value centre "
                                f"(that case runs the reference ops), got lse={'a tensor' if lse is not None else None}, "
                                f"key_start={key_start}")
+        log_fallback_once(f"the CPU attention of k={layer.k_codec.name}, v={layer.v_codec.name}",
+                          "a value centre with sink logits (the kernel does not return the sinks' weight)",
+                          "reference ops")
         return _reference_attention(q, layer, block_tables, seq_lens, query_start_loc, params)
     tq, hq, hd = q.shape
     h = layer.num_kv_heads
