@@ -1,9 +1,10 @@
 """One KV-format grammar (`pagedkv.spec`) at every front door: `PagedKVCache`, `CacheConfig`,
-the vLLM settings (their torch-free part) and the command line (`parse_choice`, which `eval`
-and `generate` call before the model loads) accept exactly the same spec strings, windows and
-plan files included, and build the same layers; a spec's window gives the same stored bytes as
-the same window passed as an argument; a bad spec fails at every door with one error naming
-the bad part."""
+the vLLM settings (their torch-free part, with the page bytes the vLLM backend asks vLLM for)
+and the command line (`parse_choice`, which `eval` and `generate` call before the model loads,
+and `pagedkv plan` run as a command) accept exactly the same spec strings, windows and plan
+files included, and build the same layers with the same bytes per block; a spec's window gives
+the same stored bytes as the same window passed as an argument; a bad spec fails at every door
+with one error naming the bad part."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def plans(tmp_path_factory):
     return out
 
 
-SPECS = ["turbo3", "TURBO3", "turbo3+hp", "turbo4k3v+hp1", "q8_0k_turbo2v", "turbo3+r8", "turbo3+r8s4q8_0",
-         "turbo2+hp+r16s4q8_0", "fp8k_turbo3v+hp2+r8f16", "PLAN:plan.json", "PLAN:plain.json",
-         "PLAN:plain.json+r8s2"]
+SPECS = ["turbo3", "TURBO3", "turbo3+hp", "turbo4k3v+hp1", "q8_0k_turbo2v", "turbo3k_turbo2v", "turbo3+r8",
+         "turbo3+r8s4q8_0", "turbo3+r64s16q8_0", "turbo2+hp+r16s4q8_0", "fp8k_turbo3v+hp2+r8f16", "PLAN:plan.json",
+         "PLAN:plain.json", "PLAN:plain.json+r8s2"]
 BAD = [("turbo9", "turbo9"), ("turbo3+r8zz9", "zz9"), ("turbo3+r8+hp", "a window must be last"),
        ("turbo3+hpx", "turbo3\\+hpx"), ("turbo3+r8fp8", "tensor scale"), ("PLAN:plan.json+r16", "differs"),
        ("PLAN:plain.json+hp", "\\+hp after a plan"), ("tuned3+r8", "after tunedB"), ("PLAN:missing.json", "missing.json. cannot be")]
@@ -56,33 +57,52 @@ def _spec(text, plans, tmp_path=None):
 
 
 def _doors(model):
-    """What each front door builds from a spec: (layer formats, recent window)."""
+    """What each front door builds from a spec: (layer formats, recent window, bytes per block
+    over every layer's K and V pages)."""
     from pagedkv.eval.runner import cache_for, parse_choice
     from pagedkv.integrations.transformers import PagedKVCache
-    from pagedkv.integrations.vllm.layout import layer_formats
+    from pagedkv.integrations.vllm.layout import content_bytes, layer_formats
     from pagedkv.integrations.vllm.settings import parse_settings
 
     def drop_in(spec):
         c = PagedKVCache(model, spec, block_size=4)
-        return c.config.layer_formats, c.recent_window
+        return c.config.layer_formats, c.recent_window, c.config.bytes_per_block
 
     def config(spec):
         c = CacheConfig(num_layers=LAYERS, num_kv_heads=2, head_dim=64, kv_format=spec, block_size=4, num_blocks=1)
-        return c.layer_formats, c.recent_window
+        return c.layer_formats, c.recent_window, c.bytes_per_block
 
-    def vllm(spec):
+    def vllm(spec):  # the bytes: what the backend's KV spec asks vLLM for per block (state_content_bytes)
         s = parse_settings({"kv_format": spec}, environ={})
-        return layer_formats(s.kv_format, s.high_precision_layers, s.hp_format, LAYERS, DIMS), s.recent_window
+        formats = layer_formats(s.kv_format, s.high_precision_layers, s.hp_format, LAYERS, DIMS)
+        return formats, s.recent_window, sum(4 * h * content_bytes(f, d) for f, (h, d) in zip(formats, DIMS))
 
     def cli(spec):
         c = cache_for(model, parse_choice(spec), block_size=4)
-        return c.config.layer_formats, c.recent_window
+        return c.config.layer_formats, c.recent_window, c.config.bytes_per_block
 
     return {"PagedKVCache": drop_in, "CacheConfig": config, "vLLM settings": vllm, "CLI": cli}
 
 
+@pytest.fixture(scope="module")
+def model_folder(model, tmp_path_factory):
+    """The model's config.json alone: all `pagedkv plan` reads."""
+    folder = tmp_path_factory.mktemp("model")
+    model.config.save_pretrained(folder)
+    return str(folder)
+
+
+def _plan_cli(folder, spec, capsys):
+    """`pagedkv plan --json` for one spec: (exit status, its row or the error lines)."""
+    from pagedkv.cli.main import main
+
+    rc = main(["plan", "--model", folder, "--formats", spec, "--block-size", "4", "--json"])
+    out = capsys.readouterr()
+    return rc, (json.loads(out.out)[0] if rc == 0 else out.err.splitlines())
+
+
 @pytest.mark.parametrize("text", SPECS)
-def test_every_front_door_builds_the_same_layers_from_a_spec(model, plans, text):
+def test_every_front_door_builds_the_same_layers_from_a_spec(model, model_folder, plans, text, capsys):
     spec = _spec(text, plans)
     want = parse_spec(spec)
     got = {door: build(spec) for door, build in _doors(model).items()}
@@ -93,15 +113,24 @@ def test_every_front_door_builds_the_same_layers_from_a_spec(model, plans, text)
         assert first[0] == want.layers
     elif want.high_precision_layers is None:
         assert first[0] == (want.format,) * LAYERS
+    bpb = sum(f.k_block_bytes(4, h, d) + f.v_block_bytes(4, h, d) for f, (h, d) in zip(first[0], DIMS))
+    assert first[2] == bpb  # the catalogue's bytes of those layers (blocks of 4 tokens)
+    rc, row = _plan_cli(model_folder, spec, capsys)
+    assert rc == 0 and row["bytes_per_block"] == bpb, row
 
 
 @pytest.mark.parametrize("text, needle", BAD)
-def test_a_bad_spec_fails_at_every_front_door_naming_the_bad_part(model, plans, tmp_path, text, needle):
+def test_a_bad_spec_fails_at_every_front_door_naming_the_bad_part(model, model_folder, plans, tmp_path, text,
+                                                                  needle, capsys):
+    import re
+
     spec = _spec(text, plans, tmp_path)
     for door, build in _doors(model).items():
         with pytest.raises(ConfigError, match=needle) as err:
             build(spec)
         assert "\n" not in str(err.value), door
+    rc, err = _plan_cli(model_folder, spec, capsys)
+    assert rc == 2 and len(err) == 1 and re.search(needle, err[0]), err
 
 
 def test_a_tuned_label_is_made_by_eval_only(model):
