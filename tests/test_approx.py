@@ -93,7 +93,7 @@ def _run(model, approx, spy):
 @pytest.fixture
 def seen(monkeypatch):
     """The AttentionParams of every decode / prefill call the drop-in makes."""
-    hf = importlib.import_module("pagedkv.integrations.hf_attention")
+    hf = importlib.import_module("pagedkv.ops.api")  # the drop-in attends through the engine cache
     calls = []
     for name in ("decode_attention", "prefill_attention"):
         real = getattr(hf, name)

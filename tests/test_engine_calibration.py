@@ -13,7 +13,7 @@ from helpers.tiny_llama import peaked_llama
 from pagedkv.cache import PagedCache
 from pagedkv.cache.config import CacheConfig
 from pagedkv.codecs.reference import roundtrip
-from pagedkv.errors import InvalidInput
+from pagedkv.errors import ConfigError, InvalidInput
 from pagedkv.formats import parse_format
 from pagedkv.options import CacheOptions
 
@@ -68,3 +68,35 @@ def test_stored_rows_are_the_round_trip_of_the_transformed_values():
     with pytest.raises(InvalidInput, match="k_mult must be > 0"):
         PagedCache(CacheConfig(num_layers=1, num_kv_heads=2, head_dim=64, kv_format=fmt, num_blocks=8)) \
             .configure_layer(0, k_mult=torch.zeros(2, 64))
+
+
+def test_fit_layer_fits_each_layer_on_its_first_chunk_while_earlier_layers_store():
+    """The drop-in's order (`PagedCache(fit_first_chunk=True)`): layer 0 fits and stores, then
+    layer 1 fits (the cache is not empty) the same transform `calibrate_layer` fits; a stored
+    layer is neither refitted nor reset; the tiers' members wait for every layer."""
+    k, v, q = _sample(t=10, seed=2)
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, kv_format="turbo3", num_blocks=8,
+                      key_centring=True)
+    cache, ref = PagedCache(cfg, fit_first_chunk=True), PagedCache(cfg)
+    new = cache.add_sequence(list(range(10)))
+    cache.fit_layer(0, k, v, q)
+    cache.store(0, k[0].transpose(0, 1), v[0].transpose(0, 1), new)
+    with pytest.raises(ConfigError, match="already stores"):
+        cache.fit_layer(0, k, v, q)
+    with pytest.raises(ConfigError, match="store data"):
+        cache.reset_transforms([0])
+    with pytest.raises(ConfigError, match="empty cache"):
+        cache.calibrate_layer(1, k, v, q)
+    assert cache.kv_transforms() is None  # not every layer fitted: nothing to publish
+    cache.fit_layer(1, k, v, q)
+    ref.calibrate_layer(1, k, v, q)
+    for name in FIELDS:
+        a, b = getattr(cache.layers[1], name), getattr(ref.layers[1], name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert cache.layers[1].v_centre is not None and cache.layers[1].k_centre.any()
+    assert cache.fitted == {0, 1} and len(cache.kv_transforms()) == 2
+    cache.reset_transforms([1])  # stored nothing: back to the built transform, to be fitted again
+    assert cache.layers[1].v_centre is None and not cache.layers[1].k_centre.any() and cache.fitted == {0}
+    cache.clear()
+    cache.reset_transforms()
+    assert not cache.fitted and cache.layers[0].v_centre is None

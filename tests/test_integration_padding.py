@@ -64,7 +64,7 @@ class _replayed_calibration:
     order), then hand the same ones to later runs."""
 
     def __init__(self, monkeypatch):
-        import pagedkv.integrations.hf_layer as integ  # where the layer looks `calibrate` up
+        import pagedkv.cache.calibration as integ  # where the engine looks `calibrate` up
 
         self.integ, self.monkeypatch, self.fitted = integ, monkeypatch, []
         self.original = integ.calibrate

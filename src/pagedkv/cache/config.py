@@ -96,6 +96,9 @@ class CacheConfig:
     reclaim_sliding and key_centring (None: on for a non-raw K codec), instead of those fields.
     latent: a `pagedkv.cache.latent.LatentLayout` makes every layer a latent (MLA) layer: one pool
     of [latent | rope] per token (num_kv_heads/head_dim/layer_dims are then ignored).
+    grow_blocks: every block group's pool starts at `total_blocks` (a sliding one at most 16)
+    and grows by doubling on demand without a limit (the transformers drop-in without
+    max_tokens); False (default): the global pool is fixed, sliding ones grow up to it.
     """
 
     num_layers: int
@@ -118,6 +121,7 @@ class CacheConfig:
     recent_window: Optional["RecentWindow"] = None
     reclaim_sliding: bool = True
     options: Optional["CacheOptions"] = None
+    grow_blocks: bool = False
     layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
     num_high_precision_layers: int = field(init=False, repr=False, compare=False)
 

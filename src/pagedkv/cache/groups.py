@@ -26,6 +26,7 @@ from . import storage
 from .config import CacheConfig
 
 SLIDING_INITIAL_BLOCKS = 16  # a sliding group's first pool size (it grows on demand)
+UNBOUNDED = 1 << 40  # CacheConfig(grow_blocks=True): a block-id limit no pool reaches
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,12 @@ def tail_keep_blocks(recent, block_size: int) -> int:
     return sink_blocks(recent.sinks, block_size)
 
 
-def group_specs(layout: GroupLayout, total: int) -> list[GroupSpec]:
-    return [GroupSpec(None, total) if w is None else
-            GroupSpec(w, min(total, SLIDING_INITIAL_BLOCKS), total, k)
+def group_specs(layout: GroupLayout, total: int, grow: bool = False) -> list[GroupSpec]:
+    """The block manager's groups: the global pool fixed at `total` blocks, sliding ones from
+    at most 16 up to `total`; with `grow` (CacheConfig.grow_blocks) every pool grows unbounded."""
+    limit = UNBOUNDED if grow else total
+    return [GroupSpec(None, total, UNBOUNDED if grow else None) if w is None else
+            GroupSpec(w, min(total, SLIDING_INITIAL_BLOCKS), limit, k)
             for w, k in zip(layout.windows, layout.keep_first)]
 
 
@@ -90,7 +94,7 @@ class GroupedStorage:
 
     def _build_storage(self, config: CacheConfig) -> None:
         self.groups = group_layout(config)
-        specs = group_specs(self.groups, config.total_blocks)
+        specs = group_specs(self.groups, config.total_blocks, config.grow_blocks)
         self.core = BlockManager(specs, config.block_size, config.fingerprint, trace=config.trace)
         self.seqs = self.core.main  # the first group: ids, lengths, prefix chain, swap entries
         self.pool = self.seqs.pool
@@ -187,3 +191,31 @@ class GroupStats:
     blocks_free: int
     blocks_cached: int
     pool_bytes: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the cache. Bytes are the pool tensors' sizes.
+
+    blocks_free + blocks_used + blocks_cached == num_blocks. tokens_stored: tokens held by all
+    sequences (shared blocks counted once per sequence). layer_bytes: per layer (k, v).
+    prefix_hit_rate: hit tokens / prompt tokens looked up by add_sequence (0.0 before any).
+    """
+
+    num_blocks: int
+    block_size: int
+    blocks_free: int
+    blocks_used: int
+    blocks_cached: int
+    num_sequences: int
+    tokens_stored: int
+    bytes_per_block: int
+    layer_bytes: tuple[tuple[int, int], ...]
+    total_bytes: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    evictions: int
+    groups: tuple = ()  # GroupStats per block group (window, blocks, bytes)
+    tail_bytes: int = 0  # the recent window's tail pools (included in total_bytes)

@@ -62,7 +62,7 @@ class Handouts:
         for t in tensors:
             key = id(t)
             self._tensors[key] = (weakref.ref(t, lambda _, k=key, d=self._tensors: d.pop(k, None)),
-                                  t._version, rec)
+                                  version(t), rec)
         self.epoch += 1
 
     # ---- the check ----------------------------------------------------------------------------
@@ -71,7 +71,8 @@ class Handouts:
         """InvalidInput unless `slots` (used: its slots >= 0, on the CPU) may be written in
         `group`; `pending()` builds the group's bool mask of pending slots."""
         entry = self._tensors.get(id(slots))
-        if entry is not None and entry[0]() is slots and entry[1] == slots._version:
+        if entry is not None and entry[0]() is slots and entry[1] is not None \
+                and entry[1] == version(slots):
             seqs, moves = entry[2]
             for s, gen in seqs:
                 if self._gen.get(s) != gen:
@@ -95,6 +96,12 @@ class Handouts:
                 f"slot {int(used[i])} is not pending: it holds K/V a sequence already committed "
                 "(or it belongs to no sequence's new tokens); store only at the slots of the "
                 "latest add_sequence / allocate / step, before commit")
+
+
+def version(t: torch.Tensor):
+    """The tensor's version counter, or None for an inference tensor (made under
+    `torch.inference_mode`, which keeps none: such a tensor is never taken as unmodified)."""
+    return None if t.is_inference() else t._version
 
 
 def pending_mask(seqs, num_slots: int) -> torch.Tensor:

@@ -47,7 +47,6 @@ from .latent import fit_latent_scales, latent_transform, with_latent_transform
 class LatentPlane:
     """Store / attend / gather of `PagedCache`'s latent layers (see the module doc)."""
 
-    _latent_fitted: frozenset = frozenset()  # layers whose fp8 scales are fixed
 
     def _latent(self, layer: int) -> LatentLayer:
         pl = self._layer(layer)
@@ -68,7 +67,7 @@ class LatentPlane:
         slots, _ = self._store_slots(layer, slot_mapping)
         # blocks loaded from a prefix store before the first store were written with today's
         # scales (adopted from the store, or the defaults): then they stay
-        fit = layer not in self._latent_fitted and not any(any(g.pool.keyed) for g in self.core.groups)
+        fit = layer not in self.fitted and not any(any(g.pool.keyed) for g in self.core.groups)
         if fit:  # check the input (nothing fitted on bad input), fix the scales, then write once
             check_latent_store(pl, latent, rope, slots, op_kwargs.get("checks", True))
             changes = fit_latent_scales(pl.spec, latent, rope, pl.device)
@@ -76,7 +75,7 @@ class LatentPlane:
                 pl = dataclasses.replace(pl, **changes)
                 self._set_latent_layers({layer: pl})
             op_kwargs = dict(op_kwargs, checks=False)  # checked just now
-        self._latent_fitted = self._latent_fitted | {layer}
+        self.fitted = self.fitted | {layer}
         latent_store(pl, latent, rope, slots, **op_kwargs)
 
     def _set_latent_layers(self, new: dict) -> None:
@@ -90,14 +89,14 @@ class LatentPlane:
     def latent_transforms(self) -> Optional[list]:
         """Every latent layer's transform (`cache.latent.latent_transform`: its fp8 scales) once
         every layer has fixed its scales, else None (nothing to publish yet)."""
-        if self.config.latent is None or len(self._latent_fitted) < len(self.layers):
+        if self.config.latent is None or len(self.fitted) < len(self.layers):
             return None
         return [latent_transform(pl) for pl in self.layers]
 
     def adopts_latent_transform(self) -> bool:
         """Whether a stored transform may be adopted: latent layers, no scale fixed yet, and no
         block in use or cached (nothing was encoded with the scales now)."""
-        return self.config.latent is not None and not self._latent_fitted and \
+        return self.config.latent is not None and not self.fitted and \
             not any(g.pool.num_used or g.pool.num_cached for g in self.core.groups)
 
     def adopt_latent_transforms(self, transforms: Sequence[dict]) -> None:
@@ -107,7 +106,7 @@ class LatentPlane:
         assert self.adopts_latent_transform() and len(transforms) == len(self.layers)
         self._set_latent_layers({i: with_latent_transform(pl, t)
                                  for i, (pl, t) in enumerate(zip(self.layers, transforms))})
-        self._latent_fitted = frozenset(range(len(self.layers)))
+        self.fitted = frozenset(range(len(self.layers)))
 
     def latent_decode_attention(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor,
                                 seq_ids: Sequence[Hashable], params: AttentionParams,

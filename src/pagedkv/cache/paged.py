@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from .config import CacheConfig
 from .dataplane import DataPlane
 from . import storage
-from .groups import GroupedStorage
+from .groups import CacheStats, GroupedStorage
 from .handouts import Handouts
 from .latent_plane import LatentPlane
 from .tables import GroupSlots, StepBatch, int_tensor
@@ -51,34 +51,6 @@ class NewSequence(GroupSlots):
     group_slots: tuple = ()
     layer_group: tuple = ()
     tail_group: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """A snapshot of the cache. Bytes are the pool tensors' sizes.
-
-    blocks_free + blocks_used + blocks_cached == num_blocks. tokens_stored: tokens held by all
-    sequences (shared blocks counted once per sequence). layer_bytes: per layer (k, v).
-    prefix_hit_rate: hit tokens / prompt tokens looked up by add_sequence (0.0 before any).
-    """
-
-    num_blocks: int
-    block_size: int
-    blocks_free: int
-    blocks_used: int
-    blocks_cached: int
-    num_sequences: int
-    tokens_stored: int
-    bytes_per_block: int
-    layer_bytes: tuple[tuple[int, int], ...]
-    total_bytes: int
-    prefix_queries: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    prefix_hit_rate: float
-    evictions: int
-    groups: tuple = ()  # GroupStats per block group (window, blocks, bytes)
-    tail_bytes: int = 0  # the recent window's tail pools (included in total_bytes)
 
 
 class PagedCache(DataPlane, LatentPlane, GroupedStorage):
@@ -107,15 +79,22 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
     after the commit itself took effect (blocks stay resident; committing again retries);
     prefix-store faults never raise. swap_tier / prefix_tier: tiers to use instead of those
     `offload` describes. `close()` (or `with`) deletes this cache's swap records.
+
+    fit_first_chunk: a front door fits every K/V layer's transform on that layer's first chunk
+    (`fit_layer`, the transformers drop-in): the tiers publish and swap nothing before every
+    layer is fitted, then publish the transform with the blocks; a cache that fitted none
+    adopts a prefix store's at `add_sequence` / `load_prefix` (as latent layers do).
     """
 
-    def __init__(self, config: CacheConfig, offload=None, *, swap_tier=None, prefix_tier=None):
+    def __init__(self, config: CacheConfig, offload=None, *, swap_tier=None, prefix_tier=None,
+                 fit_first_chunk: bool = False):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"PagedCache needs a CacheConfig, got {type(config).__name__}")
         self.config = config
         self.block_size = config.block_size
         self.num_blocks = config.total_blocks
         self.device = config.device
+        self.fit_first_chunk = bool(fit_first_chunk)
         self.tiers = None
         self._build_storage(config)
         self.handouts = Handouts(len(self.core.groups))  # which slot tensors may still be written
@@ -159,21 +138,30 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
 
     # ---- sequences ------------------------------------------------------------------------
     def add_sequence(self, tokens: Sequence[int], salt: Salt = None,
-                     seq_id: Optional[Hashable] = None) -> NewSequence:
+                     seq_id: Optional[Hashable] = None, *, max_hit_blocks: Optional[int] = None,
+                     rest: bool = True, load: bool = True) -> NewSequence:
         """Admit a prompt. Full blocks whose keys (token chain + salt + cache fingerprint) are
-        cached (in memory, or in the prefix store: loaded first) are shared instead of
-        recomputed; hits are whole blocks and always fewer than len(tokens). Store K/V of
-        `tokens[hit_tokens:]` at `slot_mapping`, then `commit`."""
+        cached (in memory, or in the prefix store: loaded first unless `load` is False) are
+        shared instead of recomputed (at most max_hit_blocks); hits are whole blocks and always
+        fewer than len(tokens). Store K/V of `tokens[hit_tokens:]` at `slot_mapping`, then
+        `commit`. rest=False holds the hit only (the rest comes with `step`)."""
         before = None  # hit blocks in memory before the prefix store was asked
-        if self.tiers is not None:
+        if self.tiers is not None and load:
             tokens, before = self.tiers.before_add(self.seqs, tokens, salt, seq_id)
-        sid, hit, slots = self.core.add(seq_id, tokens, salt)
+        sid, hit, slots = self.core.add(seq_id, tokens, salt, rest=rest, max_hit_blocks=max_hit_blocks)
         self.handouts.changed([sid])
         self._sync_sizes()  # an admission may grow a sliding group's pool
         self._changed()
         if before is not None:
             self.tiers.tier_hit_tokens += max(0, hit - before * self.block_size)
         return NewSequence(sid, hit, **self._slots_of(slots, [sid]))
+
+    def load_prefix(self, tokens: Sequence[int], salt: Salt = None) -> None:
+        """Bring a prompt's longest stored hit up from the prefix store into the pools (cached
+        blocks, where a later `add_sequence` finds them) without admitting it; a cache that may
+        adopts the store's transform first. Nothing without a prefix store."""
+        if self.tiers is not None:
+            self.tiers.before_add(self.seqs, tokens, salt, None)
 
     def allocate(self, seq_id: Hashable, tokens: Union[int, Sequence[int]]) -> torch.Tensor:
         """Slots (int64 [n], the first block group's) for new tokens at the end of a sequence:

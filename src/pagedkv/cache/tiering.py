@@ -64,14 +64,31 @@ class CacheTiers(CoreTiers, SharedTransform):
         super().__init__(cache.core, self._members, swap, offload.resident_blocks_per_seq,
                          prefix, group_tags(cache.groups))
         self.tier_hit_tokens = 0
+        self.loaded_blocks = 0  # blocks brought up from the prefix store
 
-    def _members(self, g: int) -> list[PagedLayer]:
+    def _members(self, g: int) -> list[Optional[PagedLayer]]:
         """Group g's members now, pools sized to its block pool, as records see them (a latent
-        layer: `storage.record_member`)."""
+        layer: `storage.record_member`); None for a layer whose transform the front door has
+        still to fit (`fit_first_chunk`: the tiers wait)."""
         c = self.cache
         c._sync_sizes()
-        return [record_member(c.layers[i]) if kind == "main" else c.tails[i]
+        wait = c.fit_first_chunk and len(c.fitted) < len(c.layers)
+        return [None if wait and i not in c.fitted else
+                record_member(c.layers[i]) if kind == "main" else c.tails[i]
                 for kind, i in c.groups.members[g]]
+
+    def _adopt(self) -> None:
+        """Adopt the store's transform when this cache fits its own and has fixed none yet: a
+        latent cache's fp8 scales, a `fit_first_chunk` cache's K/V transforms."""
+        c = self.cache
+        if c.adopts_latent_transform():
+            got = self.stored_transform([dict(LATENT_TRANSFORM_SHAPES)] * len(c.layers))
+            if got is not None:
+                c.adopt_latent_transforms(got)
+        elif c.fit_first_chunk and c.config.latent is None and not c.fitted:
+            got = self.stored_transform(c.kv_transform_shapes())
+            if got is not None:
+                c.adopt_kv_transforms(got)
 
     def before_add(self, seqs, tokens, salt: Salt, seq_id: Optional[Hashable]):
         """(tokens to admit, hit blocks in memory before loading). Loaded blocks stay cached
@@ -81,16 +98,18 @@ class CacheTiers(CoreTiers, SharedTransform):
             return tokens, None
         if seq_id is not None and seq_id in seqs:
             return toks, None
-        if self.cache.adopts_latent_transform():  # latent fp8 scales: the store's, if it has them
-            got = self.stored_transform([dict(LATENT_TRANSFORM_SHAPES)] * len(self.cache.layers))
-            if got is not None:
-                self.cache.adopt_latent_transforms(got)
-        return toks, self.load(toks, salt)[0]
+        self._adopt()
+        before, loaded = self.load(toks, salt)
+        self.loaded_blocks += loaded
+        return toks, before
 
     def after_commit(self, ids: Sequence[Hashable]) -> None:
-        """Publish the latent layers' fp8 scales (once all are fixed), then the blocks."""
+        """Publish the transform this cache fitted (latent fp8 scales, or with
+        `fit_first_chunk` the K/V transforms; once every layer's is fixed), then the blocks."""
         if self.prefix is not None:
-            transforms = self.cache.latent_transforms()
+            c = self.cache
+            transforms = c.latent_transforms() if c.config.latent is not None else \
+                c.kv_transforms() if c.fit_first_chunk else None
             if transforms is not None:
                 self.publish_transform(transforms)
         super().after_commit(ids)

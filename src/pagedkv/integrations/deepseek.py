@@ -41,24 +41,20 @@ from __future__ import annotations
 
 import sys
 import types
-from dataclasses import replace
 from typing import Optional, Sequence, Union
 
 import torch
 
 from ..cache.config import CacheConfig
-from ..cache.latent import (LATENT_TRANSFORM_SHAPES, LatentLayout, fit_latent_scales,
-                            latent_transform, with_latent_transform)
+from ..cache.latent import LatentLayout
 from ..options import CacheOptions, option_names
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..ops import AttentionParams
-from ..ops.latent import (LatentLayer, latent_decode_attention, latent_prefill_attention,
-                          latent_store)
 from .hf_attention import _query_start_loc
-from .hf_common import _model_identity
+from .hf_common import _block_cap, _model_device, _model_identity
 from .padding import mask_columns
-from .transformers import PagedCacheLayer, PagedKVCache, _model_device, _transformers, _watch_input_ids
+from .transformers import PagedCacheLayer, PagedKVCache
 
 _ORIGINAL = "_pagedkv_original_forward"
 _PATCHED = "_pagedkv_mla_patched"  # on the model `enable` ran on: the modules it patched
@@ -134,34 +130,23 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
                 f"{type(config).__name__} has no latent attention (kv_lora_rank, qk_rope_head_dim); "
                 "use pagedkv.integrations.transformers.PagedKVCache for K/V models"
             )
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens <= 0):
-            raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-        block_size = opts.block_size
+        cap = _block_cap(max_tokens, opts.block_size)
         self.options = opts
         num_layers = int(_text(config).num_hidden_layers)
-        initial_blocks = -(-max_tokens // block_size) if max_tokens else 16
         self.config = CacheConfig(
             num_layers=num_layers, num_kv_heads=1, head_dim=dims[0] + dims[1], kv_format=kv_format,
-            high_precision_layers=high_precision_layers, hp_format=opts.hp_format, block_size=block_size,
-            num_blocks=initial_blocks, latent=LatentLayout(dims[0], dims[1], rope_format),
+            high_precision_layers=high_precision_layers, hp_format=opts.hp_format,
+            block_size=opts.block_size, num_blocks=cap or 16, grow_blocks=cap is None,
+            latent=LatentLayout(dims[0], dims[1], rope_format), check_slots=False,
             device=device or _model_device(model_or_config),
             model_id=_model_identity(model_or_config) if offload is not None else "",
         )
         self.key_centring = False  # K/V-model quality options that do not apply to latents
         self.key_scaling = False
-        self.value_centring = False
         self.backend = opts.backend
         self.checks = opts.checks
-        self._make_groups(block_size, max_tokens)  # latent layers: one global block group
-        if offload is not None:
-            from .hf_tiers import DropInTiers
-
-            self.tiers = DropInTiers(self, offload, swap_tier, prefix_tier)
-        layers = [LatentCacheLayer(self, spec) for spec in self.config.layers]
-        _, cache_utils = _transformers()
-        cache_utils.Cache.__init__(self, layers=layers)
-        _watch_input_ids(model_or_config)  # token ids key the blocks: prefix hits across calls
+        # the engine cache of latent layers (one global block group); token ids key the blocks
+        self._open(model_or_config, LatentCacheLayer, offload, swap_tier, prefix_tier)
 
     def mla_store(self, layer_idx, latent, rope, attention_mask) -> None:
         layer: LatentCacheLayer = self.layers[layer_idx]
@@ -176,7 +161,7 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         cols = mask_columns(attention_mask, batch, tq, start + tq)
         if self._rows and batch != len(self._rows):
             self._ensure_rows(batch)  # raises: a batch of another size
-        stored = None if self._valid is None else self._valid[:, :start]
+        stored = None if self.columns.valid is None else self.columns.valid[:, :start]
         past = None if cols is None else cols[:, :start]
         if (past is not None and not bool(past.all())) or stored is not None:
             want = torch.ones(batch, start, dtype=torch.bool) if stored is None else stored
@@ -195,30 +180,28 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         return self.layers[layer_idx].sliding_window
 
     def mla_attend(self, layer_idx, q_lat, q_rope, params) -> torch.Tensor:
-        """Each row's real queries attend to that row's stored tokens (bottom-right causal);
-        pad queries get zeros (transformers discards them)."""
+        """Each row's real queries attend to that row's stored tokens (bottom-right causal),
+        through the engine (swapped blocks read back); pad queries get zeros (transformers
+        discards them)."""
         layer: LatentCacheLayer = self.layers[layer_idx]
         b, t, h, lat = q_lat.shape
         dev = q_lat.device
         valid = layer.chunk_valid
         kw = dict(backend=self.backend, checks=self.checks)
-        seq_lens = self.seq_lens_tensor(layer.length, dev)
         if valid is None:
             q_rows, qr_rows = q_lat.reshape(b * t, h, lat), q_rope.reshape(b * t, h, -1)
         else:
             on = valid.to(dev)
             q_rows, qr_rows = q_lat[on], q_rope[on]  # [N, H, *]: the real queries, row-major
-        if layer.paged is None or q_rows.shape[0] == 0:  # nothing stored yet: every token a pad
+        if not layer.is_initialized or q_rows.shape[0] == 0:  # nothing stored yet: every token a pad
             o = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
+        elif t == 1 and valid is None:
+            o = self.engine.latent_decode_attention(layer_idx, q_rows.contiguous(), qr_rows.contiguous(),
+                                                    self._rows, params, **kw)
         else:
-            paged, tables = self.attention_inputs(layer, dev)  # swapped blocks read back
-            if t == 1 and valid is None:
-                o = latent_decode_attention(q_rows.contiguous(), qr_rows.contiguous(), paged, tables,
-                                            seq_lens, params, **kw)
-            else:
-                qsl = _query_start_loc(b, t, None if valid is None else valid.sum(dim=1), dev)
-                o = latent_prefill_attention(q_rows.contiguous(), qr_rows.contiguous(), paged,
-                                             tables, seq_lens, qsl, params, **kw)
+            qsl = _query_start_loc(b, t, None if valid is None else valid.sum(dim=1), dev)
+            o = self.engine.latent_prefill_attention(layer_idx, q_rows.contiguous(), qr_rows.contiguous(),
+                                                     self._rows, qsl, params, **kw)
         if valid is None:
             return o.reshape(b, t, h, lat)
         full = torch.zeros(b, t, h, lat, dtype=o.dtype, device=dev)
@@ -227,8 +210,9 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
 
 
 class LatentCacheLayer(PagedCacheLayer):
-    """One model layer's paged latent (`paged`: the ops' LatentLayer, rebuilt when pools grow;
-    `chunk_valid`: which tokens of the chunk being run are real, bool [B, T] or None = all)."""
+    """One model layer's paged latent (`paged`: the engine's LatentLayer of this layer, None
+    until its first chunk fixed the fp8 scales; `chunk_valid`: which tokens of the chunk being
+    run are real, bool [B, T] or None = all)."""
 
     chunk_valid: Optional[torch.Tensor] = None
 
@@ -238,26 +222,8 @@ class LatentCacheLayer(PagedCacheLayer):
     def pool_bytes(self) -> int:
         return 0 if self.paged is None else self.paged.pool.numel() + 8
 
-    def transform(self) -> dict:
-        """The stored-bytes transform in the prefix store's fields (`cache.latent.latent_transform`:
-        the fp8 scales)."""
-        return latent_transform(self.paged)
-
-    def transform_shapes(self) -> dict:
-        return dict(LATENT_TRANSFORM_SHAPES)
-
-    def adopt(self, t: dict) -> None:
-        """Initialize from a stored transform (a shared prefix store's) instead of fitting one."""
-        self.paged = with_latent_transform(self._make(self.group.num_blocks), t)
-        self.is_initialized = True
-
-    def lazy_initialization(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
-        """Make the pool; fp8 tensor scales from the first chunk (`cache.latent.fit_latent_scales`,
-        as the engine cache does)."""
-        p = self._make(self.cache.blocks.num_blocks)
-        changes = fit_latent_scales(p.spec, latent, rope, p.device)
-        self.paged = replace(p, **changes) if changes else p
-        self.is_initialized = True
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        """The fp8 scales are fixed by the layer's first store, in the engine (`store_latent`)."""
 
     def update(self, *args, **kwargs):
         raise InvalidInput(
@@ -270,7 +236,8 @@ class LatentCacheLayer(PagedCacheLayer):
         """Store the new tokens: latent float [B, T, L] (after kv_a_layernorm) and rope float
         [B, T, R] (after RoPE); valid bool [B, T] (None = all): only real tokens are stored,
         packed after the row's stored ones (pads never are); every row advances T columns. The
-        layer's first chunk with a real token fixes the fp8 scales from the real tokens."""
+        layer's first chunk with a real token fixes the fp8 scales from the real tokens (the
+        engine's first store, `PagedCache.store_latent`)."""
         b, t, _ = latent.shape
         cache = self.cache
         cache._ensure_rows(b)
@@ -280,18 +247,9 @@ class LatentCacheLayer(PagedCacheLayer):
         if sum(counts):
             lat = latent.reshape(b * t, -1) if valid is None else latent[valid.to(latent.device)]
             rp = rope.reshape(b * t, -1) if valid is None else rope[valid.to(rope.device)]
-            was_initialized = self.is_initialized
-            if not was_initialized:
-                self.lazy_initialization(lat.detach().float(), rp.detach().float())
-            try:
-                slots = cache._slots_rows(cache.row_lengths(start), counts, self.paged.device,
-                                          self.group, valid)
-                latent_store(self.paged, lat, rp, slots, backend=cache.backend, checks=cache.checks)
-            except Exception:  # refused (e.g. NaN rows): scales a failed first chunk fixed go too
-                if not was_initialized:
-                    self.paged, self.is_initialized = None, False
-                raise
-        cache._record(start, valid, b, t)
+            batch = cache.step(cache.row_lengths(start), counts, valid)
+            cache.engine.store_latent(self.index, lat, rp, batch, backend=cache.backend, checks=cache.checks)
+        cache.columns.record(start, valid, b, t)
         self.length += t
 
 

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..errors import ConfigError, InvalidInput
-from ..ops import AttentionParams, decode_attention, prefill_attention
+from ..ops import AttentionParams
+from ..options import centres_values
 from .hf_common import _TAG, ATTN_IMPLEMENTATION, _transformers
 from .padding import PaddingMask, chunk_validity as _chunk_validity
 
@@ -52,27 +53,26 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     pending = layer.pending if layer.pending is not None and layer.pending[0] is key else None
     was_initialized = layer.is_initialized
     window = sliding_window if sliding_window is not None else layer.sliding_window
+    cache = layer.cache
     try:
         if layer.group.window is not None and (window is None or window > layer.group.window):
             raise InvalidInput(
                 f"layer {layer.spec.index} attends with sliding_window={window} but its cache layer "
                 f"keeps only the last {layer.group.window} tokens (the model config's window)")
-        if layer.centre_values and sinks is not None and layer.cache.value_centring_auto \
-                and not layer.is_initialized:
-            layer.centre_values = False  # the default skips centring where sinks make it inexact
-        if layer.centre_values and sinks is not None:
+        centred = layer.v_centre is not None if was_initialized else \
+            cache.options.value_centring is True and centres_values(layer.spec.format, True)
+        if centred and sinks is not None:
             raise ConfigError("value centring is not exact with attention sinks (their weight takes no "
                               "value); create the PagedKVCache with value_centring=False")
         valid = _chunk_validity(attention_mask, layer, b, tq)
-        layer.flush(query, valid)  # store the chunk's valid tokens (the first fixes the statistics)
+        # store the chunk's valid tokens (the layer's first fixes its transform)
+        layer.flush(query, valid, has_sinks=sinks is not None)
     except Exception:
         layer._abort(pending, was_initialized)
         raise
-    cache = layer.cache
     params = cache.approx.apply(AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap,
                                                 sinks=sinks))
     dev = query.device
-    seq_lens = cache.seq_lens_tensor(layer.length, dev)
     q = query.transpose(1, 2)  # [B, Tq, Hq, D]
     if valid is None:
         counts = None
@@ -80,20 +80,20 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     else:
         counts = valid.sum(dim=1)
         q_rows = q[valid.to(dev)]  # [N, Hq, D]: the valid queries, row-major
+    engine, i = cache.engine, layer.spec.index
     if q_rows.shape[0] == 0:
         out = q_rows.float()
-    elif layer.paged is None:  # nothing stored yet (every token so far a pad)
+    elif not layer.is_initialized:  # nothing stored yet (every token so far a pad)
         out = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
-    elif layer.tail is not None:  # the high-precision recent window (ops/recent.py)
-        out = _recent_attention(layer, q_rows, b, tq, counts, seq_lens, params)
+    elif engine.tails is not None:  # the high-precision recent window (ops/recent.py), every step
+        out = engine.prefill_attention(i, q_rows.contiguous(), cache._rows, _query_start_loc(b, tq, counts, dev),
+                                       params, checks=cache.checks)
     elif tq == 1 and valid is None:
-        paged, tables = cache.attention_inputs(layer, dev)
-        out = decode_attention(q_rows.contiguous(), paged, tables, seq_lens,
-                               params, backend=cache.backend, checks=cache.checks)
+        out = engine.decode_attention(i, q_rows.contiguous(), cache._rows, params,
+                                      backend=cache.backend, checks=cache.checks)
     else:
-        paged, tables = cache.attention_inputs(layer, dev)
-        out = prefill_attention(q_rows.contiguous(), paged, tables, seq_lens, _query_start_loc(b, tq, counts, dev),
-                                params, backend=cache.backend, checks=cache.checks)
+        out = engine.prefill_attention(i, q_rows.contiguous(), cache._rows, _query_start_loc(b, tq, counts, dev),
+                                       params, backend=cache.backend, checks=cache.checks)
     out = out.to(query.dtype)
     if valid is None:
         return out.reshape(b, tq, hq, d), None
@@ -109,19 +109,6 @@ def _query_start_loc(b: int, tq: int, counts, dev) -> torch.Tensor:
     qsl = torch.zeros(b + 1, dtype=torch.int32, device=dev)
     qsl[1:] = torch.cumsum(counts.to(dev), 0)
     return qsl
-
-
-def _recent_attention(layer, q_rows, b, tq, counts, seq_lens, params):
-    """Attention with the last R keys read from the layer's high-precision tail."""
-    from ..ops.recent import recent_prefill_attention
-
-    cache, dev = layer.cache, q_rows.device
-    paged, tables = cache.attention_inputs(layer, dev)
-    tail, tail_tables = cache.attention_inputs(layer, dev, tail=True)
-    return recent_prefill_attention(q_rows.contiguous(), paged, tail, tables, seq_lens,
-                                    _query_start_loc(b, tq, counts, dev), params,
-                                    recent=cache.recent_window.tokens, checks=cache.checks,
-                                    tail_block_tables=tail_tables, sinks=cache.recent_window.sinks)
 
 
 def _dense_attention(query, key, value, scaling, window, softcap, sinks, key_valid=None):

@@ -71,9 +71,6 @@ def _model_identity(model_or_config) -> str:
                                                             "hidden_size", "num_hidden_layers"))
 
 
-_UNBOUNDED = 1 << 40  # "grow on demand": a block-id limit no pool reaches
-
-
 class GroupView:
     """Read-only view of one block group of a PagedKVCache (tests, accounting): its window,
     layers (whose pages it holds), tails (layers whose recent-window tail it holds), and per row
@@ -129,3 +126,26 @@ def _model_device(model_or_config):
         return next(model_or_config.parameters()).device
     except (AttributeError, StopIteration):
         return torch.device("cpu")
+
+
+def _block_cap(max_tokens: Optional[int], block_size: int) -> Optional[int]:
+    """Blocks every group may hold with max_tokens (None: the pools grow on demand)."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens <= 0):
+        raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+    return -(-max_tokens // block_size) if max_tokens else None
+
+
+def _note_input_ids(module, args, kwargs):
+    """Forward pre-hook: hand the forward's input_ids to the PagedKVCache it runs with, so the
+    chunk's blocks are keyed by their token ids (prefix hits across `generate` calls)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if getattr(cache, "_pagedkv_rows", False):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache._next_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
+def _watch_input_ids(model) -> None:
+    if hasattr(model, "register_forward_pre_hook") and not getattr(model, "_pagedkv_ids_hook", False):
+        model.register_forward_pre_hook(_note_input_ids, with_kwargs=True)
+        model._pagedkv_ids_hook = True

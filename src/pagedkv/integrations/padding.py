@@ -68,6 +68,60 @@ class PaddingMask:
         return m
 
 
+class ColumnMap:
+    """Which columns of a padded batch each row stored: transformers counts columns (pads
+    included, `get_seq_length`), the engine's sequences hold only the valid tokens, packed.
+    `valid`: bool [rows, columns] on cpu, None while every column was valid."""
+
+    def __init__(self):
+        self.valid: Optional[torch.Tensor] = None
+        self._memo: Optional[tuple] = None  # (columns, row_lengths(columns))
+
+    def clear(self) -> None:
+        self.valid, self._memo = None, None
+
+    def row_lengths(self, columns: int, rows: int) -> list[int]:
+        """Tokens each of `rows` rows stored in its first `columns` columns."""
+        if self.valid is None:
+            return [columns] * rows
+        if self._memo is None or self._memo[0] != columns:
+            self._memo = (columns, self.valid[:, :columns].sum(dim=1).tolist())
+        return self._memo[1]
+
+    def record(self, start: int, valid: Optional[torch.Tensor], rows: int, count: int) -> None:
+        """Note which of the columns start..start+count each row stored (valid: bool [rows,
+        count], None = all). The first layer to store a chunk records it; the others find it."""
+        if self.valid is None:
+            if valid is None:
+                return
+            self.valid = torch.ones(rows, start, dtype=torch.bool)
+        width = self.valid.shape[1]
+        if start + count <= width:
+            return
+        assert start <= width, (start, width)
+        new = (torch.ones(rows, count, dtype=torch.bool) if valid is None
+               else valid.detach().to("cpu", torch.bool))
+        self.valid = torch.cat([self.valid[:, :start], new], dim=1)
+        self._memo = None
+
+    def select(self, sources: Sequence[int]) -> None:
+        """New row i = old row sources[i]."""
+        if self.valid is not None:
+            self.valid = self.valid[torch.tensor(list(sources), dtype=torch.long)]
+            self._memo = None
+
+    def keep(self, columns: int) -> None:
+        if self.valid is not None:
+            self.valid = self.valid[:, :columns]
+            self._memo = None
+
+    def columns_at(self, row: int, n: int) -> int:
+        """The columns at which row `row` has stored n tokens."""
+        if self.valid is None:
+            return n
+        return int(torch.searchsorted(self.valid[row].long().cumsum(0), n)) + 1
+
+
 def valid_tokens(x: torch.Tensor, valid: Optional[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
     """The valid tokens of x float [B, H, T, D] for the first-chunk statistics: x itself without
     padding; [B, H, n, D] when every row has n valid tokens; else all rows' valid tokens as one
@@ -99,7 +153,7 @@ def chunk_validity(mask, layer: "PagedCacheLayer", batch: int, tq: int) -> Optio
             f"a mask [{batch}, {layer.length}] covering every column seen so far"
         )
     start = layer.length - tq
-    if not (mask.all_valid and layer.cache._valid is None):
+    if not (mask.all_valid and layer.cache.columns.valid is None):
         stored = layer.cache.row_lengths(start)
         if mask.past_counts() != stored:
             raise InvalidInput(

@@ -9,53 +9,26 @@ Usage:
     cache = PagedKVCache(model, "turbo3")
     out = model.generate(ids, past_key_values=cache, max_new_tokens=64)   # or cache=cache
 
-How it works. transformers builds the mask first: the mask function registered for "pagedkv"
-turns a 2D attention_mask into a small `PaddingMask` (no dense mask: causality and windows are
-applied inside the ops). Each layer then calls `cache.update(k, v, layer_idx)` with the new
-tokens' K/V (float [B, H, T, D]); `update` only takes them (tagged with the layer), and the
-registered attention function, which receives the mask, stores the chunk's valid tokens
-(`pagedkv.ops.store`; nothing already stored is touched) and runs `pagedkv.ops.prefill_attention`
-(varlen: each row's valid queries) or `decode_attention` (T == 1), which read the codes through
-the block tables. Every query, including those of a prompt, attends to compressed K/V, exactly as
-in decoding. Without a PagedKVCache (plain forward, or transformers' own cache), the function
-computes exact fp32 attention on the K/V it is given (pads masked), so a model switched to
-"pagedkv" still runs everywhere.
+How it works. The mask function registered for "pagedkv" turns a 2D attention_mask into a small
+`PaddingMask` (causality and windows are applied inside the ops). Each layer's `update(k, v,
+layer_idx)` only takes the new tokens' K/V (float [B, H, T, D]), tagged with the layer; the
+registered attention function, which receives the mask, stores the chunk's valid tokens and
+attends (every query, a prompt's too, reads compressed K/V, as in decoding). Without a
+PagedKVCache it computes exact fp32 attention on the K/V it is given (pads masked).
 
-Padded batches (left padding for `generate`, right padding for a plain forward): pad columns
-(attention_mask 0) are never stored, so row r holds only its valid tokens, packed, and its
-queries attend to its own tokens (bottom-right causal over what it stored; pad queries output
-zeros, which transformers discards). `get_seq_length()` stays the column count transformers
-expects (pads included); `row_lengths(columns)` gives each row's stored count. Positions come
-from transformers (from the mask in `generate`; pass `position_ids` for a left-padded plain
-forward, as with any attention). A batch shares one set of first-chunk statistics, fitted from
-the valid tokens of all its rows. Sliding windows count stored tokens, which equals
-transformers' column windows whenever pads only lead or trail a row (left / right padding).
-
-Storage: layers are split into block groups: the global (full-attention) layers, and one group
-per distinct sliding window W (Gemma2/3: 5 of 6 layers; Mistral v0.1: all). Each group has its
-own block ids, one block table per batch row, and its layers' K and V pools (sized from the
-catalogue, per-layer formats from `CacheConfig`: high-precision first/last layers); a block id
-addresses the same slots of every layer of its group. Before a chunk is stored at a row's
-positions n.., a sliding group releases the row's blocks wholly before position n - W + 1: no
-query at or after n can see them (a query at p sees p - W < j <= p). So a sliding layer holds
-each row's last W tokens (rounded out to blocks) plus the chunk being stored, not the whole
-context; released table entries read as block 0, which the ops never touch (they skip blocks
-wholly outside the window; the reference gathers and masks them, and every block holds finite
-codes). A crop can go back to the start of the last chunk (`crop_limit`); `reclaim_sliding=False`
-keeps every token. Pools grow by doubling when blocks run out unless `max_tokens` caps them (then
-CacheFull, raised before any block is taken). Rows share full blocks after a beam reorder /
-repeat (reference counts, per group); a shared block is copied before it is written.
-
-Key centring (on by default for non-bf16 K): on its first stored chunk a layer fixes
-`k_centre` from that chunk's valid tokens, values and queries per KV head (float32 [H, D], see
-`calibration.calibrate`: the centre that minimises the chunk's expected attention-output error
-under the K codec's error model); stored keys are k - k_centre and attention adds q . k_centre
-back, which softmax makes exact. It removes the large shared component of keys (the RoPE-rotated bias most
-models have) before quantization. Value centring (on by default for non-bf16 V, off in layers
-with sinks) stores v - v_centre and adds v_centre to the output (the weights sum to one). The
-whole transform (key centre and multipliers, value centre, fp8 scales) is part of the layer the
-ops receive (`PagedLayer.k_mult` / `v_centre` / `k_centre`): the ops store and attend with it,
-nothing is transformed around them, and a prefix store's record layout covers it.
+Storage is the engine cache's (`pagedkv.cache.PagedCache`, the one data plane): each batch row
+is one of its sequences, the first layer of a chunk to store asks it for the step of every
+block group (window reclaim, growth, compaction, copy-on-write: all or nothing, CacheFull before
+any change), each layer fits its transform on its first chunk (key centre and multipliers, value
+centre, fp8 scales: `PagedCache.fit_layer`), stores and attends through it; a crop is a pop, a
+beam reorder / repeat / select is fork and free, `begin` admits prompts with prefix hits. This
+class keeps only what transformers' Cache contract needs: `update` and the column-to-token map
+of padded rows (`padding.ColumnMap`: pad columns are never stored, row r holds only its valid
+tokens, pad queries output zeros; `get_seq_length()` counts columns, pads included,
+`row_lengths(columns)` each row's stored tokens). A sliding group releases a row's blocks
+wholly before n - W + 1 before a chunk is stored at n.., so a crop can go back to the start of
+the last chunk (`crop_limit`); `reclaim_sliding=False` keeps every token. Pools grow by
+doubling unless `max_tokens` caps them (CacheFull, raised before any block is taken).
 
 Limitations: `torch.compile` is not supported; a prepared 4D attention mask is refused (pass
 the 2D padding mask); the mask must cover every column seen so far ([B, past + new], as
@@ -65,28 +38,30 @@ custom mask functions (bidirectional image-token masks, packed sequences) are no
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence, Union
 
 import torch
 
+from ..approx import Approximation
 from ..cache.config import CacheConfig
+from ..cache.paged import PagedCache
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
-from ..approx import Approximation
 from ..options import CacheOptions, default_key_centring
 from ..spec import spec_and_arguments
 from .hf_attention import _dense_attention, _pagedkv_mask, enable, paged_attention_forward, register
-from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _concrete_class, _layer_layout,
-                        _model_device, _model_identity, _transformers)
+from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _block_cap, _concrete_class, _layer_layout,
+                        _model_device, _model_identity, _transformers, _watch_input_ids)
 from .hf_layer import PagedCacheLayer
-from .hf_rows import RowStorage
+from .padding import ColumnMap
 
 __all__ = ["PagedKVCache", "PagedCacheLayer", "GroupView", "register", "enable",
            "paged_attention_forward", "ATTN_IMPLEMENTATION"]
 _REEXPORTED = (_TAG, _dense_attention, _pagedkv_mask, _model_device, _transformers)
 
 
-class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazily, see __new__
+class PagedKVCache:  # the transformers base class is mixed in lazily, see __new__
     """A transformers `Cache` storing K/V compressed in pages (see the module docstring).
 
     model_or_config: the model (its `.config` is used) or a HF config.
@@ -127,13 +102,8 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
     generate expects); row r stores only its valid tokens, `row_lengths(columns)[r]` of them.
     """
 
-    # bool [rows, columns] on cpu: which columns each row stored; None while every column was valid
-    _valid: Optional[torch.Tensor] = None
-    _lens_memo: Optional[tuple] = None  # (columns, row_lengths(columns))
-    _valid_version = 0  # bumps whenever _valid changes
-    _seq_lens_memo: Optional[tuple] = None
-    tiers = None  # DropInTiers when built with offload= (PagedLatentCache: none)
     approx = Approximation()  # exact unless the constructor's approx= says otherwise
+    _pagedkv_rows = True  # the forward pre-hook hands it the input_ids (`hf_common._note_input_ids`)
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[None, int, str] = None, max_tokens: Optional[int] = None,
@@ -154,34 +124,21 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
                     f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
                 )
         types, windows, kv_heads, head_dims = _layer_layout(config)
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
-            raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-        block_size = opts.block_size
-        initial_blocks = -(-max_tokens // block_size) if max_tokens else 16
-        self.config = CacheConfig(
+        cap = _block_cap(max_tokens, opts.block_size)
+        fields = dict(
             num_layers=len(types), num_kv_heads=kv_heads[0], head_dim=head_dims[0],
             layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec, hp_format=opts.hp_format,
-            block_size=block_size, num_blocks=initial_blocks, sliding_window=windows,
-            device=device or _model_device(model_or_config),
+            block_size=opts.block_size, num_blocks=cap or 16, grow_blocks=cap is None,
+            sliding_window=windows, device=device or _model_device(model_or_config),
             model_id=_model_identity(model_or_config) if offload is not None else "",
-            reclaim_sliding=opts.reclaim_sliding,
+            reclaim_sliding=opts.reclaim_sliding, check_slots=False,
         )
-        self.key_centring = default_key_centring(self.config.layer_formats, opts.key_centring)
+        self.key_centring = default_key_centring(CacheConfig(**fields).layer_formats, opts.key_centring)
+        self.config = CacheConfig(**fields, key_centring=self.key_centring)
         self.key_scaling = opts.key_scaling
-        self.value_centring_auto = opts.value_centring is None
-        self.value_centring = opts.value_centring is not False  # the sinks default: hf_attention
         self.backend = opts.backend
         self.checks = opts.checks
-        self._make_groups(block_size, max_tokens)
-        self.tiers = None
-        if offload is not None:
-            from .hf_tiers import DropInTiers
-
-            self.tiers = DropInTiers(self, offload, swap_tier, prefix_tier)
-        layers = [PagedCacheLayer(self, spec) for spec in self.config.layers]
-        _, cache_utils = _transformers()
-        cache_utils.Cache.__init__(self, layers=layers)
-        _watch_input_ids(model_or_config)
+        self._open(model_or_config, PagedCacheLayer, offload, swap_tier, prefix_tier)
 
     def __new__(cls, *args, **kwargs):
         # Subclass transformers' Cache lazily so importing pagedkv never imports transformers.
@@ -189,42 +146,142 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
         concrete = _concrete_class(cls, cache_utils.Cache)
         return object.__new__(concrete)
 
-    # ---- per-row lengths (padded batches) -----------------------------------------------------
+    def _open(self, model, layer_class, offload, swap_tier, prefix_tier) -> None:
+        """The engine cache of `self.config` (the one data plane; its tiers with `offload`), the
+        views of its block groups, the rows, and transformers' Cache over `layer_class` layers."""
+        tiers = {} if offload is None else dict(offload=offload, swap_tier=swap_tier, prefix_tier=prefix_tier)
+        self.engine = PagedCache(self.config, fit_first_chunk=True, **tiers)
+        layout = self.engine.groups
+        self.groups = [GroupView(self, i, w, [j for kind, j in m if kind == "main"],
+                                 [j for kind, j in m if kind == "tail"])
+                       for i, (w, m) in enumerate(zip(layout.windows, layout.members))]
+        self.blocks = self.groups[0]  # the global group (the first sliding one when all slide)
+        self.tail_group = None if layout.tail_group is None else self.groups[layout.tail_group]
+        self._group_of = {i: g for g in self.groups for i in g.layers}
+        self.columns = ColumnMap()  # which columns each row stored (padded batches)
+        self._rows: list = []  # the engine's sequence id of each batch row
+        self._sids = itertools.count()
+        self._plan: Optional[tuple] = None  # ((starts, counts), StepBatch) of the chunk being stored
+        self._uncommitted = False
+        self._next_ids: Optional[torch.Tensor] = None  # input_ids of the running forward
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        layers = [layer_class(self, spec) for spec in self.config.layers]
+        _, cache_utils = _transformers()
+        cache_utils.Cache.__init__(self, layers=layers)
+        _watch_input_ids(model)
+
+    @property
+    def core(self):
+        """The engine's block manager (tests, accounting)."""
+        return self.engine.core
+
+    @property
+    def tiers(self):
+        """The engine's offload tiers (None without offload=)."""
+        return self.engine.tiers
+
+    # ---- rows: the engine's sequences ---------------------------------------------------------
+    @property
+    def batch_rows(self) -> int:
+        return len(self._rows)
+
+    def _ensure_rows(self, batch: int) -> None:
+        if not self._rows:
+            self._rows = [self.engine.add_sequence([], seq_id=next(self._sids), load=False).seq_id
+                          for _ in range(batch)]
+            self._plan = None
+        elif batch != len(self._rows):
+            raise InvalidInput(
+                f"batch size {batch} differs from the cache's {len(self._rows)} rows; "
+                "use a fresh PagedKVCache per batch (or batch_select_indices)"
+            )
+
+    def _commit(self) -> None:
+        """Every layer stored the last step: its tokens are committed (full blocks with known
+        token ids become prefix hits; the tiers publish and cap)."""
+        if self._uncommitted:
+            self._uncommitted = False
+            self.engine.commit(self._rows)
+
+    def step(self, starts: Sequence[int], counts: Sequence[int], valid: Optional[torch.Tensor] = None):
+        """The engine's `StepBatch` for the next counts[r] tokens of each row r (stored after its
+        starts[r] tokens): the first layer of a chunk to store asks the engine for the step of
+        every block group (committing the previous one); the other layers find it here."""
+        key = (tuple(starts), tuple(counts))
+        if self._plan is None or self._plan[0] != key:
+            self._commit()
+            self._plan = (key, self.engine.step(self._rows, self._step_tokens(counts, valid)))
+            self._uncommitted = True
+        return self._plan[1]
+
+    def _step_tokens(self, counts: Sequence[int], valid: Optional[torch.Tensor]) -> list:
+        """Per row the token ids of the chunk (from the forward's input_ids, valid columns
+        only) or, when they are unknown, the count (such blocks are never prefix keys)."""
+        ids, self._next_ids = self._next_ids, None
+        if ids is None or ids.dim() != 2 or ids.shape[0] != len(counts):
+            return list(counts)
+        rows = ids.detach().cpu().tolist() if valid is None else \
+            [r.tolist() for r in ids.detach().cpu()[valid.cpu()].split(list(counts))]
+        if [len(r) for r in rows] != list(counts):
+            return list(counts)
+        return rows
+
+    def begin(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+              reuse: bool = True) -> int:
+        """Start a new batch reusing this cache's stored prefixes: call before
+        `model.generate(input_ids, past_key_values=cache)` (or `cache=cache`). The previous rows
+        are dropped (their committed full blocks stay cached); each new row takes the longest
+        run of whole blocks its prompt shares with what the cache stored before (the same run
+        for every row, always leaving one token to compute, none for padded rows), brought up
+        from a prefix store first. Returns the hit tokens: `generate` then computes only the
+        rest. input_ids int [B, T]; attention_mask [B, T] or None; reuse=False starts the batch
+        without prefix hits (the layers keep their statistics)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise InvalidInput(f"begin needs input_ids int [batch, tokens], got "
+                               f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        self._flush()
+        self._commit()
+        rows = input_ids.detach().cpu().tolist()
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        for sid in self._rows:
+            self.engine.free(sid)
+        self._rows, self._plan = [], None
+        if reuse and not padded:
+            for r in rows:
+                self.engine.load_prefix(r)  # adopts the store's transform first when it may
+        hit = 0 if padded or not reuse or not all(layer.is_initialized for layer in self.layers) \
+            else self.engine.core.common_hit(rows)
+        self._rows = [self.engine.add_sequence(r, seq_id=next(self._sids), max_hit_blocks=hit,
+                                               rest=False, load=False).seq_id for r in rows]
+        bs = self.config.block_size
+        for layer in self.layers:
+            layer.length = hit * bs
+            layer.pending = None
+        self.columns.clear()
+        self.prefix_hit_tokens += hit * bs * len(rows)
+        self.prefix_query_tokens += sum(len(r) for r in rows)
+        return hit * bs
+
+    def _flush(self) -> None:
+        for layer in self.layers:
+            layer.flush()
+
+    def _rearrange_rows(self, sources: Sequence[int]) -> None:
+        """New row i = old row sources[i]: forks share the blocks (one reference count per
+        holder, a shared partial block is copied when next written), then the old rows go."""
+        self._flush()
+        self._commit()
+        self.columns.select(sources)
+        new = [self.engine.fork(self._rows[s], next(self._sids)) for s in sources]
+        for sid in self._rows:
+            self.engine.free(sid)
+        self._rows, self._plan = new, None
+
     def row_lengths(self, columns: int) -> list[int]:
         """Tokens each row has stored once the first `columns` columns of the batch are processed:
         pad columns (attention_mask 0) are never stored, so a row holds only its valid tokens."""
-        if self._valid is None:
-            return [columns] * self.batch_rows
-        memo = self._lens_memo
-        if memo is None or memo[0] != columns:
-            memo = (columns, self._valid[:, :columns].sum(dim=1).tolist())
-            self._lens_memo = memo
-        return memo[1]
-
-    def seq_lens_tensor(self, columns: int, device) -> torch.Tensor:
-        """`row_lengths(columns)` as int32 [rows] on `device`, built once per step for all layers."""
-        key = (columns, self.batch_rows, self._valid_version, str(device))
-        if self._seq_lens_memo is None or self._seq_lens_memo[0] != key:
-            t = torch.tensor(self.row_lengths(columns), dtype=torch.int32, device=device)
-            self._seq_lens_memo = (key, t)
-        return self._seq_lens_memo[1]
-
-    def _record(self, start: int, valid: Optional[torch.Tensor], rows: int, count: int) -> None:
-        """Note which of the columns start..start+count each row stored (valid: bool [rows, count],
-        None = all). The first layer to store a chunk records it; the others find it there."""
-        if self._valid is None:
-            if valid is None:
-                return
-            self._valid = torch.ones(rows, start, dtype=torch.bool)
-        width = self._valid.shape[1]
-        if start + count <= width:
-            return
-        assert start <= width, (start, width)
-        new = (torch.ones(rows, count, dtype=torch.bool) if valid is None
-               else valid.detach().to("cpu", torch.bool))
-        self._valid = torch.cat([self._valid[:, :start], new], dim=1)
-        self._lens_memo = None
-        self._valid_version += 1
+        return self.columns.row_lengths(columns, self.batch_rows)
 
     # ---- transformers Cache API ---------------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -240,8 +297,9 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
         """n <= 0 removes the last -n columns (crop(0) changes nothing: transformers' assisted
         decoding calls it when every candidate was accepted); n > 0 keeps the first n columns
         (the legacy form). Columns count pads as HF does (`get_seq_length`); each row keeps its
-        valid tokens among the kept columns. With sliding layers that released blocks, keeping
-        fewer than `crop_limit()` columns (but more than 0) raises InvalidInput before any change."""
+        valid tokens among the kept columns (the engine pops the rest, reading a swapped new
+        last block back). With sliding layers that released blocks, keeping fewer than
+        `crop_limit()` columns (but more than 0) raises InvalidInput before any change."""
         self._flush()
         length = self.get_seq_length()
         keep = length + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, length)
@@ -249,11 +307,13 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
         self._check_crop(keep)
         for layer in self.layers:
             layer.length = min(layer.length, keep)
-        if self._valid is not None:
-            self._valid = self._valid[:, :keep]
-            self._lens_memo = None
-            self._valid_version += 1
-        self._truncate(self.row_lengths(max((layer.length for layer in self.layers), default=0)))
+        self.columns.keep(keep)
+        lengths = self.row_lengths(max((layer.length for layer in self.layers), default=0))
+        for sid, n in zip(self._rows, lengths):
+            cur = self.engine.seq_len(sid)
+            if cur > n:
+                self.engine.pop(sid, cur - n)
+        self._plan = None
 
     def crop_limit(self) -> int:
         """The fewest columns `crop` can keep (0 without sliding layers): sliding-window layers
@@ -265,10 +325,7 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
             for r, dead in enumerate(g.dead):
                 if dead:  # keep n tokens with n - W + 1 >= dead * block_size
                     n = dead * g.block_size + g.window - 1
-                    # the columns at which row r has stored n tokens
-                    cols = n if self._valid is None else \
-                        int(torch.searchsorted(self._valid[r].long().cumsum(0), n)) + 1
-                    limit = max(limit, cols)
+                    limit = max(limit, self.columns.columns_at(r, n))
         return limit
 
     def _check_crop(self, keep: int) -> None:
@@ -286,17 +343,22 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
 
     def reset(self) -> None:
         """Drop every row, every stored prefix and every layer's statistics."""
-        self.core.clear()
-        self._rows = []
-        self._uncommitted = False
-        if self.tiers is not None:
-            self.tiers.drop_dead()
-        self._valid = None
-        self._lens_memo = None
-        self._valid_version += 1
-        self._changed()
+        self.engine.clear()
+        self.engine.reset_transforms()
+        self._rows, self._plan, self._uncommitted = [], None, False
+        self.columns.clear()
         for layer in self.layers:
             layer.reset()
+
+    def offload_stats(self) -> dict:
+        """Swapped blocks now, and the swap and prefix tiers' counters."""
+        if self.engine.tiers is None:
+            return {"swapped_blocks": 0}
+        return self.engine.tiers.stats(self._rows)
+
+    def close(self) -> None:
+        """Delete this cache's swap records and close its tiers."""
+        self.engine.close()
 
     @property
     def is_compileable(self) -> bool:
@@ -336,19 +398,3 @@ class PagedKVCache(RowStorage):  # the transformers base class is mixed in lazil
     @property
     def layer_formats(self) -> tuple[KVFormat, ...]:
         return self.config.layer_formats
-
-
-def _note_input_ids(module, args, kwargs):
-    """Forward pre-hook: hand the forward's input_ids to the PagedKVCache it runs with, so the
-    chunk's blocks are keyed by their token ids (prefix hits across `generate` calls)."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, PagedKVCache):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        cache._next_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
-
-
-def _watch_input_ids(model) -> None:
-    if hasattr(model, "register_forward_pre_hook") and not getattr(model, "_pagedkv_ids_hook", False):
-        model.register_forward_pre_hook(_note_input_ids, with_kwargs=True)
-        model._pagedkv_ids_hook = True
-
