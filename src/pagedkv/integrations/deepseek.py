@@ -53,7 +53,7 @@ from ..formats import KVFormat
 from ..ops import AttentionParams
 from .hf_attention import _query_start_loc
 from .hf_common import _block_cap, _model_device, _model_identity
-from .padding import mask_columns
+from .padding import mask_columns, pack, unpack
 from .transformers import PagedCacheLayer, PagedKVCache
 
 _ORIGINAL = "_pagedkv_original_forward"
@@ -159,9 +159,9 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         the attention module received (`padding.mask_columns`); its past columns must be those
         the cache stored (as `generate` passes them), else InvalidInput before any change."""
         cols = mask_columns(attention_mask, batch, tq, start + tq)
-        if self._rows and batch != len(self._rows):
-            self._ensure_rows(batch)  # raises: a batch of another size
-        stored = None if self.columns.valid is None else self.columns.valid[:, :start]
+        if self.rows.ids and batch != len(self.rows.ids):
+            self.rows.ensure(batch)  # raises: a batch of another size
+        stored = None if self.rows.columns.valid is None else self.rows.columns.valid[:, :start]
         past = None if cols is None else cols[:, :start]
         if (past is not None and not bool(past.all())) or stored is not None:
             want = torch.ones(batch, start, dtype=torch.bool) if stored is None else stored
@@ -188,25 +188,16 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         dev = q_lat.device
         valid = layer.chunk_valid
         kw = dict(backend=self.backend, checks=self.checks)
-        if valid is None:
-            q_rows, qr_rows = q_lat.reshape(b * t, h, lat), q_rope.reshape(b * t, h, -1)
-        else:
-            on = valid.to(dev)
-            q_rows, qr_rows = q_lat[on], q_rope[on]  # [N, H, *]: the real queries, row-major
+        q_rows, qr_rows = pack(q_lat, valid).contiguous(), pack(q_rope, valid).contiguous()  # real queries
         if not layer.is_initialized or q_rows.shape[0] == 0:  # nothing stored yet: every token a pad
             o = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
         elif t == 1 and valid is None:
-            o = self.engine.latent_decode_attention(layer_idx, q_rows.contiguous(), qr_rows.contiguous(),
-                                                    self._rows, params, **kw)
+            o = self.engine.latent_decode_attention(layer_idx, q_rows, qr_rows, self.rows.ids, params, **kw)
         else:
             qsl = _query_start_loc(b, t, None if valid is None else valid.sum(dim=1), dev)
-            o = self.engine.latent_prefill_attention(layer_idx, q_rows.contiguous(), qr_rows.contiguous(),
-                                                     self._rows, qsl, params, **kw)
-        if valid is None:
-            return o.reshape(b, t, h, lat)
-        full = torch.zeros(b, t, h, lat, dtype=o.dtype, device=dev)
-        full[on] = o
-        return full
+            o = self.engine.latent_prefill_attention(layer_idx, q_rows, qr_rows, self.rows.ids, qsl,
+                                                     params, **kw)
+        return unpack(o, valid, b, t)
 
 
 class LatentCacheLayer(PagedCacheLayer):
@@ -240,16 +231,15 @@ class LatentCacheLayer(PagedCacheLayer):
         engine's first store, `PagedCache.store_latent`)."""
         b, t, _ = latent.shape
         cache = self.cache
-        cache._ensure_rows(b)
+        cache.rows.ensure(b)
         start = self.length
         counts = [t] * b if valid is None else valid.sum(dim=1).tolist()
         self.chunk_valid = valid
         if sum(counts):
-            lat = latent.reshape(b * t, -1) if valid is None else latent[valid.to(latent.device)]
-            rp = rope.reshape(b * t, -1) if valid is None else rope[valid.to(rope.device)]
-            batch = cache.step(cache.row_lengths(start), counts, valid)
+            lat, rp = pack(latent, valid), pack(rope, valid)
+            batch = cache.rows.step(cache.row_lengths(start), counts, valid)
             cache.engine.store_latent(self.index, lat, rp, batch, backend=cache.backend, checks=cache.checks)
-        cache.columns.record(start, valid, b, t)
+        cache.rows.columns.record(start, valid, b, t)
         self.length += t
 
 

@@ -13,7 +13,7 @@ from ..errors import ConfigError, InvalidInput
 from ..ops import AttentionParams
 from ..options import centres_values
 from .hf_common import _TAG, ATTN_IMPLEMENTATION, _transformers
-from .padding import PaddingMask, chunk_validity as _chunk_validity
+from .padding import PaddingMask, chunk_validity as _chunk_validity, pack, unpack
 
 if TYPE_CHECKING:
     from .hf_layer import PagedCacheLayer
@@ -73,33 +73,22 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     params = cache.approx.apply(AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap,
                                                 sinks=sinks))
     dev = query.device
-    q = query.transpose(1, 2)  # [B, Tq, Hq, D]
-    if valid is None:
-        counts = None
-        q_rows = q.reshape(b * tq, hq, d)
-    else:
-        counts = valid.sum(dim=1)
-        q_rows = q[valid.to(dev)]  # [N, Hq, D]: the valid queries, row-major
-    engine, i = cache.engine, layer.spec.index
+    counts = None if valid is None else valid.sum(dim=1)
+    q_rows = pack(query.transpose(1, 2), valid).contiguous()  # [N, Hq, D]: the valid queries
+    engine, i, rows = cache.engine, layer.spec.index, cache.rows.ids
     if q_rows.shape[0] == 0:
         out = q_rows.float()
     elif not layer.is_initialized:  # nothing stored yet (every token so far a pad)
         out = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
     elif engine.tails is not None:  # the high-precision recent window (ops/recent.py), every step
-        out = engine.prefill_attention(i, q_rows.contiguous(), cache._rows, _query_start_loc(b, tq, counts, dev),
-                                       params, checks=cache.checks)
+        out = engine.prefill_attention(i, q_rows, rows, _query_start_loc(b, tq, counts, dev), params,
+                                       checks=cache.checks)
     elif tq == 1 and valid is None:
-        out = engine.decode_attention(i, q_rows.contiguous(), cache._rows, params,
-                                      backend=cache.backend, checks=cache.checks)
+        out = engine.decode_attention(i, q_rows, rows, params, backend=cache.backend, checks=cache.checks)
     else:
-        out = engine.prefill_attention(i, q_rows.contiguous(), cache._rows, _query_start_loc(b, tq, counts, dev),
-                                       params, backend=cache.backend, checks=cache.checks)
-    out = out.to(query.dtype)
-    if valid is None:
-        return out.reshape(b, tq, hq, d), None
-    full = torch.zeros(b, tq, hq, d, dtype=query.dtype, device=dev)  # pad queries: zeros
-    full[valid.to(dev)] = out
-    return full, None
+        out = engine.prefill_attention(i, q_rows, rows, _query_start_loc(b, tq, counts, dev), params,
+                                       backend=cache.backend, checks=cache.checks)
+    return unpack(out.to(query.dtype), valid, b, tq), None  # pad queries: zeros
 
 
 def _query_start_loc(b: int, tq: int, counts, dev) -> torch.Tensor:

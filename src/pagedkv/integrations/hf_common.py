@@ -142,7 +142,7 @@ def _note_input_ids(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if getattr(cache, "_pagedkv_rows", False):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        cache._next_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+        cache.rows.next_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
 
 
 def _watch_input_ids(model) -> None:

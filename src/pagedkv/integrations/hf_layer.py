@@ -14,7 +14,7 @@ from ..errors import InvalidInput
 from ..heap import release_free_heap
 from ..ops import PagedLayer
 from .hf_common import _TAG, GroupView, _concrete_class, _transformers
-from .padding import valid_tokens as _valid_tokens
+from .padding import pack, valid_tokens as _valid_tokens
 
 if TYPE_CHECKING:
     from .transformers import PagedKVCache
@@ -133,13 +133,10 @@ class PagedCacheLayer:
                 q = None if query_states is None else _valid_tokens(query_states, valid, counts)
                 self.lazy_initialization(_valid_tokens(key_states, valid, counts),
                                          _valid_tokens(value_states, valid, counts), q, has_sinks)
-            k = key_states.transpose(1, 2)  # [B, T, H, D]
-            v = value_states.transpose(1, 2)
-            k = k.reshape(b * t, h, d) if valid is None else k[valid]
-            v = v.reshape(b * t, h, d) if valid is None else v[valid]
-            batch = cache.step(cache.row_lengths(start), counts, valid)
+            k, v = pack(key_states.transpose(1, 2), valid), pack(value_states.transpose(1, 2), valid)
+            batch = cache.rows.step(cache.row_lengths(start), counts, valid)
             cache.engine.store(self.index, k, v, batch, backend=cache.backend, checks=cache.checks)
-        cache.columns.record(start, valid, b, t)
+        cache.rows.columns.record(start, valid, b, t)
 
     def flush(self, query_states: Optional[torch.Tensor] = None,
               valid: Optional[torch.Tensor] = None, has_sinks: bool = False) -> None:
@@ -175,7 +172,7 @@ class PagedCacheLayer:
             )
         self._check_dims(key_states)
         b, h, t, d = key_states.shape
-        self.cache._ensure_rows(b)
+        self.cache.rows.ensure(b)
         self.flush()  # attention never ran for the previous chunk: store it whole
         if t:
             self.pending = (key_states, value_states, self.length)

@@ -122,6 +122,20 @@ class ColumnMap:
         return int(torch.searchsorted(self.valid[row].long().cumsum(0), n)) + 1
 
 
+def pack(x: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """The valid tokens of x [B, T, ...] row-major as [N, ...] (valid bool [B, T], None = all)."""
+    return x.reshape(-1, *x.shape[2:]) if valid is None else x[valid.to(x.device)]
+
+
+def unpack(rows: torch.Tensor, valid: Optional[torch.Tensor], b: int, t: int) -> torch.Tensor:
+    """`pack` undone: [N, ...] -> [B, T, ...], zeros at the pads."""
+    if valid is None:
+        return rows.reshape(b, t, *rows.shape[1:])
+    full = rows.new_zeros(b, t, *rows.shape[1:])
+    full[valid.to(rows.device)] = rows
+    return full
+
+
 def valid_tokens(x: torch.Tensor, valid: Optional[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
     """The valid tokens of x float [B, H, T, D] for the first-chunk statistics: x itself without
     padding; [B, H, n, D] when every row has n valid tokens; else all rows' valid tokens as one
@@ -153,7 +167,7 @@ def chunk_validity(mask, layer: "PagedCacheLayer", batch: int, tq: int) -> Optio
             f"a mask [{batch}, {layer.length}] covering every column seen so far"
         )
     start = layer.length - tq
-    if not (mask.all_valid and layer.cache.columns.valid is None):
+    if not (mask.all_valid and layer.cache.rows.columns.valid is None):
         stored = layer.cache.row_lengths(start)
         if mask.past_counts() != stored:
             raise InvalidInput(

@@ -38,7 +38,6 @@ custom mask functions (bidirectional image-token masks, packed sequences) are no
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -54,7 +53,7 @@ from .hf_attention import _dense_attention, _pagedkv_mask, enable, paged_attenti
 from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _block_cap, _concrete_class, _layer_layout,
                         _model_device, _model_identity, _transformers, _watch_input_ids)
 from .hf_layer import PagedCacheLayer
-from .padding import ColumnMap
+from .batch_rows import BatchRows
 
 __all__ = ["PagedKVCache", "PagedCacheLayer", "GroupView", "register", "enable",
            "paged_attention_forward", "ATTN_IMPLEMENTATION"]
@@ -158,12 +157,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self.blocks = self.groups[0]  # the global group (the first sliding one when all slide)
         self.tail_group = None if layout.tail_group is None else self.groups[layout.tail_group]
         self._group_of = {i: g for g in self.groups for i in g.layers}
-        self.columns = ColumnMap()  # which columns each row stored (padded batches)
-        self._rows: list = []  # the engine's sequence id of each batch row
-        self._sids = itertools.count()
-        self._plan: Optional[tuple] = None  # ((starts, counts), StepBatch) of the chunk being stored
-        self._uncommitted = False
-        self._next_ids: Optional[torch.Tensor] = None  # input_ids of the running forward
+        self.rows = BatchRows(self.engine)  # batch rows <-> the engine's sequences, columns
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         layers = [layer_class(self, spec) for spec in self.config.layers]
@@ -181,51 +175,19 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         """The engine's offload tiers (None without offload=)."""
         return self.engine.tiers
 
-    # ---- rows: the engine's sequences ---------------------------------------------------------
+    @property
+    def _rows(self) -> list:
+        """The engine's sequence id of each batch row."""
+        return self.rows.ids
+
     @property
     def batch_rows(self) -> int:
-        return len(self._rows)
+        return len(self.rows)
 
-    def _ensure_rows(self, batch: int) -> None:
-        if not self._rows:
-            self._rows = [self.engine.add_sequence([], seq_id=next(self._sids), load=False).seq_id
-                          for _ in range(batch)]
-            self._plan = None
-        elif batch != len(self._rows):
-            raise InvalidInput(
-                f"batch size {batch} differs from the cache's {len(self._rows)} rows; "
-                "use a fresh PagedKVCache per batch (or batch_select_indices)"
-            )
-
-    def _commit(self) -> None:
-        """Every layer stored the last step: its tokens are committed (full blocks with known
-        token ids become prefix hits; the tiers publish and cap)."""
-        if self._uncommitted:
-            self._uncommitted = False
-            self.engine.commit(self._rows)
-
-    def step(self, starts: Sequence[int], counts: Sequence[int], valid: Optional[torch.Tensor] = None):
-        """The engine's `StepBatch` for the next counts[r] tokens of each row r (stored after its
-        starts[r] tokens): the first layer of a chunk to store asks the engine for the step of
-        every block group (committing the previous one); the other layers find it here."""
-        key = (tuple(starts), tuple(counts))
-        if self._plan is None or self._plan[0] != key:
-            self._commit()
-            self._plan = (key, self.engine.step(self._rows, self._step_tokens(counts, valid)))
-            self._uncommitted = True
-        return self._plan[1]
-
-    def _step_tokens(self, counts: Sequence[int], valid: Optional[torch.Tensor]) -> list:
-        """Per row the token ids of the chunk (from the forward's input_ids, valid columns
-        only) or, when they are unknown, the count (such blocks are never prefix keys)."""
-        ids, self._next_ids = self._next_ids, None
-        if ids is None or ids.dim() != 2 or ids.shape[0] != len(counts):
-            return list(counts)
-        rows = ids.detach().cpu().tolist() if valid is None else \
-            [r.tolist() for r in ids.detach().cpu()[valid.cpu()].split(list(counts))]
-        if [len(r) for r in rows] != list(counts):
-            return list(counts)
-        return rows
+    def row_lengths(self, columns: int) -> list[int]:
+        """Tokens each row has stored once the first `columns` columns of the batch are processed:
+        pad columns (attention_mask 0) are never stored, so a row holds only its valid tokens."""
+        return self.rows.lengths(columns)
 
     def begin(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
               reuse: bool = True) -> int:
@@ -241,47 +203,23 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
             raise InvalidInput(f"begin needs input_ids int [batch, tokens], got "
                                f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
         self._flush()
-        self._commit()
-        rows = input_ids.detach().cpu().tolist()
+        prompts = input_ids.detach().cpu().tolist()
         padded = attention_mask is not None and not bool(attention_mask.bool().all())
-        for sid in self._rows:
-            self.engine.free(sid)
-        self._rows, self._plan = [], None
-        if reuse and not padded:
-            for r in rows:
-                self.engine.load_prefix(r)  # adopts the store's transform first when it may
-        hit = 0 if padded or not reuse or not all(layer.is_initialized for layer in self.layers) \
-            else self.engine.core.common_hit(rows)
-        self._rows = [self.engine.add_sequence(r, seq_id=next(self._sids), max_hit_blocks=hit,
-                                               rest=False, load=False).seq_id for r in rows]
-        bs = self.config.block_size
+        hit = self.rows.begin(prompts, reuse and not padded) * self.config.block_size
         for layer in self.layers:
-            layer.length = hit * bs
+            layer.length = hit
             layer.pending = None
-        self.columns.clear()
-        self.prefix_hit_tokens += hit * bs * len(rows)
-        self.prefix_query_tokens += sum(len(r) for r in rows)
-        return hit * bs
+        self.prefix_hit_tokens += hit * len(prompts)
+        self.prefix_query_tokens += sum(len(p) for p in prompts)
+        return hit
 
     def _flush(self) -> None:
         for layer in self.layers:
             layer.flush()
 
     def _rearrange_rows(self, sources: Sequence[int]) -> None:
-        """New row i = old row sources[i]: forks share the blocks (one reference count per
-        holder, a shared partial block is copied when next written), then the old rows go."""
         self._flush()
-        self._commit()
-        self.columns.select(sources)
-        new = [self.engine.fork(self._rows[s], next(self._sids)) for s in sources]
-        for sid in self._rows:
-            self.engine.free(sid)
-        self._rows, self._plan = new, None
-
-    def row_lengths(self, columns: int) -> list[int]:
-        """Tokens each row has stored once the first `columns` columns of the batch are processed:
-        pad columns (attention_mask 0) are never stored, so a row holds only its valid tokens."""
-        return self.columns.row_lengths(columns, self.batch_rows)
+        self.rows.rearrange(sources)
 
     # ---- transformers Cache API ---------------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -304,49 +242,20 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         length = self.get_seq_length()
         keep = length + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, length)
         keep = max(keep, 0)
-        self._check_crop(keep)
+        self.rows.crop(keep, min(keep, max((layer.length for layer in self.layers), default=0)))
         for layer in self.layers:
             layer.length = min(layer.length, keep)
-        self.columns.keep(keep)
-        lengths = self.row_lengths(max((layer.length for layer in self.layers), default=0))
-        for sid, n in zip(self._rows, lengths):
-            cur = self.engine.seq_len(sid)
-            if cur > n:
-                self.engine.pop(sid, cur - n)
-        self._plan = None
 
     def crop_limit(self) -> int:
         """The fewest columns `crop` can keep (0 without sliding layers): sliding-window layers
         release the blocks no query at or after the start of the last stored chunk can see, so a
         crop may go back to that start (always enough for assisted / speculative decoding, which
         crops only tokens of the last forward), or to 0 columns (every token dropped)."""
-        limit = 0
-        for g in self.groups:
-            for r, dead in enumerate(g.dead):
-                if dead:  # keep n tokens with n - W + 1 >= dead * block_size
-                    n = dead * g.block_size + g.window - 1
-                    limit = max(limit, self.columns.columns_at(r, n))
-        return limit
-
-    def _check_crop(self, keep: int) -> None:
-        lengths = self.row_lengths(keep)
-        for g in self.groups:
-            for r, dead in enumerate(g.dead):
-                if dead and lengths[r] and g.first_needed(lengths[r]) < dead * g.block_size:
-                    raise InvalidInput(
-                        f"cannot crop to {keep} columns: row {r} would keep {lengths[r]} tokens and "
-                        f"its sliding-window layers (window {g.window}) need positions from "
-                        f"{g.first_needed(lengths[r])}, but released those before "
-                        f"{dead * g.block_size}; the smallest crop kept is {self.crop_limit()} "
-                        "columns (or 0)"
-                    )
+        return self.rows.crop_limit()
 
     def reset(self) -> None:
         """Drop every row, every stored prefix and every layer's statistics."""
-        self.engine.clear()
-        self.engine.reset_transforms()
-        self._rows, self._plan, self._uncommitted = [], None, False
-        self.columns.clear()
+        self.rows.reset()
         for layer in self.layers:
             layer.reset()
 
@@ -354,7 +263,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         """Swapped blocks now, and the swap and prefix tiers' counters."""
         if self.engine.tiers is None:
             return {"swapped_blocks": 0}
-        return self.engine.tiers.stats(self._rows)
+        return self.engine.tiers.stats(self.rows.ids)
 
     def close(self) -> None:
         """Delete this cache's swap records and close its tiers."""
