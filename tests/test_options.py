@@ -42,9 +42,9 @@ def test_the_statistics_defaults_are_the_same_in_the_drop_in_and_the_vllm_fit():
         for kw in ({}, {"key_scaling": True}, {"value_centring": False}):
             cache = PagedKVCache(model, fmt, **kw)
             plan = FitPlan.build([fmt] * 2, None, kw.get("value_centring"), kw.get("key_scaling", False))
-            layer = cache.layers[0]
-            assert (cache.key_centring, layer.centre_values, layer.scale_keys) == \
-                (plan.key_centring, plan.value_centring[0], plan.key_scaling[0]), (fmt.name, kw)
+            fits = cache.engine.fit_options(0, cache.options)  # what the drop-in's first chunk fits
+            assert (cache.key_centring, fits.key_centring, fits.value_centring, fits.key_scaling) == \
+                (plan.key_centring, plan.key_centring, plan.value_centring[0], plan.key_scaling[0]), (fmt.name, kw)
     raw = parse_format("f16")
     assert not FitPlan.build([raw], None, None, False).needed  # f16 is raw: nothing to fit
     assert FitPlan.build([parse_format("fp8_e5m2")], False, False, False).needed  # its tensor scales

@@ -167,6 +167,13 @@ class GroupedStorage:
             t = t.clamp(min=0)
         return t if self.device.type == "cpu" else t.to(self.device)
 
+    def block_bytes(self, g: int) -> int:
+        """Bytes one block id of group g takes over its members (its layers' K and V blocks or
+        latent blocks, and the recent-window tails it holds)."""
+        return sum(getattr(m, name).shape[1] for kind, i in self.groups.members[g]
+                   for m in [self.layers[i] if kind == "main" else self.tails[i]]
+                   for name in storage.pool_names(m))
+
     def group_stats(self) -> tuple:
         """Per block group: (window, pool blocks, used, free, cached, bytes of its pools)."""
         out = []

@@ -161,16 +161,7 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         cols = mask_columns(attention_mask, batch, tq, start + tq)
         if self.rows.ids and batch != len(self.rows.ids):
             self.rows.ensure(batch)  # raises: a batch of another size
-        stored = None if self.rows.columns.valid is None else self.rows.columns.valid[:, :start]
-        past = None if cols is None else cols[:, :start]
-        if (past is not None and not bool(past.all())) or stored is not None:
-            want = torch.ones(batch, start, dtype=torch.bool) if stored is None else stored
-            got = torch.ones(batch, start, dtype=torch.bool) if past is None else past
-            if not torch.equal(want, got):
-                raise InvalidInput(
-                    f"attention_mask marks {got.sum(1).tolist()} valid past tokens per row but the "
-                    f"cache stored {want.sum(1).tolist()} (or at other columns): pass the mask of "
-                    "every column seen so far (as generate does)")
+        self.rows.columns.check_past(None if cols is None else cols[:, :start], batch, start)
         if cols is None:
             return None
         chunk = cols[:, start:]

@@ -78,16 +78,6 @@ class PagedCacheLayer:
     def v_centre(self) -> Optional[torch.Tensor]:
         return None if self.paged is None else self.paged.v_centre
 
-    @property
-    def centre_values(self) -> bool:
-        """Whether the first chunk (without sinks) fits a value centre (the engine's choice)."""
-        return self.cache.engine.fit_options(self.index, self.cache.options).value_centring
-
-    @property
-    def scale_keys(self) -> bool:
-        """Whether the first chunk fits key multipliers (the engine's choice)."""
-        return self.cache.engine.fit_options(self.index, self.cache.options).key_scaling
-
     def pool_bytes(self) -> int:
         p = self.paged
         if p is None:

@@ -23,7 +23,7 @@ class PaddingMask:
     (used by the dense path only).
     """
 
-    __slots__ = ("mask", "q_length", "kv_length", "kv_offset", "all_valid", "_chunk", "_past")
+    __slots__ = ("mask", "q_length", "kv_length", "kv_offset", "all_valid", "_chunk")
 
     def __init__(self, mask: torch.Tensor, q_length: int, kv_length: int, kv_offset: int):
         self.mask = mask
@@ -32,7 +32,6 @@ class PaddingMask:
         self.kv_offset = kv_offset
         self.all_valid = bool(mask.all())
         self._chunk = False  # not computed yet
-        self._past = None
 
     @property
     def columns(self) -> int:
@@ -44,14 +43,6 @@ class PaddingMask:
             c = None if self.all_valid else self.mask[:, self.columns - self.q_length:]
             self._chunk = None if c is None or bool(c.all()) else c
         return self._chunk
-
-    def past_counts(self) -> list[int]:
-        """Valid columns before the current chunk, per row."""
-        if self._past is None:
-            past = self.columns - self.q_length
-            self._past = ([past] * self.mask.shape[0] if self.all_valid
-                          else self.mask[:, :past].sum(dim=1).tolist())
-        return self._past
 
     def key_validity(self, tk: int) -> Optional[torch.Tensor]:
         """bool [B, tk] for keys given densely (columns kv_offset.. as transformers sized them,
@@ -103,6 +94,20 @@ class ColumnMap:
                else valid.detach().to("cpu", torch.bool))
         self.valid = torch.cat([self.valid[:, :start], new], dim=1)
         self._memo = None
+
+    def check_past(self, past: Optional[torch.Tensor], rows: int, start: int) -> None:
+        """InvalidInput unless `past` (bool [rows, start] on cpu: the columns before a chunk that
+        its mask marks as tokens, None = all) are the columns the rows stored (as `generate`
+        passes the mask of every column seen so far)."""
+        stored = None if self.valid is None else self.valid[:, :start]
+        if (past is not None and not bool(past.all())) or stored is not None:
+            want = torch.ones(rows, start, dtype=torch.bool) if stored is None else stored
+            got = torch.ones(rows, start, dtype=torch.bool) if past is None else past
+            if not torch.equal(want, got):
+                raise InvalidInput(
+                    f"attention_mask marks {got.sum(1).tolist()} valid past tokens per row but the "
+                    f"cache stored {want.sum(1).tolist()} (or at other columns): pass the mask of "
+                    "every column seen so far (as generate does)")
 
     def select(self, sources: Sequence[int]) -> None:
         """New row i = old row sources[i]."""
@@ -168,12 +173,7 @@ def chunk_validity(mask, layer: "PagedCacheLayer", batch: int, tq: int) -> Optio
         )
     start = layer.length - tq
     if not (mask.all_valid and layer.cache.rows.columns.valid is None):
-        stored = layer.cache.row_lengths(start)
-        if mask.past_counts() != stored:
-            raise InvalidInput(
-                f"attention_mask marks {mask.past_counts()} valid past tokens per row but the cache "
-                f"stored {stored}: pass the mask of every column seen so far (as generate does)"
-            )
+        layer.cache.rows.columns.check_past(mask.mask[:, :start].cpu(), batch, start)
     return mask.chunk()
 
 

@@ -69,33 +69,22 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     "turbo3+hp" adds the automatic first/last high-precision layers (3+3 q8_0: 6480 B/token),
     "turbo3+hp2" two at each end; "turbo3+r64s16q8_0" adds a recent window (as
     recent_window=RecentWindow(64, "q8_0", sinks=16)); "plan.json" is a `pagedkv tune` plan.
-    high_precision_layers, hp_format: the same policy as an argument (N, or "auto": N from the
-    K codec, see `pagedkv.cache.config`); None (default) = what the name says.
-    key_centring: None = on when some layer's K codec is not bf16.
-    value_centring: store v - v_centre (the first chunk's values weighted by their squared
-    attention, `calibration.attention_value_centre`) and add v_centre to the attention output:
-    exact because softmax weights sum to one. None (default) = on for non-bf16 V except in
-    layers that attend with sinks (their weight takes no value: not exact); True refuses sinks.
-    key_scaling: per-channel key multipliers fitted to the first chunk's keys and queries (see
-    `calibration.channel_multipliers`). Off by default: exact, but on SmolLM2 it did not lower KL (turbo3
-    0.106 vs 0.107, turbo4 0.029 vs 0.026, q4_0 0.062 vs 0.055 on the first eval window).
+    high_precision_layers: the same policy as an argument (N, or "auto": N from the K codec,
+    see `pagedkv.cache.config`); None (default) = what the name says.
     options: a `pagedkv.options.CacheOptions`, or its fields as keywords (block_size, hp_format,
     key_centring, value_centring, key_scaling, reclaim_sliding, recent_window, approx, backend,
-    checks; the keywords replace the options' fields), as described here.
-    block_size: tokens per block. max_tokens: None grows the pools on demand; an int caps every
-    block group at that many tokens summed over rows (CacheFull beyond, raised before any change):
-    the global layers' pools are allocated at that size; sliding-window layers' pools start small
-    and grow up to it as needed (a row holds its last W tokens plus the chunk being stored there,
-    so an all-sliding model decodes any length within max_tokens >= rows x (W + chunk + 2 blocks)).
+    checks; each field's help is there, the defaults derive from the codecs' traits), the
+    keywords replacing the options' fields. The layer transform they choose is fitted to each
+    layer's first chunk (`cache.calibration`); value_centring=True refuses layers with sinks
+    (their weight takes no value, so a centre is not exact).
+    max_tokens: None grows the pools on demand; an int caps every block group at that many
+    tokens summed over rows (CacheFull beyond, raised before any change): the global layers'
+    pools are allocated at that size, sliding-window layers' pools start small and grow up to
+    it (a row holds its last W tokens plus the chunk being stored, so an all-sliding model
+    decodes any length within max_tokens >= rows x (W + chunk + 2 blocks)).
     device: where the pools live (default: the model's device, else cpu).
-    reclaim_sliding: sliding-window layers keep their own blocks (one group per distinct window)
-    and release those no current or future query can see, so they hold about W + one chunk
-    tokens per row instead of the whole context (see `crop_limit` for what that costs `crop`);
-    False keeps every token in every layer (any crop works).
-    backend: ops backend name (None = automatic). checks: the ops' value checks (NaN/Inf in K/V,
-    slot ranges); False skips those scans (shape/dtype checks always run).
-    approx: the approximate attention paths this cache's attention calls permit
-    (`pagedkv.approx.Approximation` or its text form, e.g. "int8_scores"; None = exact).
+    offload / swap_tier / prefix_tier: the engine's tiers (`pagedkv.offload.OffloadConfig`: a
+    resident cap per row with swap, a shared prefix store; `begin(ids)` takes the hits).
 
     Padded batches: `get_seq_length()` counts columns (pads included, what transformers'
     generate expects); row r stores only its valid tokens, `row_lengths(columns)[r]` of them.
@@ -279,15 +268,9 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         return sum(layer.pool_bytes() for layer in self.layers)
 
     def group_bytes_per_block(self, group: "GroupView") -> int:
-        """Bytes one block id of `group` takes, summed over its layers' K and V blocks (and the
-        recent-window tails it holds: the tail codec on both sides)."""
-        specs = self.config.layers
-        out = sum(specs[i].k_block_bytes + specs[i].v_block_bytes for i in group.layers)
-        if group.tails:
-            c, bs = self.recent_window.codec, self.config.block_size
-            out += sum(2 * c.block_bytes(bs, specs[i].num_kv_heads, specs[i].head_dim)
-                       for i in group.tails)
-        return out
+        """Bytes one block id of `group` takes over its layers' K and V blocks and the
+        recent-window tails it holds (`PagedCache.block_bytes`)."""
+        return self.engine.block_bytes(group.index)
 
     def used_bytes(self) -> int:
         """Bytes of the blocks rows hold now, every group (released sliding blocks not counted)."""
