@@ -87,14 +87,14 @@ def test_fit_layer_fits_each_layer_on_its_first_chunk_while_earlier_layers_store
         cache.reset_transforms([0])
     with pytest.raises(ConfigError, match="empty cache"):
         cache.calibrate_layer(1, k, v, q)
-    assert cache.kv_transforms() is None  # not every layer fitted: nothing to publish
+    assert cache.transforms.shared() is None  # not every layer fitted: nothing to publish
     cache.fit_layer(1, k, v, q)
     ref.calibrate_layer(1, k, v, q)
     for name in FIELDS:
         a, b = getattr(cache.layers[1], name), getattr(ref.layers[1], name)
         assert (a is None and b is None) or torch.equal(a, b), name
     assert cache.layers[1].v_centre is not None and cache.layers[1].k_centre.any()
-    assert cache.fitted == {0, 1} and len(cache.kv_transforms()) == 2
+    assert cache.fitted == {0, 1} and len(cache.transforms.shared()) == 2
     cache.reset_transforms([1])  # stored nothing: back to the built transform, to be fitted again
     assert cache.layers[1].v_centre is None and not cache.layers[1].k_centre.any() and cache.fitted == {0}
     cache.clear()

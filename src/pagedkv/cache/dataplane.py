@@ -6,7 +6,6 @@ with swapped blocks read back when the tiers swapped some; with a recent window 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Hashable, Optional, Sequence
 
 import torch
@@ -116,8 +115,7 @@ class DataPlane:
             check_store(tail, k, v, tail_slots, True)  # the tail's inputs are valid before any write
             ops.store(pl, k, v, slots, **op_kwargs)
             ops.store(tail, k, v, tail_slots, **op_kwargs)
-        if layer not in self._written:
-            self._written = self._written | {layer}
+        self.transforms.stored(layer)
 
     # ---- attention ----------------------------------------------------------------------------
     def attention_view(self, layer: int, seq_ids: Sequence[Hashable]
@@ -205,6 +203,7 @@ class DataPlane:
                 for side in ("k", "v"))
         return k, v
 
+    # ---- the layer transform (`cache/transforms.py`: `self.transforms` owns it) --------------
     def configure_layer(self, layer: int, *, k_scale: Optional[float] = None,
                         v_scale: Optional[float] = None,
                         k_centre: Optional[torch.Tensor] = None, k_mult: Optional[torch.Tensor] = None,
@@ -214,74 +213,16 @@ class DataPlane:
         [H, D]; see `PagedLayer`). Only while the cache holds no data (they change what stored
         bytes mean). The prefix keys' namespace then covers the transform
         (`storage.transform_namespace`): caches with different transforms share no prefix."""
-        self._kv(layer)
-        self._check_empty("configure_layer")
-        changes = self._transform_changes(layer, k_scale, v_scale, k_centre, k_mult, v_centre)
-        if changes:
-            self._set_transform(layer, changes, namespace=True)
-
-    def _check_empty(self, what: str) -> None:
-        if any(g.pool.num_used or g.pool.num_cached for g in self.core.groups):
-            raise ConfigError(
-                f"{what} needs an empty cache (stored blocks were encoded with the old "
-                "settings); call clear() first"
-            )
-
-    def _transform_changes(self, layer, k_scale, v_scale, k_centre, k_mult, v_centre) -> dict:
-        """The validated PagedLayer fields of a transform (ConfigError / InvalidInput)."""
-        pl = self._kv(layer)
-        for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if val is not None and not (isinstance(val, (int, float)) and 0 < float(val) < float("inf")):
-                raise ConfigError(f"{name} must be a finite number > 0, got {val!r}")
-        changes = {}
-        if k_centre is not None and not self.config.key_centring:
-            raise ConfigError("k_centre needs CacheConfig(key_centring=True)")
-        shape = (pl.num_kv_heads, pl.head_dim)
-        for name, t in (("k_centre", k_centre), ("k_mult", k_mult), ("v_centre", v_centre)):
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape \
-                    or not torch.is_floating_point(t) or not bool(torch.isfinite(t).all()):
-                raise InvalidInput(f"{name} must be a finite float tensor of shape {list(shape)}")
-            if name == "k_mult" and not bool((t > 0).all()):
-                raise InvalidInput("k_mult must be > 0 in every channel")
-            changes[name] = t.detach().to(self.device, torch.float32).clone()
-        if k_scale is not None:
-            changes["k_scale"] = torch.tensor([float(k_scale)], dtype=torch.float32, device=self.device)
-        if v_scale is not None:
-            changes["v_scale"] = torch.tensor([float(v_scale)], dtype=torch.float32, device=self.device)
-        return changes
-
-    def _set_transform(self, layer: int, changes: dict, namespace: bool) -> None:
-        """Replace layer `layer`'s transform fields (and its tail's); `namespace`: the prefix
-        keys' namespace follows the transforms (only while no sequence holds a root)."""
-        layers = list(self.layers)
-        layers[layer] = dataclasses.replace(layers[layer], **changes)
-        self.layers = tuple(layers)
-        if self.tails is not None:
-            tails = list(self.tails)
-            tails[layer] = storage.with_transform(tails[layer], layers[layer])
-            self.tails = tuple(tails)
-        if namespace:
-            ns = storage.transform_namespace(self.config.fingerprint, self.layers)
-            for g in self.core.groups:  # empty (checked): no key was computed with the old one
-                g.namespace = ns
-        self._changed()
+        self.transforms.configure(layer, k_scale=k_scale, v_scale=v_scale, k_centre=k_centre,
+                                  k_mult=k_mult, v_centre=v_centre)
 
     def calibrate_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                         queries: Optional[torch.Tensor] = None, *, options=None, has_sinks: bool = False):
         """Fit and set a layer's transform from sample K/V (float [B, H, T, D]) and queries
         ([B, Hq, T, D] or None), as the transformers drop-in fits its first chunk
-        (`calibration.calibrate`): key centre when the config centres keys, value centre and key
-        multipliers as `options` (a `CacheOptions`; default: the config's, else the defaults)
-        ask, decided from the codec traits (`pagedkv.options`), fp8 scales for tensor-scaled
-        sides. Only while the cache holds no data (`configure_layer`). Returns the Calibration."""
-        self._kv(layer)
-        self._check_empty("calibrate_layer")
-        cal, changes = self._fit(layer, keys, values, queries, options, has_sinks)
-        if changes:
-            self._set_transform(layer, changes, namespace=True)
-        return cal
+        (`calibration.calibrate`, with `fit_options`). Only while the cache holds no data
+        (`configure_layer`). Returns the Calibration."""
+        return self.transforms.calibrate(layer, keys, values, queries, options=options, has_sinks=has_sinks)
 
     def fit_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                   queries: Optional[torch.Tensor] = None, *, options=None, has_sinks: bool = False):
@@ -291,102 +232,21 @@ class DataPlane:
         since the cache was built or `reset_transforms`. The prefix keys' namespace stays (the
         sequences hold their roots; a shared prefix store's keys cover the transform through the
         record layout). Raises before any change. Returns the Calibration."""
-        self._kv(layer)
-        if layer in self.fitted or layer in self._written:
-            raise ConfigError(f"layer {layer} already stores data under its transform; "
-                              "fit_layer fits a layer before its first store (reset_transforms() first)")
-        cal, changes = self._fit(layer, keys, values, queries, options, has_sinks)
-        if changes:
-            self._set_transform(layer, changes, namespace=False)
-        self.fitted = self.fitted | {layer}
-        return cal
+        return self.transforms.fit(layer, keys, values, queries, options=options, has_sinks=has_sinks)
 
     def fit_options(self, layer: int, options=None, has_sinks: bool = False):
         """What a fit of layer `layer` fits (`calibration.CalibrationOptions`): key centre when
         the config centres keys, key multipliers and value centre as `options` (a
-        `CacheOptions`; default: the config's, else the defaults) ask, decided from the codec
-        traits (`pagedkv.options`)."""
-        from ..options import CacheOptions, centres_values, scales_keys
-        from .calibration import CalibrationOptions
+        `CacheOptions`; default: the config's, else the defaults) ask, from the codec traits."""
+        return self.transforms.options(layer, options, has_sinks)
 
-        opts = options or self.config.options or CacheOptions()
-        fmt = self.config.layers[self._index(layer)].format
-        return CalibrationOptions(key_centring=self.config.key_centring,
-                                  key_scaling=scales_keys(fmt, opts.key_scaling),
-                                  value_centring=centres_values(fmt, opts.value_centring, has_sinks))
-
-    def _fit(self, layer, keys, values, queries, options, has_sinks):
-        """(Calibration, validated layer fields) of a layer fitted to sample K/V/Q."""
-        from . import calibration
-
-        pl = self._kv(layer)
-        cal = calibration.calibrate(keys, values, queries, pl.k_codec.name, pl.v_codec.name,
-                                    self.fit_options(layer, options, has_sinks), self.device)
-        scale = {name: float(getattr(cal, name)) for name in ("k_scale", "v_scale") if getattr(cal, name) is not None}
-        return cal, self._transform_changes(layer, scale.get("k_scale"), scale.get("v_scale"),
-                                            cal.k_centre, cal.k_mult, cal.v_centre)
-
-    # ---- the transform a front door fits (fit_first_chunk) and a prefix store shares ---------
-    fitted: frozenset = frozenset()  # layers whose transform is fixed (fitted or adopted)
-    _written: frozenset = frozenset()  # K/V layers stored into since the last reset_transforms
-
-    def kv_transforms(self) -> Optional[list]:
-        """Every K/V layer's transform (the `transform_record` fields) once every layer is
-        fitted, else None (nothing to publish yet)."""
-        if len(self.fitted) < len(self.layers):
-            return None
-        return [{name: getattr(pl, name) for name in ("k_centre", "k_mult", "v_centre", "k_scale", "v_scale")}
-                for pl in self.layers]
-
-    def kv_transform_shapes(self) -> list:
-        return [{"k_centre": hd, "k_mult": hd, "v_centre": hd, "k_scale": (1,), "v_scale": (1,)}
-                for hd in ((pl.num_kv_heads, pl.head_dim) for pl in self.layers)]
-
-    def adopt_kv_transforms(self, transforms) -> None:
-        """Fix every K/V layer's transform to a stored one (a prefix store's, written by the
-        cache that fitted it) instead of fitting it: only while no layer is fitted."""
-        assert not self.fitted and len(transforms) == len(self.layers)
-        for i, t in enumerate(transforms):
-            on = {k: (None if v is None else v.to(self.device, torch.float32)) for k, v in t.items()}
-            pl = self.layers[i]
-            self._set_transform(i, {"k_centre": on["k_centre"], "k_mult": on["k_mult"],
-                                    "v_centre": on["v_centre"],
-                                    "k_scale": pl.k_scale if on["k_scale"] is None else on["k_scale"],
-                                    "v_scale": pl.v_scale if on["v_scale"] is None else on["v_scale"]},
-                                namespace=False)
-        self.fitted = frozenset(range(len(self.layers)))
+    @property
+    def fitted(self) -> frozenset:
+        """The layers whose transform is fixed (fitted, or adopted from a prefix store)."""
+        return self.transforms.fitted
 
     def reset_transforms(self, layers=None) -> None:
-        """Layers back to the transform they were built with (no multipliers or value centre, a
-        zero key centre with key centring, unit fp8 scales), to be fitted again. layers=None:
-        every layer, only while the cache holds no data (the prefix keys' namespace back to the
-        fingerprint); else those layers, each only while it has stored nothing (a first chunk
-        whose store failed after `fit_layer`)."""
-        if layers is None:
-            self._check_empty("reset_transforms")
-            todo = range(len(self.layers))
-        else:
-            todo = [self._index(i) for i in layers]
-            stored = [i for i in todo if i in self._written]
-            if stored:
-                raise ConfigError(f"layers {stored} store data under their transform; "
-                                  "reset_transforms() needs an empty cache for them")
-        one = torch.ones(1, dtype=torch.float32, device=self.device)
-        new = list(self.layers)
-        for i in todo:
-            pl = new[i]
-            if isinstance(pl, PagedLayer):
-                kc = None if pl.k_centre is None else torch.zeros_like(pl.k_centre)
-                new[i] = dataclasses.replace(pl, k_centre=kc, k_mult=None, v_centre=None,
-                                             k_scale=one.clone(), v_scale=one.clone())
-            else:
-                new[i] = dataclasses.replace(pl, latent_scale=one.clone(), rope_scale=one.clone())
-        self.layers = tuple(new)
-        if self.tails is not None:
-            self.tails = tuple(storage.with_transform(t, pl) for t, pl in zip(self.tails, self.layers))
-        if layers is None:
-            for g in self.core.groups:
-                g.namespace = self.config.fingerprint
-        self.fitted = self.fitted - frozenset(todo)
-        self._written = self._written - frozenset(todo)
-        self._changed()
+        """Layers back to the transform they were built with, to be fitted again. layers=None:
+        every layer, only while the cache holds no data; else those layers, each only while it
+        has stored nothing (a first chunk whose store failed after `fit_layer`)."""
+        self.transforms.reset(layers)

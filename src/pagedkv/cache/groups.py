@@ -108,6 +108,18 @@ class GroupedStorage:
             self.tails = tuple(storage.build_tail(pl, config.recent_window.codec, n)
                                for pl in self.layers)
 
+    def set_layers(self, new: dict) -> None:
+        """Replace layers (index -> layer with the same pools, e.g. another transform); their
+        recent-window tails take the new transform."""
+        layers = list(self.layers)
+        for i, pl in new.items():
+            layers[i] = pl
+        self.layers = tuple(layers)
+        if self.tails is not None and new:
+            self.tails = tuple(storage.with_transform(t, self.layers[i]) if i in new else t
+                               for i, t in enumerate(self.tails))
+        self._changed()
+
     def _group(self, index: int):
         """The `SequenceManager` of block group `index`."""
         return self.core.groups[index]

@@ -17,7 +17,7 @@ the resident cap and the prefix store (a latent layer's record is its whole pool
   and so in the block keys: a block written under other scales is a plain miss. The first cache
   to commit publishes its scales as the store's transform record (`transform_record.
   SharedTransform`, the drop-ins' mechanism); a cache that has fixed no scale and holds no
-  block adopts them at its first `add_sequence` (`adopt_latent_transforms`), so its lookups hit
+  block adopts them at its first `add_sequence` (`cache/transforms.py`), so its lookups hit
   what the publisher stored and give what recomputing with those scales gives. A cache that
   fitted its own scales first keeps them: the store's blocks then miss (never a wrong read).
 - `latent_decode_attention` / `latent_prefill_attention`: `pagedkv.ops.latent`'s ops over the
@@ -31,7 +31,7 @@ layer, each with a ConfigError naming the other.
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from ..ops.latent import (check_latent_store, latent_decode_attention, latent_pr
                           latent_store)
 from ..ops.latent_layer import LatentLayer
 from . import storage
-from .latent import fit_latent_scales, latent_transform, with_latent_transform
+from .latent import fit_latent_scales
 
 
 class LatentPlane:
@@ -67,46 +67,17 @@ class LatentPlane:
         slots, _ = self._store_slots(layer, slot_mapping)
         # blocks loaded from a prefix store before the first store were written with today's
         # scales (adopted from the store, or the defaults): then they stay
-        fit = layer not in self.fitted and not any(any(g.pool.keyed) for g in self.core.groups)
+        tr = self.transforms
+        fit = layer not in tr.fitted and not any(any(g.pool.keyed) for g in self.core.groups)
         if fit:  # check the input (nothing fitted on bad input), fix the scales, then write once
             check_latent_store(pl, latent, rope, slots, op_kwargs.get("checks", True))
             changes = fit_latent_scales(pl.spec, latent, rope, pl.device)
             if changes:
                 pl = dataclasses.replace(pl, **changes)
-                self._set_latent_layers({layer: pl})
+                self.set_layers({layer: pl})
             op_kwargs = dict(op_kwargs, checks=False)  # checked just now
-        self.fitted = self.fitted | {layer}
+        tr.fitted = tr.fitted | {layer}
         latent_store(pl, latent, rope, slots, **op_kwargs)
-
-    def _set_latent_layers(self, new: dict) -> None:
-        layers = list(self.layers)
-        for i, pl in new.items():
-            layers[i] = pl
-        self.layers = tuple(layers)
-        self._changed()
-
-    # ---- the fp8 scales in a shared prefix store (`transform_record.SharedTransform`) --------
-    def latent_transforms(self) -> Optional[list]:
-        """Every latent layer's transform (`cache.latent.latent_transform`: its fp8 scales) once
-        every layer has fixed its scales, else None (nothing to publish yet)."""
-        if self.config.latent is None or len(self.fitted) < len(self.layers):
-            return None
-        return [latent_transform(pl) for pl in self.layers]
-
-    def adopts_latent_transform(self) -> bool:
-        """Whether a stored transform may be adopted: latent layers, no scale fixed yet, and no
-        block in use or cached (nothing was encoded with the scales now)."""
-        return self.config.latent is not None and not self.fitted and \
-            not any(g.pool.num_used or g.pool.num_cached for g in self.core.groups)
-
-    def adopt_latent_transforms(self, transforms: Sequence[dict]) -> None:
-        """Fix every layer's fp8 scales to a stored transform's (a prefix store's, written by
-        the cache that fitted them) instead of fitting them to the first chunk: this cache then
-        reads and writes that store's blocks. Only while `adopts_latent_transform()`."""
-        assert self.adopts_latent_transform() and len(transforms) == len(self.layers)
-        self._set_latent_layers({i: with_latent_transform(pl, t)
-                                 for i, (pl, t) in enumerate(zip(self.layers, transforms))})
-        self.fitted = frozenset(range(len(self.layers)))
 
     def latent_decode_attention(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor,
                                 seq_ids: Sequence[Hashable], params: AttentionParams,

@@ -37,6 +37,7 @@ from .groups import CacheStats, GroupedStorage
 from .handouts import Handouts
 from .latent_plane import LatentPlane
 from .tables import GroupSlots, StepBatch, int_tensor
+from .transforms import LayerTransforms
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         self.fit_first_chunk = bool(fit_first_chunk)
         self.tiers = None
         self._build_storage(config)
+        self.transforms = LayerTransforms(self)  # the layers' transforms: set, fitted, shared
         self.handouts = Handouts(len(self.core.groups))  # which slot tensors may still be written
         self._checked: dict = {}  # group -> (slot tensor, its _version, pool.version, epoch)
         self._epoch = 0  # bumps whenever tables or layers change (attention plans are per epoch)

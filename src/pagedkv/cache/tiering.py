@@ -27,7 +27,6 @@ from ..offload.config import OffloadConfig
 from ..offload.coretiers import CoreTiers
 from ..offload.policy import build_tiers
 from .groups import group_tags
-from .latent import LATENT_TRANSFORM_SHAPES
 from .storage import record_member
 from .transform_record import SharedTransform
 
@@ -72,23 +71,20 @@ class CacheTiers(CoreTiers, SharedTransform):
         still to fit (`fit_first_chunk`: the tiers wait)."""
         c = self.cache
         c._sync_sizes()
-        wait = c.fit_first_chunk and len(c.fitted) < len(c.layers)
-        return [None if wait and i not in c.fitted else
+        fitted = c.transforms.fitted
+        wait = c.fit_first_chunk and len(fitted) < len(c.layers)
+        return [None if wait and i not in fitted else
                 record_member(c.layers[i]) if kind == "main" else c.tails[i]
                 for kind, i in c.groups.members[g]]
 
     def _adopt(self) -> None:
         """Adopt the store's transform when this cache fits its own and has fixed none yet: a
         latent cache's fp8 scales, a `fit_first_chunk` cache's K/V transforms."""
-        c = self.cache
-        if c.adopts_latent_transform():
-            got = self.stored_transform([dict(LATENT_TRANSFORM_SHAPES)] * len(c.layers))
+        shapes = self.cache.transforms.adoptable_shapes()
+        if shapes is not None:
+            got = self.stored_transform(shapes)
             if got is not None:
-                c.adopt_latent_transforms(got)
-        elif c.fit_first_chunk and c.config.latent is None and not c.fitted:
-            got = self.stored_transform(c.kv_transform_shapes())
-            if got is not None:
-                c.adopt_kv_transforms(got)
+                self.cache.transforms.adopt(got)
 
     def before_add(self, seqs, tokens, salt: Salt, seq_id: Optional[Hashable]):
         """(tokens to admit, hit blocks in memory before loading). Loaded blocks stay cached
@@ -107,9 +103,7 @@ class CacheTiers(CoreTiers, SharedTransform):
         """Publish the transform this cache fitted (latent fp8 scales, or with
         `fit_first_chunk` the K/V transforms; once every layer's is fixed), then the blocks."""
         if self.prefix is not None:
-            c = self.cache
-            transforms = c.latent_transforms() if c.config.latent is not None else \
-                c.kv_transforms() if c.fit_first_chunk else None
+            transforms = self.cache.transforms.shared()
             if transforms is not None:
                 self.publish_transform(transforms)
         super().after_commit(ids)
