@@ -22,17 +22,19 @@ DESIGN_TABLE = {
     "turbo5": lambda E: (5 * E // 8, E // 16),
     "nvfp4": lambda E: (E // 2, E // 16),
     "turbo4": lambda E: (E // 2, E // 16),
+    "turbo4g32": lambda E: (E // 2, E // 32),
     "turbo3": lambda E: (3 * E // 8, E // 16),
+    "turbo3g32": lambda E: (3 * E // 8, E // 32),
     "turbo2": lambda E: (E // 4, E // 16),
     "turbo2g64": lambda E: (E // 4, E // 64),
     "turbo8": lambda E: (E, E // 16 * 2),
     "q8_0": lambda E: (E, E // 32 * 2),
     "q4_0": lambda E: (E // 2, E // 32 * 2),
 }
-DESIGN_BITS = {"bf16": 16, "f16": 16, "fp8": 8, "fp8_e5m2": 8, "turbo5": 5.5, "nvfp4": 4.5, "turbo4": 4.5, "turbo3": 3.5, "turbo2": 2.5, "turbo2g64": 2.125,
+DESIGN_BITS = {"bf16": 16, "f16": 16, "fp8": 8, "fp8_e5m2": 8, "turbo5": 5.5, "nvfp4": 4.5, "turbo4": 4.5, "turbo4g32": 4.25, "turbo3": 3.5, "turbo3g32": 3.25, "turbo2": 2.5, "turbo2g64": 2.125,
                "turbo8": 9, "q8_0": 8.5, "q4_0": 4.5}
 # Documented round-trip tolerance (normalised MSE on iid N(0,1), head_dim 128).
-TOLERANCE = {"bf16": 1e-5, "f16": 1e-7, "fp8": 1e-3, "fp8_e5m2": 3e-3, "turbo5": 0.0014, "nvfp4": 0.009, "turbo4": 0.0050, "turbo3": 0.0212,
+TOLERANCE = {"bf16": 1e-5, "f16": 1e-7, "fp8": 1e-3, "fp8_e5m2": 3e-3, "turbo5": 0.0014, "nvfp4": 0.009, "turbo4": 0.0050, "turbo4g32": 0.0062, "turbo3": 0.0212, "turbo3g32": 0.0260,
              "turbo2": 0.0945, "turbo2g64": 0.122, "turbo8": 0.0015, "q8_0": 5e-5, "q4_0": 0.009}
 
 
