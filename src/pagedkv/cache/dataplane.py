@@ -124,13 +124,17 @@ class DataPlane:
         seq_lens int32 [B]) for attention of `seq_ids` in `layer`: the layer itself and the cache's tables when nothing of the batch
         is swapped, else a temporary layer whose pools hold the batch's resident blocks then its
         swapped blocks read back (the same bytes, so any attention op gives the same result).
-        Raises SwapLost, naming the sequences and tokens, if a swapped block is not intact."""
+        The tables and lengths are built once per step for every layer (the cache's own tensors,
+        read-only, as the layer is). Raises SwapLost, naming the sequences and tokens, if a
+        swapped block is not intact."""
         pl = self._layer(layer)
-        lens = self.seq_lens(seq_ids)
+        ids = tuple(seq_ids)
+        lens = self._view_tensors(("lens", ids), lambda: self.seq_lens(ids))
         got = None if self.tiers is None else self.tiers.view_of(
             "main", layer, self.group_of(layer), seq_ids, self._epoch, self.device)
         if got is None:
-            return pl, self.block_tables(seq_ids, layer), lens
+            g = self.group_of(layer)
+            return pl, self._view_tensors((g, ids), lambda: self._group_tables(g, ids)), lens
         return storage.from_record_member(pl, got[0]), got[1], lens
 
     def tail_view(self, layer: int, seq_ids: Sequence[Hashable]) -> tuple[PagedLayer, torch.Tensor]:
@@ -142,7 +146,10 @@ class DataPlane:
         g = self.groups.tail_group
         got = None if self.tiers is None else self.tiers.view_of(
             "tail", layer, g, seq_ids, self._epoch, self.device)
-        return (self.tails[layer], self._group_tables(g, seq_ids)) if got is None else got
+        if got is not None:
+            return got
+        ids = tuple(seq_ids)
+        return self.tails[layer], self._view_tensors((g, ids), lambda: self._group_tables(g, ids))
 
     def _check_window(self, layer: int, params: AttentionParams) -> None:
         w = self._group(self.group_of(layer)).window

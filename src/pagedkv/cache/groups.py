@@ -163,6 +163,17 @@ class GroupedStorage:
             raise ConfigError(f"layer must be an int in [0, {len(self.layers)}), got {layer!r}")
         return layer
 
+    def _view_tensors(self, key, build):
+        """`build()` once per key while nothing changes (`_epoch`): the tables and lengths every
+        layer of a step attends with (internal: never handed to a caller who could modify it)."""
+        memo = getattr(self, "_view_memo", None)
+        if memo is None or memo[0] != self._epoch:
+            memo = self._view_memo = (self._epoch, {})
+        got = memo[1].get(key)
+        if got is None:
+            got = memo[1][key] = build()
+        return got
+
     def _group_tables(self, g: int, seq_ids) -> torch.Tensor:
         """int32 [B, max_blocks] of group g, 0-padded. Entries a sliding group released read 0
         (no query of the window reads them: the ops skip or mask them); a swapped entry reads

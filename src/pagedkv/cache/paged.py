@@ -206,7 +206,10 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         self.handouts.changed(ids)  # their handed-out slots are written: no longer pending
         self._changed()
         if self.tiers is not None:
-            self.tiers.after_commit(ids)
+            try:
+                self.tiers.after_commit(ids)
+            finally:
+                self._changed()  # the resident cap may have swapped blocks: tables changed
 
     def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
         """A copy of a sequence sharing all its blocks and swap records (beam search, parallel
