@@ -53,6 +53,7 @@ from ..formats import KVFormat
 from ..ops import AttentionParams
 from .hf_attention import _query_start_loc
 from .hf_common import _block_cap, _model_device, _model_identity
+from .model_config import text_config
 from .padding import mask_columns, pack, unpack
 from .transformers import PagedCacheLayer, PagedKVCache
 
@@ -62,16 +63,12 @@ _PATCHED = "_pagedkv_mla_patched"  # on the model `enable` ran on: the modules i
 
 def mla_dims(config) -> Optional[tuple[int, int]]:
     """(kv_lora_rank, qk_rope_head_dim) of an MLA model's HF config, or None for other models."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     lat = getattr(text, "kv_lora_rank", None)
     rope = getattr(text, "qk_rope_head_dim", None)
     if isinstance(lat, int) and isinstance(rope, int) and lat > 0 and rope > 0:
         return lat, rope
     return None
-
-
-def _text(config):
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
 class AbsorbedCache:
@@ -132,7 +129,7 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
             )
         cap = _block_cap(max_tokens, opts.block_size)
         self.options = opts
-        num_layers = int(_text(config).num_hidden_layers)
+        num_layers = int(text_config(config).num_hidden_layers)
         self.config = CacheConfig(
             num_layers=num_layers, num_kv_heads=1, head_dim=dims[0] + dims[1], kv_format=kv_format,
             high_precision_layers=high_precision_layers, hp_format=opts.hp_format,

@@ -32,7 +32,8 @@ import torch
 from ..cache.config import CacheConfig
 from ..cache.latent import LatentLayout
 from ..cache.tables import GroupSlots
-from .deepseek import AbsorbedCache, _text, mla_dims, patched_modules
+from .deepseek import AbsorbedCache, mla_dims, patched_modules
+from .model_config import text_config
 from ..errors import ConfigError, InvalidInput
 
 
@@ -45,7 +46,7 @@ def latent_config(model_or_config, kv_format="bf16", *, rope_format: Optional[st
     if dims is None:
         raise ConfigError(f"{type(config).__name__} has no latent attention (kv_lora_rank, "
                           "qk_rope_head_dim)")
-    return CacheConfig(num_layers=int(_text(config).num_hidden_layers), num_kv_heads=1,
+    return CacheConfig(num_layers=int(text_config(config).num_hidden_layers), num_kv_heads=1,
                        head_dim=dims[0] + dims[1], kv_format=kv_format,
                        latent=LatentLayout(dims[0], dims[1], rope_format), **config_kwargs)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..errors import ConfigError
+from .model_config import text_config
 
 if TYPE_CHECKING:
     from .transformers import PagedKVCache
@@ -34,7 +35,7 @@ def _transformers():
 def _layer_layout(config) -> tuple[list[str], list[Optional[int]], list[int], list[int]]:
     """Per model layer: type, sliding window, num_kv_heads, head_dim (from a HF config)."""
     _, cache_utils = _transformers()
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if getattr(text, "kv_lora_rank", None):  # MLA caches one latent per token, not K/V per head
         raise ConfigError(
             f"{type(text).__name__} uses latent attention (MLA); use "
