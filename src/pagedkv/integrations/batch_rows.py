@@ -6,7 +6,8 @@ between them, used (composed, not inherited) by both drop-ins: row r is engine s
 `ids[r]`; `columns` (`padding.ColumnMap`) says which columns each row stored; the first layer of
 a chunk to store asks `step` for the engine's step of every block group (the previous step is
 committed first), the other layers of the chunk find it here; `begin` admits prompts with the
-engine's prefix hits, `rearrange` is fork then free, `crop` is pop (all rows checked first).
+engine's prefix hits, `rearrange` is fork then free, `crop` is pop (all rows checked first);
+`store` and `attend` are a layer's chunk through the engine, pads left out (`padding.pack`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import InvalidInput
-from .padding import ColumnMap
+from .padding import ColumnMap, pack, unpack
 
 
 class BatchRows:
@@ -68,6 +69,36 @@ class BatchRows:
             self._plan = (key, self.engine.step(self.ids, self._step_tokens(counts, valid)))
             self._uncommitted = True
         return self._plan[1]
+
+    def store(self, start: int, valid: Optional[torch.Tensor], batch: int, width: int, write) -> None:
+        """Store a chunk of `width` columns from column `start` (valid: bool [batch, width], None
+        = all): when some token is valid, `write(counts, step)` with each row's valid count and
+        a function giving the engine's StepBatch for them; then the columns are noted."""
+        counts = [width] * batch if valid is None else valid.sum(dim=1).tolist()
+        if sum(counts):
+            write(counts, lambda: self.step(self.lengths(start), counts, valid))
+        self.columns.record(start, valid, batch, width)
+
+    @staticmethod
+    def attend(queries: tuple, valid: Optional[torch.Tensor], decode, prefill) -> torch.Tensor:
+        """Each row's valid queries (queries: tensors [B, T, ...], valid bool [B, T] or None) attend
+        through the engine: `decode(*packed)` when every row runs one query (None: never),
+        else `prefill(*packed, query_start_loc)`; None for both when nothing is stored yet.
+        Returns [B, T, ...] float32 with zeros at the pad queries (transformers drops them)."""
+        b, t = queries[0].shape[:2]
+        packed = [pack(q, valid).contiguous() for q in queries]
+        if prefill is None or packed[0].shape[0] == 0:  # nothing stored yet, or every query a pad
+            out = torch.zeros(packed[0].shape, dtype=torch.float32, device=packed[0].device)
+        elif decode is not None and t == 1 and valid is None:
+            out = decode(*packed)
+        else:
+            dev = packed[0].device
+            qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
+            if valid is not None:
+                qsl = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+                qsl[1:] = torch.cumsum(valid.sum(dim=1).to(dev), 0)
+            out = prefill(*packed, qsl)
+        return unpack(out, valid, b, t)
 
     def _step_tokens(self, counts: Sequence[int], valid: Optional[torch.Tensor]) -> list:
         """Per row the token ids of the chunk (from the forward's input_ids, valid columns

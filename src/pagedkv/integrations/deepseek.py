@@ -51,10 +51,9 @@ from ..options import CacheOptions, option_names
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
 from ..ops import AttentionParams
-from .hf_attention import _query_start_loc
-from .hf_common import _block_cap, _model_device, _model_identity
+from .hf_common import _engine_fields
 from .model_config import text_config
-from .padding import mask_columns, pack, unpack
+from .padding import mask_columns, pack
 from .transformers import PagedCacheLayer, PagedKVCache
 
 _ORIGINAL = "_pagedkv_original_forward"
@@ -127,23 +126,13 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
                 f"{type(config).__name__} has no latent attention (kv_lora_rank, qk_rope_head_dim); "
                 "use pagedkv.integrations.transformers.PagedKVCache for K/V models"
             )
-        cap = _block_cap(max_tokens, opts.block_size)
-        self.options = opts
-        num_layers = int(text_config(config).num_hidden_layers)
         self.config = CacheConfig(
-            num_layers=num_layers, num_kv_heads=1, head_dim=dims[0] + dims[1], kv_format=kv_format,
-            high_precision_layers=high_precision_layers, hp_format=opts.hp_format,
-            block_size=opts.block_size, num_blocks=cap or 16, grow_blocks=cap is None,
-            latent=LatentLayout(dims[0], dims[1], rope_format), check_slots=False,
-            device=device or _model_device(model_or_config),
-            model_id=_model_identity(model_or_config) if offload is not None else "",
-        )
-        self.key_centring = False  # K/V-model quality options that do not apply to latents
-        self.key_scaling = False
-        self.backend = opts.backend
-        self.checks = opts.checks
+            num_layers=int(text_config(config).num_hidden_layers), num_kv_heads=1, head_dim=dims[0] + dims[1],
+            kv_format=kv_format, high_precision_layers=high_precision_layers,
+            latent=LatentLayout(dims[0], dims[1], rope_format),
+            **_engine_fields(model_or_config, opts, max_tokens, device, offload))
         # the engine cache of latent layers (one global block group); token ids key the blocks
-        self._open(model_or_config, LatentCacheLayer, offload, swap_tier, prefix_tier)
+        self._open(model_or_config, self.config, opts, LatentCacheLayer, offload, swap_tier, prefix_tier)
 
     def mla_store(self, layer_idx, latent, rope, attention_mask) -> None:
         layer: LatentCacheLayer = self.layers[layer_idx]
@@ -172,20 +161,13 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         through the engine (swapped blocks read back); pad queries get zeros (transformers
         discards them)."""
         layer: LatentCacheLayer = self.layers[layer_idx]
-        b, t, h, lat = q_lat.shape
-        dev = q_lat.device
-        valid = layer.chunk_valid
         kw = dict(backend=self.backend, checks=self.checks)
-        q_rows, qr_rows = pack(q_lat, valid).contiguous(), pack(q_rope, valid).contiguous()  # real queries
-        if not layer.is_initialized or q_rows.shape[0] == 0:  # nothing stored yet: every token a pad
-            o = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
-        elif t == 1 and valid is None:
-            o = self.engine.latent_decode_attention(layer_idx, q_rows, qr_rows, self.rows.ids, params, **kw)
-        else:
-            qsl = _query_start_loc(b, t, None if valid is None else valid.sum(dim=1), dev)
-            o = self.engine.latent_prefill_attention(layer_idx, q_rows, qr_rows, self.rows.ids, qsl,
-                                                     params, **kw)
-        return unpack(o, valid, b, t)
+        e, rows = self.engine, self.rows.ids
+        return self.rows.attend(
+            (q_lat, q_rope), layer.chunk_valid,
+            lambda ql, qr: e.latent_decode_attention(layer_idx, ql, qr, rows, params, **kw),
+            (lambda ql, qr, qsl: e.latent_prefill_attention(layer_idx, ql, qr, rows, qsl, params, **kw))
+            if layer.is_initialized else None)
 
 
 class LatentCacheLayer(PagedCacheLayer):
@@ -220,14 +202,9 @@ class LatentCacheLayer(PagedCacheLayer):
         b, t, _ = latent.shape
         cache = self.cache
         cache.rows.ensure(b)
-        start = self.length
-        counts = [t] * b if valid is None else valid.sum(dim=1).tolist()
         self.chunk_valid = valid
-        if sum(counts):
-            lat, rp = pack(latent, valid), pack(rope, valid)
-            batch = cache.rows.step(cache.row_lengths(start), counts, valid)
-            cache.engine.store_latent(self.index, lat, rp, batch, backend=cache.backend, checks=cache.checks)
-        cache.rows.columns.record(start, valid, b, t)
+        cache.rows.store(self.length, valid, b, t, lambda counts, step: cache.engine.store_latent(
+            self.index, pack(latent, valid), pack(rope, valid), step(), backend=cache.backend, checks=cache.checks))
         self.length += t
 
 

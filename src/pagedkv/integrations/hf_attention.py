@@ -13,7 +13,7 @@ from ..errors import ConfigError, InvalidInput
 from ..ops import AttentionParams
 from ..options import centres_values
 from .hf_common import _TAG, ATTN_IMPLEMENTATION, _transformers
-from .padding import PaddingMask, chunk_validity as _chunk_validity, pack, unpack
+from .padding import PaddingMask, chunk_validity as _chunk_validity
 
 if TYPE_CHECKING:
     from .hf_layer import PagedCacheLayer
@@ -72,32 +72,15 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         raise
     params = cache.approx.apply(AttentionParams(scale=float(scaling), sliding_window=window, soft_cap=softcap,
                                                 sinks=sinks))
-    dev = query.device
-    counts = None if valid is None else valid.sum(dim=1)
-    q_rows = pack(query.transpose(1, 2), valid).contiguous()  # [N, Hq, D]: the valid queries
-    engine, i, rows = cache.engine, layer.spec.index, cache.rows.ids
-    if q_rows.shape[0] == 0:
-        out = q_rows.float()
-    elif not layer.is_initialized:  # nothing stored yet (every token so far a pad)
-        out = torch.zeros(q_rows.shape, dtype=torch.float32, device=dev)
-    elif engine.tails is not None:  # the high-precision recent window (ops/recent.py), every step
-        out = engine.prefill_attention(i, q_rows, rows, _query_start_loc(b, tq, counts, dev), params,
-                                       checks=cache.checks)
-    elif tq == 1 and valid is None:
-        out = engine.decode_attention(i, q_rows, rows, params, backend=cache.backend, checks=cache.checks)
+    engine, i, rows = cache.engine, layer.index, cache.rows.ids
+    if engine.tails is not None:  # the high-precision recent window (ops/recent.py): prefill, every step
+        decode, kw = None, dict(checks=cache.checks)
     else:
-        out = engine.prefill_attention(i, q_rows, rows, _query_start_loc(b, tq, counts, dev), params,
-                                       backend=cache.backend, checks=cache.checks)
-    return unpack(out.to(query.dtype), valid, b, tq), None  # pad queries: zeros
-
-
-def _query_start_loc(b: int, tq: int, counts, dev) -> torch.Tensor:
-    """int32 [B+1] row offsets of the packed valid queries (counts: int [B] or None = all tq)."""
-    if counts is None:
-        return torch.arange(b + 1, dtype=torch.int32, device=dev) * tq
-    qsl = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-    qsl[1:] = torch.cumsum(counts.to(dev), 0)
-    return qsl
+        kw = dict(backend=cache.backend, checks=cache.checks)
+        decode = lambda q: engine.decode_attention(i, q, rows, params, **kw)  # noqa: E731
+    prefill = (lambda q, qsl: engine.prefill_attention(i, q, rows, qsl, params, **kw)) \
+        if layer.is_initialized else None  # nothing stored yet (every token so far a pad): zeros
+    return cache.rows.attend((query.transpose(1, 2),), valid, decode, prefill).to(query.dtype), None
 
 
 def _dense_attention(query, key, value, scaling, window, softcap, sinks, key_valid=None):

@@ -129,12 +129,18 @@ def _model_device(model_or_config):
         return torch.device("cpu")
 
 
-def _block_cap(max_tokens: Optional[int], block_size: int) -> Optional[int]:
-    """Blocks every group may hold with max_tokens (None: the pools grow on demand)."""
+def _engine_fields(model_or_config, opts, max_tokens: Optional[int], device, offload) -> dict:
+    """The `CacheConfig` fields both drop-ins set alike: block size and hp format from the
+    options; with max_tokens every group capped at that many tokens' blocks, else pools that
+    grow on demand; the pools on `device` (default: the model's); the model's identity in the
+    prefix keys with offload tiers; slots unchecked (the adapter stores only those handed out)."""
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens <= 0):
         raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-    return -(-max_tokens // block_size) if max_tokens else None
+    cap = -(-max_tokens // opts.block_size) if max_tokens else None
+    return dict(block_size=opts.block_size, hp_format=opts.hp_format, num_blocks=cap or 16,
+                grow_blocks=cap is None, device=device or _model_device(model_or_config),
+                model_id=_model_identity(model_or_config) if offload is not None else "", check_slots=False)
 
 
 def _note_input_ids(module, args, kwargs):

@@ -115,18 +115,17 @@ class PagedCacheLayer:
         valid bool [B, T] or None = all), packed per row after the row's stored tokens. The
         layer's first chunk with a valid token fixes its transform from the valid tokens (and
         the valid queries [B, Hq, T, D], when given) first (`PagedCache.fit_layer`)."""
-        b, h, t, d = key_states.shape
         cache = self.cache
-        counts = [t] * b if valid is None else valid.sum(dim=1).tolist()
-        if sum(counts):
+
+        def write(counts, step):
             if not self.is_initialized:
                 q = None if query_states is None else _valid_tokens(query_states, valid, counts)
                 self.lazy_initialization(_valid_tokens(key_states, valid, counts),
                                          _valid_tokens(value_states, valid, counts), q, has_sinks)
             k, v = pack(key_states.transpose(1, 2), valid), pack(value_states.transpose(1, 2), valid)
-            batch = cache.rows.step(cache.row_lengths(start), counts, valid)
-            cache.engine.store(self.index, k, v, batch, backend=cache.backend, checks=cache.checks)
-        cache.rows.columns.record(start, valid, b, t)
+            cache.engine.store(self.index, k, v, step(), backend=cache.backend, checks=cache.checks)
+
+        cache.rows.store(start, valid, key_states.shape[0], key_states.shape[2], write)
 
     def flush(self, query_states: Optional[torch.Tensor] = None,
               valid: Optional[torch.Tensor] = None, has_sinks: bool = False) -> None:

@@ -50,8 +50,8 @@ from ..formats import KVFormat
 from ..options import CacheOptions, default_key_centring
 from ..spec import spec_and_arguments
 from .hf_attention import _dense_attention, _pagedkv_mask, enable, paged_attention_forward, register
-from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _block_cap, _concrete_class, _layer_layout,
-                        _model_device, _model_identity, _transformers, _watch_input_ids)
+from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _concrete_class, _engine_fields, _layer_layout,
+                        _model_device, _transformers, _watch_input_ids)
 from .hf_layer import PagedCacheLayer
 from .batch_rows import BatchRows
 
@@ -99,8 +99,6 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                  prefix_tier=None, options: Optional[CacheOptions] = None, **option_fields):
         config = getattr(model_or_config, "config", model_or_config)
         opts = CacheOptions.of(options, **option_fields)  # ConfigError before anything is built
-        self.options = opts
-        self.approx = opts.approx
         spec = spec_and_arguments(kv_format, high_precision_layers, opts.recent_window)  # one parser
         self.recent_window = spec.recent_window
         if check_attn_implementation and hasattr(model_or_config, "config"):
@@ -112,21 +110,13 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                     f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
                 )
         types, windows, kv_heads, head_dims = _layer_layout(config)
-        cap = _block_cap(max_tokens, opts.block_size)
-        fields = dict(
-            num_layers=len(types), num_kv_heads=kv_heads[0], head_dim=head_dims[0],
-            layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec, hp_format=opts.hp_format,
-            block_size=opts.block_size, num_blocks=cap or 16, grow_blocks=cap is None,
-            sliding_window=windows, device=device or _model_device(model_or_config),
-            model_id=_model_identity(model_or_config) if offload is not None else "",
-            reclaim_sliding=opts.reclaim_sliding, check_slots=False,
-        )
-        self.key_centring = default_key_centring(CacheConfig(**fields).layer_formats, opts.key_centring)
-        self.config = CacheConfig(**fields, key_centring=self.key_centring)
-        self.key_scaling = opts.key_scaling
-        self.backend = opts.backend
-        self.checks = opts.checks
-        self._open(model_or_config, PagedCacheLayer, offload, swap_tier, prefix_tier)
+        fields = dict(num_layers=len(types), num_kv_heads=kv_heads[0], head_dim=head_dims[0],
+                      layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec, sliding_window=windows,
+                      reclaim_sliding=opts.reclaim_sliding,
+                      **_engine_fields(model_or_config, opts, max_tokens, device, offload))
+        key_centring = default_key_centring(CacheConfig(**fields).layer_formats, opts.key_centring)
+        self._open(model_or_config, CacheConfig(**fields, key_centring=key_centring), opts, PagedCacheLayer,
+                   offload, swap_tier, prefix_tier)
 
     def __new__(cls, *args, **kwargs):
         # Subclass transformers' Cache lazily so importing pagedkv never imports transformers.
@@ -134,9 +124,12 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         concrete = _concrete_class(cls, cache_utils.Cache)
         return object.__new__(concrete)
 
-    def _open(self, model, layer_class, offload, swap_tier, prefix_tier) -> None:
-        """The engine cache of `self.config` (the one data plane; its tiers with `offload`), the
-        views of its block groups, the rows, and transformers' Cache over `layer_class` layers."""
+    def _open(self, model, config: CacheConfig, opts: CacheOptions, layer_class, offload, swap_tier,
+              prefix_tier) -> None:
+        """The engine cache of `config` (the one data plane; its tiers with `offload`), the views
+        of its block groups, the rows, and transformers' Cache over `layer_class` layers."""
+        self.config, self.options, self.key_centring = config, opts, config.key_centring
+        self.approx, self.backend, self.checks = opts.approx, opts.backend, opts.checks
         tiers = {} if offload is None else dict(offload=offload, swap_tier=swap_tier, prefix_tier=prefix_tier)
         self.engine = PagedCache(self.config, fit_first_chunk=True, **tiers)
         layout = self.engine.groups
