@@ -1,7 +1,10 @@
 """The data plane of the engine cache, per layer: store (after the slot check, into the layer's
 block group and, with a recent window, into its tail), attention on the pools (through a view
 with swapped blocks read back when the tiers swapped some; with a recent window through
-`ops.recent`), gather (tests and oracles) and the layer transform. Mixed into `PagedCache`.
+`ops.recent`), gather (tests and oracles). `PagedCache` holds one (`cache.kv_plane`) and calls it; the storage
+(`groups.GroupStorage`), the slot handouts (`handouts.Handouts`), the transforms
+(`transforms.LayerTransforms`) and the tiers (`tiering.CacheTiers`, or None) are the cache's,
+given to it at construction. It owns only the memo of the slot tensors it checked.
 """
 
 from __future__ import annotations
@@ -21,12 +24,19 @@ from .tables import GroupSlots
 
 
 class DataPlane:
-    """Store / attend / gather of `PagedCache` (see the module doc)."""
+    """Store / attend / gather of one `PagedCache`'s K/V layers (see the module doc)."""
 
-    def _layer(self, layer: int) -> PagedLayer:
-        return self.layers[self._index(layer)]
+    def __init__(self, storage, handouts, transforms, tiers, config):
+        self.storage, self.handouts, self.transforms, self.tiers = storage, handouts, transforms, tiers
+        self.config = config
+        self.block_size = config.block_size
+        self._checked: dict = {}  # group -> (slot tensor, its _version, pool.version, epoch)
 
-    def _check_slots(self, slot_mapping: torch.Tensor, group: int = 0) -> None:
+    def layer(self, layer: int) -> PagedLayer:
+        """Layer `layer` (K/V or latent), the index checked."""
+        return self.storage.layers[self.storage.index(layer)]
+
+    def check_slots(self, slot_mapping: torch.Tensor, group: int = 0) -> None:
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 \
                 or slot_mapping.dim() != 1:
             raise InvalidInput(
@@ -34,7 +44,7 @@ class DataPlane:
                 f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)} "
                 f"{list(getattr(slot_mapping, 'shape', []))}"
             )
-        pool = self._group(group).pool
+        pool = self.storage.group(group).pool
         epoch = self.handouts.epoch
         last, tv, pv, ep = self._checked.get(group, (None, -1, -1, -1))
         if last is slot_mapping and tv is not None and tv == version(slot_mapping) \
@@ -70,33 +80,33 @@ class DataPlane:
         if torch.unique(s).numel() != s.numel():
             raise InvalidInput("slot_mapping holds the same slot twice")
         self.handouts.check(slot_mapping, s, group,
-                            lambda: pending_mask(self._group(group), pool.num_blocks * bs))
+                            lambda: pending_mask(self.storage.group(group), pool.num_blocks * bs))
         self._checked[group] = (slot_mapping, version(slot_mapping), pool.version, epoch)
 
-    def _kv(self, layer: int) -> PagedLayer:
+    def kv(self, layer: int) -> PagedLayer:
         """Layer `layer`, a K/V layer (ConfigError naming the latent methods for a latent one)."""
-        pl = self._layer(layer)
+        pl = self.layer(layer)
         if not isinstance(pl, PagedLayer):
             raise ConfigError(f"layer {layer} is a latent (MLA) layer: use store_latent / "
                               "latent_decode_attention / latent_prefill_attention / gather_latent")
         return pl
 
-    def _store_slots(self, layer: int, slot_mapping):
+    def store_slots(self, layer: int, slot_mapping):
         """(slots of layer `layer`'s group, the tail's slots or None) from what `store` takes,
         checked (unless config.check_slots is False) before anything is written."""
-        g = self.group_of(layer)
+        g = self.storage.group_of(layer)
         tail_slots = None
         if isinstance(slot_mapping, GroupSlots):
             slots, tail_slots = slot_mapping.layer_slots(layer), slot_mapping.tail_slots
-        elif self.tails is not None:
+        elif self.storage.tails is not None:
             raise ConfigError("with a recent window, store needs the StepBatch or NewSequence "
                               "(the tail has its own slots), not a slot tensor")
         else:
             slots = slot_mapping
         if self.config.check_slots:
-            self._check_slots(slots, g)
+            self.check_slots(slots, g)
             if tail_slots is not None:
-                self._check_slots(tail_slots, self.groups.tail_group)
+                self.check_slots(tail_slots, self.storage.layout.tail_group)
         return slots, tail_slots
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, **op_kwargs) -> None:
@@ -106,12 +116,12 @@ class DataPlane:
         of slots in the layer's group (negative = skip; not with a recent window). Slots must
         have been allocated (checked unless config.check_slots is False). `op_kwargs`
         (backend, checks) go to `ops.store`. Raises before writing anything."""
-        pl = self._kv(layer)
-        slots, tail_slots = self._store_slots(layer, slot_mapping)
+        pl = self.kv(layer)
+        slots, tail_slots = self.store_slots(layer, slot_mapping)
         if tail_slots is None:
             ops.store(pl, k, v, slots, **op_kwargs)
         else:
-            tail = self.tails[layer]
+            tail = self.storage.tails[layer]
             check_store(tail, k, v, tail_slots, True)  # the tail's inputs are valid before any write
             ops.store(pl, k, v, slots, **op_kwargs)
             ops.store(tail, k, v, tail_slots, **op_kwargs)
@@ -127,32 +137,32 @@ class DataPlane:
         The tables and lengths are built once per step for every layer (the cache's own tensors,
         read-only, as the layer is). Raises SwapLost, naming the sequences and tokens, if a
         swapped block is not intact."""
-        pl = self._layer(layer)
+        pl = self.layer(layer)
         ids = tuple(seq_ids)
-        lens = self._view_tensors(("lens", ids), lambda: self.seq_lens(ids))
+        lens = self.storage.view_tensors(("lens", ids), lambda: self.storage.seq_lens(ids))
         got = None if self.tiers is None else self.tiers.view_of(
-            "main", layer, self.group_of(layer), seq_ids, self._epoch, self.device)
+            "main", layer, self.storage.group_of(layer), seq_ids, self.storage.epoch, self.storage.device)
         if got is None:
-            g = self.group_of(layer)
-            return pl, self._view_tensors((g, ids), lambda: self._group_tables(g, ids)), lens
+            g = self.storage.group_of(layer)
+            return pl, self.storage.view_tensors((g, ids), lambda: self.storage.group_tables(g, ids)), lens
         return storage.from_record_member(pl, got[0]), got[1], lens
 
     def tail_view(self, layer: int, seq_ids: Sequence[Hashable]) -> tuple[PagedLayer, torch.Tensor]:
         """(the layer's recent-window tail, its block tables int32 [B, max_blocks]): what
         `ops.recent` reads the last R positions from (ConfigError without a recent window)."""
-        self._layer(layer)
-        if self.tails is None:
+        self.layer(layer)
+        if self.storage.tails is None:
             raise ConfigError("this cache has no recent window (CacheConfig.recent_window)")
-        g = self.groups.tail_group
+        g = self.storage.layout.tail_group
         got = None if self.tiers is None else self.tiers.view_of(
-            "tail", layer, g, seq_ids, self._epoch, self.device)
+            "tail", layer, g, seq_ids, self.storage.epoch, self.storage.device)
         if got is not None:
             return got
         ids = tuple(seq_ids)
-        return self.tails[layer], self._view_tensors((g, ids), lambda: self._group_tables(g, ids))
+        return self.storage.tails[layer], self.storage.view_tensors((g, ids), lambda: self.storage.group_tables(g, ids))
 
-    def _check_window(self, layer: int, params: AttentionParams) -> None:
-        w = self._group(self.group_of(layer)).window
+    def check_window(self, layer: int, params: AttentionParams) -> None:
+        w = self.storage.group(self.storage.group_of(layer)).window
         if w is not None and (params.sliding_window is None or params.sliding_window > w):
             raise InvalidInput(
                 f"layer {layer} attends with sliding_window={params.sliding_window} but its block "
@@ -164,10 +174,10 @@ class DataPlane:
         """`pagedkv.ops.decode_attention` of q float [B, Hq, D] over `seq_ids` in `layer`
         (swapped blocks read back; with a recent window `ops.recent.recent_decode_attention`,
         which takes `checks` only). Returns [B, Hq, D]."""
-        self._kv(layer)
-        self._check_window(layer, params)
+        self.kv(layer)
+        self.check_window(layer, params)
         pl, tables, lens = self.attention_view(layer, seq_ids)
-        if self.tails is not None:
+        if self.storage.tails is not None:
             tail, tail_tables = self.tail_view(layer, seq_ids)
             return recent.recent_decode_attention(
                 q, pl, tail, tables, lens, params, recent=self.config.recent_window.tokens,
@@ -180,10 +190,10 @@ class DataPlane:
         """`pagedkv.ops.prefill_attention` of packed q float [Tq, Hq, D] (new tokens already
         stored) over `seq_ids` in `layer` (swapped blocks read back; with a recent window
         `ops.recent.recent_prefill_attention`). Returns [Tq, Hq, D]."""
-        self._kv(layer)
-        self._check_window(layer, params)
+        self.kv(layer)
+        self.check_window(layer, params)
         pl, tables, lens = self.attention_view(layer, seq_ids)
-        if self.tails is not None:
+        if self.storage.tails is not None:
             tail, tail_tables = self.tail_view(layer, seq_ids)
             return recent.recent_prefill_attention(
                 q, pl, tail, tables, lens, query_start_loc, params,
@@ -197,63 +207,15 @@ class DataPlane:
         from the recent window's tail): float32 [len, H, D] each, in the original basis
         (transform undone); NaN rows where a sliding window released the block. For tests and
         oracles."""
-        self._kv(layer)
+        self.kv(layer)
         if tail:
             pl, tables = self.tail_view(layer, [seq_id])
-            g = self.groups.tail_group
+            g = self.storage.layout.tail_group
         else:
             pl, tables, _ = self.attention_view(layer, [seq_id])
-            g = self.group_of(layer)
-        slots, released = storage.sequence_rows(tables[0], self._group(g).table(seq_id), self.seq_len(seq_id),
-                                                self.block_size, self.device)
+            g = self.storage.group_of(layer)
+        slots, released = storage.sequence_rows(tables[0], self.storage.group(g).table(seq_id), self.storage.core.main.length(seq_id),
+                                                self.block_size, self.storage.device)
         k, v = (storage.gather_side(pl, side, slots).masked_fill(released[:, None, None], float("nan"))
                 for side in ("k", "v"))
         return k, v
-
-    # ---- the layer transform (`cache/transforms.py`: `self.transforms` owns it) --------------
-    def configure_layer(self, layer: int, *, k_scale: Optional[float] = None,
-                        v_scale: Optional[float] = None,
-                        k_centre: Optional[torch.Tensor] = None, k_mult: Optional[torch.Tensor] = None,
-                        v_centre: Optional[torch.Tensor] = None) -> None:
-        """Set a layer's transform: fp8 tensor scales, key centre (float32 [H, D]; needs
-        CacheConfig(key_centring=True)), key channel multipliers and value centre (float32
-        [H, D]; see `PagedLayer`). Only while the cache holds no data (they change what stored
-        bytes mean). The prefix keys' namespace then covers the transform
-        (`storage.transform_namespace`): caches with different transforms share no prefix."""
-        self.transforms.configure(layer, k_scale=k_scale, v_scale=v_scale, k_centre=k_centre,
-                                  k_mult=k_mult, v_centre=v_centre)
-
-    def calibrate_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
-                        queries: Optional[torch.Tensor] = None, *, options=None, has_sinks: bool = False):
-        """Fit and set a layer's transform from sample K/V (float [B, H, T, D]) and queries
-        ([B, Hq, T, D] or None), as the transformers drop-in fits its first chunk
-        (`calibration.calibrate`, with `fit_options`). Only while the cache holds no data
-        (`configure_layer`). Returns the Calibration."""
-        return self.transforms.calibrate(layer, keys, values, queries, options=options, has_sinks=has_sinks)
-
-    def fit_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
-                  queries: Optional[torch.Tensor] = None, *, options=None, has_sinks: bool = False):
-        """`calibrate_layer` for a front door that fits each layer on its own first chunk while
-        earlier layers already store that chunk (`PagedCache(fit_first_chunk=True)`, the
-        transformers drop-in): allowed while this layer is not fitted and has stored nothing
-        since the cache was built or `reset_transforms`. The prefix keys' namespace stays (the
-        sequences hold their roots; a shared prefix store's keys cover the transform through the
-        record layout). Raises before any change. Returns the Calibration."""
-        return self.transforms.fit(layer, keys, values, queries, options=options, has_sinks=has_sinks)
-
-    def fit_options(self, layer: int, options=None, has_sinks: bool = False):
-        """What a fit of layer `layer` fits (`calibration.CalibrationOptions`): key centre when
-        the config centres keys, key multipliers and value centre as `options` (a
-        `CacheOptions`; default: the config's, else the defaults) ask, from the codec traits."""
-        return self.transforms.options(layer, options, has_sinks)
-
-    @property
-    def fitted(self) -> frozenset:
-        """The layers whose transform is fixed (fitted, or adopted from a prefix store)."""
-        return self.transforms.fitted
-
-    def reset_transforms(self, layers=None) -> None:
-        """Layers back to the transform they were built with, to be fitted again. layers=None:
-        every layer, only while the cache holds no data; else those layers, each only while it
-        has stored nothing (a first chunk whose store failed after `fit_layer`)."""
-        self.transforms.reset(layers)

@@ -8,8 +8,9 @@ positions no query can see is returned), and, with `config.recent_window` R, the
 layer in the group of window R (shared with sliding layers of that window). A block id of a group
 addresses the same slots in every member of that group; each group has its own tables and slots.
 
-`GroupedStorage` (mixed into `PagedCache`) owns the members' tensors and applies the block
-manager's per-group plan steps to them (`storage.apply_group_step`: moves, cut or growth, copies).
+`GroupStorage` (held by `PagedCache` as `cache.storage`) owns the members' tensors and the block
+manager, and applies the block manager's per-group plan steps to them (`storage.apply_group_step`:
+moves, cut or growth, copies).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..errors import ConfigError
 from ..ops.batch import PagedLayer
 from . import storage
 from .config import CacheConfig
+from .tables import block_table_tensor, int_tensor
 
 SLIDING_INITIAL_BLOCKS = 16  # a sliding group's first pool size (it grows on demand)
 UNBOUNDED = 1 << 40  # CacheConfig(grow_blocks=True): a block-id limit no pool reaches
@@ -89,24 +91,40 @@ def group_specs(layout: GroupLayout, total: int, grow: bool = False) -> list[Gro
             for w, k in zip(layout.windows, layout.keep_first)]
 
 
-class GroupedStorage:
-    """The members' tensors of every block group of `PagedCache` (see the module doc)."""
+class GroupStorage:
+    """The members' tensors of every block group of one `PagedCache`, and the block manager that
+    numbers their blocks (see the module doc): the one owner of `layout` (`GroupLayout`), `core`
+    (`alloc.BlockManager`), `layers` and `tails` (the recent window's, or None). `epoch` bumps
+    whenever tables or layers change (the views attention reads are built once per epoch).
+    `moved(g)` is called before a plan moves or cuts group g's blocks (slots handed out before
+    then name other blocks); `shows_swapped`: a swapped table entry reads -1 (with offload
+    tiers), else 0."""
 
-    def _build_storage(self, config: CacheConfig) -> None:
-        self.groups = group_layout(config)
-        specs = group_specs(self.groups, config.total_blocks, config.grow_blocks)
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.layout = group_layout(config)
+        specs = group_specs(self.layout, config.total_blocks, config.grow_blocks)
         self.core = BlockManager(specs, config.block_size, config.fingerprint, trace=config.trace)
-        self.seqs = self.core.main  # the first group: ids, lengths, prefix chain, swap entries
-        self.pool = self.seqs.pool
+        self.device = config.device
         sizes = [s.initial_blocks for s in specs]
         self.layers: tuple[PagedLayer, ...] = tuple(
             storage.build_layer(s, sizes[g], config.block_size, config.device, config.key_centring)
-            for s, g in zip(config.layers, self.groups.layer_group))
+            for s, g in zip(config.layers, self.layout.layer_group))
         self.tails: Optional[tuple[PagedLayer, ...]] = None
         if config.recent_window is not None:
-            n = sizes[self.groups.tail_group]
-            self.tails = tuple(storage.build_tail(pl, config.recent_window.codec, n)
-                               for pl in self.layers)
+            n = sizes[self.layout.tail_group]
+            self.tails = tuple(storage.build_tail(pl, config.recent_window.codec, n) for pl in self.layers)
+        self.epoch = 0
+        self.moved = lambda g: None
+        self.shows_swapped = False
+        self._memo: tuple = (-1, {})  # (epoch, key -> tensors built in it)
+
+    def changed(self) -> None:
+        self.epoch += 1
+
+    def member(self, kind: str, i: int) -> PagedLayer:
+        """Layer i's pages ("main") or its recent-window tail ("tail")."""
+        return self.layers[i] if kind == "main" else self.tails[i]
 
     def set_layers(self, new: dict) -> None:
         """Replace layers (index -> layer with the same pools, e.g. another transform); their
@@ -118,17 +136,17 @@ class GroupedStorage:
         if self.tails is not None and new:
             self.tails = tuple(storage.with_transform(t, self.layers[i]) if i in new else t
                                for i, t in enumerate(self.tails))
-        self._changed()
+        self.changed()
 
-    def _group(self, index: int):
+    def group(self, index: int):
         """The `SequenceManager` of block group `index`."""
         return self.core.groups[index]
 
     def _apply_group(self, g: int, step: GroupStep) -> None:
         if step.moves or step.num_blocks < self._pool_rows(g):
-            self.handouts.group_moved(g)  # slots handed out before name other blocks now
+            self.moved(g)
         layers, tails = list(self.layers), None if self.tails is None else list(self.tails)
-        for kind, i in self.groups.members[g]:
+        for kind, i in self.layout.members[g]:
             if kind == "main":
                 layers[i] = storage.apply_group_step(layers[i], step)
             else:
@@ -136,74 +154,84 @@ class GroupedStorage:
         self.layers = tuple(layers)
         self.tails = None if tails is None else tuple(tails)
 
-    def _apply(self, plan) -> None:
+    def apply(self, plan) -> None:
         """Apply a plan's data-plane part (per group: moves, cut / growth, copy-on-write copies)
         to every member of the group."""
         for g, gs in enumerate(plan.groups):
             if gs.moves or gs.copies or gs.num_blocks != self._pool_rows(g):
                 self._apply_group(g, gs)
-        self._changed()
+        self.changed()
 
     def _pool_rows(self, g: int) -> int:
-        kind, i = self.groups.members[g][0]
-        return (self.layers[i] if kind == "main" else self.tails[i]).num_blocks
+        return self.member(*self.layout.members[g][0]).num_blocks
 
-    def _sync_sizes(self) -> None:
+    def sync_sizes(self) -> None:
         """Resize the pools of groups whose block pool grew outside a step (admission)."""
         for g, seqs in enumerate(self.core.groups):
             if seqs.pool.num_blocks != self._pool_rows(g):
                 self._apply_group(g, GroupStep((), seqs.pool.num_blocks, (), ()))
 
-    def group_of(self, layer: int) -> int:
-        """The block group of layer `layer`'s pages (index into `core.groups`)."""
-        return self.groups.layer_group[self._index(layer)]
-
-    def _index(self, layer) -> int:
+    def index(self, layer) -> int:
+        """`layer` checked: an int in [0, layers) (ConfigError)."""
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(self.layers):
             raise ConfigError(f"layer must be an int in [0, {len(self.layers)}), got {layer!r}")
         return layer
 
-    def _view_tensors(self, key, build):
-        """`build()` once per key while nothing changes (`_epoch`): the tables and lengths every
+    def group_of(self, layer: int) -> int:
+        """The block group of layer `layer`'s pages (index into `core.groups`)."""
+        return self.layout.layer_group[self.index(layer)]
+
+    def view_tensors(self, key, build):
+        """`build()` once per key while nothing changes (`epoch`): the tables and lengths every
         layer of a step attends with (internal: never handed to a caller who could modify it)."""
-        memo = getattr(self, "_view_memo", None)
-        if memo is None or memo[0] != self._epoch:
-            memo = self._view_memo = (self._epoch, {})
-        got = memo[1].get(key)
+        if self._memo[0] != self.epoch:
+            self._memo = (self.epoch, {})
+        got = self._memo[1].get(key)
         if got is None:
-            got = memo[1][key] = build()
+            got = self._memo[1][key] = build()
         return got
 
-    def _group_tables(self, g: int, seq_ids) -> torch.Tensor:
+    def group_tables(self, g: int, seq_ids) -> torch.Tensor:
         """int32 [B, max_blocks] of group g, 0-padded. Entries a sliding group released read 0
         (no query of the window reads them: the ops skip or mask them); a swapped entry reads
-        -1 so a direct op call fails loudly."""
-        from .tables import block_table_tensor
-
+        -1 with `shows_swapped` (so a direct op call fails loudly)."""
         seqs = self.core.groups[g]
         t = block_table_tensor([seqs.table(i) for i in seq_ids], torch.device("cpu"))
         if seqs.window is not None:
             t = torch.where(t == -1, 0, t)  # released (RELEASED = -1) reads block 0
-        if self.tiers is not None:
-            t = t.clamp(min=-1)  # a swapped entry (-2 - record) reads -1
-        else:
-            t = t.clamp(min=0)
+        t = t.clamp(min=-1 if self.shows_swapped else 0)  # a swapped entry is -2 - record
         return t if self.device.type == "cpu" else t.to(self.device)
+
+    def seq_lens(self, seq_ids) -> torch.Tensor:
+        """int32 [B]: the sequences' lengths."""
+        return int_tensor([self.core.main.length(i) for i in seq_ids], torch.int32, self.device)
 
     def block_bytes(self, g: int) -> int:
         """Bytes one block id of group g takes over its members (its layers' K and V blocks or
         latent blocks, and the recent-window tails it holds)."""
-        return sum(getattr(m, name).shape[1] for kind, i in self.groups.members[g]
-                   for m in [self.layers[i] if kind == "main" else self.tails[i]]
+        return sum(getattr(m, name).shape[1] for m in (self.member(*km) for km in self.layout.members[g])
                    for name in storage.pool_names(m))
+
+    def stats(self) -> "CacheStats":
+        """The cache's `CacheStats` now (the first block group's pool and prefix counters)."""
+        layer_bytes = tuple(storage.layer_bytes(pl) for pl in self.layers)
+        tail_bytes = sum(sum(storage.layer_bytes(t)) for t in self.tails or ())
+        s = self.core.main
+        p, q = s.pool, s.prefix_query_tokens
+        return CacheStats(
+            num_blocks=self.config.total_blocks, block_size=self.config.block_size, blocks_free=p.num_free,
+            blocks_used=p.num_used, blocks_cached=p.num_cached, num_sequences=len(s),
+            tokens_stored=sum(s.length(i) for i in s.ids()), bytes_per_block=self.config.bytes_per_block,
+            layer_bytes=layer_bytes, total_bytes=sum(k + v for k, v in layer_bytes) + tail_bytes,
+            prefix_queries=s.prefix_queries, prefix_query_tokens=q, prefix_hit_tokens=s.prefix_hit_tokens,
+            prefix_hit_rate=(s.prefix_hit_tokens / q) if q else 0.0, evictions=p.evictions,
+            groups=self.group_stats(), tail_bytes=tail_bytes)
 
     def group_stats(self) -> tuple:
         """Per block group: (window, pool blocks, used, free, cached, bytes of its pools)."""
         out = []
         for g, seqs in enumerate(self.core.groups):
-            nbytes = 0
-            for kind, i in self.groups.members[g]:
-                nbytes += sum(storage.layer_bytes(self.layers[i] if kind == "main" else self.tails[i]))
+            nbytes = sum(sum(storage.layer_bytes(self.member(*km))) for km in self.layout.members[g])
             p = seqs.pool
             out.append(GroupStats(seqs.window, p.num_blocks, p.num_used, p.num_free, p.num_cached,
                                   nbytes))

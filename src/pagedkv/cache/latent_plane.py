@@ -1,5 +1,6 @@
-"""The data plane of the engine cache for latent (MLA) layers, mixed into `PagedCache` next to
-`DataPlane` (K/V layers).
+"""The data plane of the engine cache for latent (MLA) layers: `PagedCache` holds one
+(`cache.latent_plane`) next to its `DataPlane` (K/V layers), whose slot checks and attention
+views it calls.
 
 With `CacheConfig(latent=LatentLayout(...))` every layer is a `LatentLayer` (one pool of
 `[latent | rope]` rows, `ops.latent_layer`) built by the one builder (`storage.build_layer`).
@@ -45,11 +46,14 @@ from .latent import fit_latent_scales
 
 
 class LatentPlane:
-    """Store / attend / gather of `PagedCache`'s latent layers (see the module doc)."""
+    """Store / attend / gather of one `PagedCache`'s latent layers (see the module doc), on the
+    cache's K/V plane `kv` (slot checks, views), storage and transforms."""
 
+    def __init__(self, kv):
+        self.kv, self.storage, self.transforms = kv, kv.storage, kv.transforms
 
     def _latent(self, layer: int) -> LatentLayer:
-        pl = self._layer(layer)
+        pl = self.kv.layer(layer)
         if not isinstance(pl, LatentLayer):
             raise ConfigError(f"layer {layer} stores K/V: use store / decode_attention / "
                               "prefill_attention / gather (the latent methods need "
@@ -64,17 +68,17 @@ class LatentPlane:
         The layer's first store fixes its fp8 tensor scales from this chunk. Raises before
         anything is written (InvalidInput for bad tensors or slots)."""
         pl = self._latent(layer)
-        slots, _ = self._store_slots(layer, slot_mapping)
+        slots, _ = self.kv.store_slots(layer, slot_mapping)
         # blocks loaded from a prefix store before the first store were written with today's
         # scales (adopted from the store, or the defaults): then they stay
         tr = self.transforms
-        fit = layer not in tr.fitted and not any(any(g.pool.keyed) for g in self.core.groups)
+        fit = layer not in tr.fitted and not any(any(g.pool.keyed) for g in self.storage.core.groups)
         if fit:  # check the input (nothing fitted on bad input), fix the scales, then write once
             check_latent_store(pl, latent, rope, slots, op_kwargs.get("checks", True))
             changes = fit_latent_scales(pl.spec, latent, rope, pl.device)
             if changes:
                 pl = dataclasses.replace(pl, **changes)
-                self.set_layers({layer: pl})
+                self.storage.set_layers({layer: pl})
             op_kwargs = dict(op_kwargs, checks=False)  # checked just now
         tr.fitted = tr.fitted | {layer}
         latent_store(pl, latent, rope, slots, **op_kwargs)
@@ -86,8 +90,8 @@ class LatentPlane:
         [B, Hq, R] (absorbed, RoPE applied; one query per sequence) over `seq_ids` in `layer`.
         Returns [B, Hq, L]."""
         self._latent(layer)
-        self._check_window(layer, params)
-        pl, tables, lens = self.attention_view(layer, seq_ids)
+        self.kv.check_window(layer, params)
+        pl, tables, lens = self.kv.attention_view(layer, seq_ids)
         return latent_decode_attention(q_lat, q_rope, pl, tables, lens, params, **op_kwargs)
 
     def latent_prefill_attention(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor,
@@ -97,8 +101,8 @@ class LatentPlane:
         [Tq, Hq, R] (the new tokens already stored) over `seq_ids` in `layer`. Returns
         [Tq, Hq, L]."""
         self._latent(layer)
-        self._check_window(layer, params)
-        pl, tables, lens = self.attention_view(layer, seq_ids)
+        self.kv.check_window(layer, params)
+        pl, tables, lens = self.kv.attention_view(layer, seq_ids)
         return latent_prefill_attention(q_lat, q_rope, pl, tables, lens, query_start_loc, params,
                                         **op_kwargs)
 
@@ -107,9 +111,10 @@ class LatentPlane:
         [len, L], rope float32 [len, R]), unrotated; NaN rows where a sliding window released
         the block. For tests and oracles."""
         self._latent(layer)
-        pl, tables, _ = self.attention_view(layer, [seq_id])
-        slots, released = storage.sequence_rows(tables[0], self._group(self.group_of(layer)).table(seq_id),
-                                                self.seq_len(seq_id), self.block_size, self.device)
+        pl, tables, _ = self.kv.attention_view(layer, [seq_id])
+        slots, released = storage.sequence_rows(tables[0], self.storage.group(self.storage.group_of(layer)).table(seq_id),
+                                                self.storage.core.main.length(seq_id), self.kv.block_size,
+                                                self.storage.device)
         row = torch.cat([storage.gather_side(sec, "k", slots)[:, 0] for sec in pl.sections()], -1)
         row = row.masked_fill(released[:, None], float("nan"))
         return row[:, :pl.latent_dim], row[:, pl.latent_dim:]

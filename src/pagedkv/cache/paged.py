@@ -22,7 +22,7 @@ K/V were stored in every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from typing import Hashable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -33,28 +33,26 @@ from ..errors import ConfigError
 from .config import CacheConfig
 from .dataplane import DataPlane
 from . import storage
-from .groups import CacheStats, GroupedStorage
+from .groups import CacheStats, GroupStorage  # noqa: F401 (CacheStats: re-exported)
 from .handouts import Handouts
 from .latent_plane import LatentPlane
-from .tables import GroupSlots, StepBatch, int_tensor
+from .tables import NewSequence, StepBatch, int_tensor  # noqa: F401 (NewSequence: re-exported)
 from .transforms import LayerTransforms
 
 
-@dataclass(frozen=True)
-class NewSequence(GroupSlots):
-    """Result of `add_sequence`: the id, how many leading tokens were prefix hits (already stored
-    and committed), and int64 [len(tokens) - hit_tokens] slots for the rest (`slot_mapping`: the
-    first block group's; `layer_slots(i)` / `tail_slots` per layer with several groups)."""
+def _calls(part: str, method):
+    """A `PagedCache` method that calls `method` of its part `part` (composition: the part owns
+    the state and the code; the name, signature and docstring are that method's)."""
+    name = method.__name__
 
-    seq_id: Hashable
-    hit_tokens: int
-    slot_mapping: torch.Tensor
-    group_slots: tuple = ()
-    layer_group: tuple = ()
-    tail_group: Optional[int] = None
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return getattr(getattr(self, part), name)(*args, **kwargs)
+
+    return call
 
 
-class PagedCache(DataPlane, LatentPlane, GroupedStorage):
+class PagedCache:
     """Paged KV storage for every attention layer of one model, on the block manager.
 
     layers: tuple of PagedLayer (index = cache layer). Sequence ids are any hashable value given
@@ -85,6 +83,11 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
     (`fit_layer`, the transformers drop-in): the tiers publish and swap nothing before every
     layer is fitted, then publish the transform with the blocks; a cache that fitted none
     adopts a prefix store's at `add_sequence` / `load_prefix` (as latent layers do).
+
+    Parts, each the one owner of its state, held and called (composition): `storage`
+    (`groups.GroupStorage`: the block manager `core`, the layers, tails and block-group layout),
+    `handouts` (which slot tensors may be written), `transforms` (the layer transforms), `tiers`
+    (offload, or None), `kv_plane` / `latent_plane` (store, attend, gather).
     """
 
     def __init__(self, config: CacheConfig, offload=None, *, swap_tier=None, prefix_tier=None,
@@ -92,29 +95,40 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"PagedCache needs a CacheConfig, got {type(config).__name__}")
         self.config = config
-        self.block_size = config.block_size
-        self.num_blocks = config.total_blocks
-        self.device = config.device
+        self.block_size, self.num_blocks, self.device = config.block_size, config.total_blocks, config.device
         self.fit_first_chunk = bool(fit_first_chunk)
         self.tiers = None
-        self._build_storage(config)
-        self.transforms = LayerTransforms(self)  # the layers' transforms: set, fitted, shared
+        self.storage = GroupStorage(config)  # the block manager, layers, tails, block groups
         self.handouts = Handouts(len(self.core.groups))  # which slot tensors may still be written
-        self._checked: dict = {}  # group -> (slot tensor, its _version, pool.version, epoch)
-        self._epoch = 0  # bumps whenever tables or layers change (attention plans are per epoch)
+        self.storage.moved = self.handouts.group_moved
+        self.transforms = LayerTransforms(self)  # the layers' transforms: set, fitted, shared
         if offload is not None or swap_tier is not None or prefix_tier is not None:
             from ..offload.config import OffloadConfig
             from .tiering import CacheTiers
 
             self.tiers = CacheTiers(self, OffloadConfig() if offload is None else offload,
                                     swap_tier, prefix_tier)
+            self.storage.shows_swapped = True
+        self.kv_plane = DataPlane(self.storage, self.handouts, self.transforms, self.tiers, config)
+        self.latent_plane = LatentPlane(self.kv_plane)
 
-    def _changed(self) -> None:
-        self._epoch += 1
+    # ---- the storage's state (`groups.GroupStorage` owns it) ------------------------------------
+    layers = property(lambda self: self.storage.layers, lambda self, new: setattr(self.storage, "layers", tuple(new)),
+                      doc="tuple of PagedLayer / LatentLayer, index = layer (assigned: `storage.layers`)")
+    tails = property(lambda self: self.storage.tails, doc="the recent window's tails per layer, or None")
+    groups = property(lambda self: self.storage.layout, doc="the block groups' `GroupLayout`")
+    core = property(lambda self: self.storage.core, doc="the block manager (`alloc.BlockManager`)")
+    seqs = property(lambda self: self.storage.core.main, doc="the first block group's `SequenceManager`")
+    pool = property(lambda self: self.storage.core.main.pool, doc="the first block group's `BlockPool`")
+
+    set_layers = _calls("storage", GroupStorage.set_layers)
+    group_of = _calls("storage", GroupStorage.group_of)
+    block_bytes = _calls("storage", GroupStorage.block_bytes)
+    group_stats = _calls("storage", GroupStorage.group_stats)
 
     def _dropped(self) -> None:
         """Table entries went: delete the swap records nothing names any more."""
-        self._changed()
+        self.storage.changed()
         if self.tiers is not None:
             self.tiers.drop_dead()
 
@@ -152,8 +166,8 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
             tokens, before = self.tiers.before_add(self.seqs, tokens, salt, seq_id)
         sid, hit, slots = self.core.add(seq_id, tokens, salt, rest=rest, max_hit_blocks=max_hit_blocks)
         self.handouts.changed([sid])
-        self._sync_sizes()  # an admission may grow a sliding group's pool
-        self._changed()
+        self.storage.sync_sizes()  # an admission may grow a sliding group's pool
+        self.storage.changed()
         if before is not None:
             self.tiers.tier_hit_tokens += max(0, hit - before * self.block_size)
         return NewSequence(sid, hit, **self._slots_of(slots, [sid]))
@@ -172,7 +186,7 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         groups use `step`, whose StepBatch has every layer's slots."""
         self.seqs._get(seq_id)
         plan = self.core.step([seq_id], [tokens])
-        self._apply(plan)
+        self.storage.apply(plan)
         self._reclaimed()
         return self._slots_of([plan.groups[0].slots], [seq_id])["slot_mapping"]
 
@@ -184,12 +198,12 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         for i in seq_ids:
             self.seqs._get(i)
         plan = self.core.step(seq_ids, tokens)
-        self._apply(plan)
+        self.storage.apply(plan)
         self._reclaimed()
         starts = [0]
         for n in plan.counts:
             starts.append(starts[-1] + n)
-        tables = tuple(self._group_tables(g, seq_ids) for g in range(len(plan.groups)))
+        tables = tuple(self.storage.group_tables(g, seq_ids) for g in range(len(plan.groups)))
         slots = self._slots_of([gs.slots for gs in plan.groups], seq_ids)
         return StepBatch(
             block_tables=tables[0],
@@ -204,19 +218,19 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         ids = self._ids(seq_ids)
         self.core.commit(ids)
         self.handouts.changed(ids)  # their handed-out slots are written: no longer pending
-        self._changed()
+        self.storage.changed()
         if self.tiers is not None:
             try:
                 self.tiers.after_commit(ids)
             finally:
-                self._changed()  # the resident cap may have swapped blocks: tables changed
+                self.storage.changed()  # the resident cap may have swapped blocks: tables changed
 
     def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
         """A copy of a sequence sharing all its blocks and swap records (beam search, parallel
         sampling)."""
         out = self.core.fork(seq_id, new_id)
         self.handouts.changed([out])
-        self._changed()
+        self.storage.changed()
         return out
 
     def pop(self, seq_id: Hashable, n: int) -> None:
@@ -250,7 +264,7 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
     def reset_prefix_cache(self) -> int:
         """Forget all prefix keys (every block group); cached blocks return to the free lists.
         Returns how many did."""
-        self._changed()
+        self.storage.changed()
         return sum(g.pool.reset_prefix_cache() for g in self.core.groups)
 
     # ---- swap -----------------------------------------------------------------------------
@@ -274,7 +288,7 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         if self.tiers is None:
             return 0
         moved = self.tiers.enforce(seq_id)
-        self._changed()
+        self.storage.changed()
         return moved
 
     @property
@@ -335,11 +349,11 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
     def block_tables(self, seq_ids: Sequence[Hashable], layer: Optional[int] = None) -> torch.Tensor:
         """int32 [B, max_blocks] of layer `layer`'s block group (None: the first group), 0-padded;
         -1 where a block is swapped out; 0 where a sliding window released it."""
-        return self._group_tables(0 if layer is None else self.group_of(layer), seq_ids)
+        return self.storage.group_tables(0 if layer is None else self.group_of(layer), seq_ids)
 
     def seq_lens(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 [B]."""
-        return int_tensor([self.seqs.length(i) for i in seq_ids], torch.int32, self.device)
+        return self.storage.seq_lens(seq_ids)
 
     def slot_mapping(self, seq_id: Hashable, start: int = 0, end: Optional[int] = None,
                      layer: Optional[int] = None) -> torch.Tensor:
@@ -355,7 +369,7 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         if hit:
             raise ConfigError(f"positions [{start}, {end}) of sequence {seq_id!r} include "
                               f"swapped-out blocks {hit}; use attention_view / gather to read them")
-        seqs = self.seqs if layer is None else self._group(self.group_of(layer))
+        seqs = self.seqs if layer is None else self.storage.group(self.group_of(layer))
         return int_tensor(seqs.slots(seq_id, start, end - start), torch.int64, self.device)
 
     @property
@@ -363,27 +377,23 @@ class PagedCache(DataPlane, LatentPlane, GroupedStorage):
         """Per-block events (None unless CacheConfig(trace=True))."""
         return self.pool.trace
 
-    def stats(self) -> CacheStats:
-        layer_bytes = tuple(storage.layer_bytes(pl) for pl in self.layers)
-        tail_bytes = sum(sum(storage.layer_bytes(t)) for t in self.tails or ())
-        s = self.seqs
-        q = s.prefix_query_tokens
-        return CacheStats(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            blocks_free=self.pool.num_free,
-            blocks_used=self.pool.num_used,
-            blocks_cached=self.pool.num_cached,
-            num_sequences=len(s),
-            tokens_stored=sum(s.length(i) for i in s.ids()),
-            bytes_per_block=self.config.bytes_per_block,
-            layer_bytes=layer_bytes,
-            total_bytes=sum(k + v for k, v in layer_bytes) + tail_bytes,
-            prefix_queries=s.prefix_queries,
-            prefix_query_tokens=q,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            prefix_hit_rate=(s.prefix_hit_tokens / q) if q else 0.0,
-            evictions=self.pool.evictions,
-            groups=self.group_stats(),
-            tail_bytes=tail_bytes,
-        )
+    stats = _calls("storage", GroupStorage.stats)
+
+    # ---- data plane and layer transforms: methods of the parts, called (`_calls`) -------------
+    store = _calls("kv_plane", DataPlane.store)
+    attention_view = _calls("kv_plane", DataPlane.attention_view)
+    tail_view = _calls("kv_plane", DataPlane.tail_view)
+    decode_attention = _calls("kv_plane", DataPlane.decode_attention)
+    prefill_attention = _calls("kv_plane", DataPlane.prefill_attention)
+    gather = _calls("kv_plane", DataPlane.gather)
+    store_latent = _calls("latent_plane", LatentPlane.store_latent)
+    latent_decode_attention = _calls("latent_plane", LatentPlane.latent_decode_attention)
+    latent_prefill_attention = _calls("latent_plane", LatentPlane.latent_prefill_attention)
+    gather_latent = _calls("latent_plane", LatentPlane.gather_latent)
+    configure_layer = _calls("transforms", LayerTransforms.configure)
+    calibrate_layer = _calls("transforms", LayerTransforms.calibrate)
+    fit_layer = _calls("transforms", LayerTransforms.fit)
+    fit_options = _calls("transforms", LayerTransforms.options)
+    reset_transforms = _calls("transforms", LayerTransforms.reset)
+    fitted = property(lambda self: self.transforms.fitted,
+                      doc="The layers whose transform is fixed (fitted, or adopted from a prefix store).")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 
@@ -131,3 +131,17 @@ def slots_from_block_table(block_tables: torch.Tensor, positions: torch.Tensor, 
     else:
         raise InvalidInput(f"block_tables must be 1-D or 2-D, got shape {list(block_tables.shape)}")
     return blocks * block_size + pos % block_size
+
+
+@dataclass(frozen=True)
+class NewSequence(GroupSlots):
+    """Result of `add_sequence`: the id, how many leading tokens were prefix hits (already stored
+    and committed), and int64 [len(tokens) - hit_tokens] slots for the rest (`slot_mapping`: the
+    first block group's; `layer_slots(i)` / `tail_slots` per layer with several groups)."""
+
+    seq_id: Hashable
+    hit_tokens: int
+    slot_mapping: torch.Tensor
+    group_slots: tuple = ()
+    layer_group: tuple = ()
+    tail_group: Optional[int] = None

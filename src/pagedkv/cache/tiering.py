@@ -70,7 +70,7 @@ class CacheTiers(CoreTiers, SharedTransform):
         layer: `storage.record_member`); None for a layer whose transform the front door has
         still to fit (`fit_first_chunk`: the tiers wait)."""
         c = self.cache
-        c._sync_sizes()
+        c.storage.sync_sizes()
         fitted = c.transforms.fitted
         wait = c.fit_first_chunk and len(fitted) < len(c.layers)
         return [None if wait and i not in fitted else

@@ -54,16 +54,24 @@ class LayerTransforms:
             )
 
     # ---- set and fit --------------------------------------------------------------------------
-    def configure(self, layer: int, **fields) -> None:
-        self.cache._kv(layer)
+    def configure(self, layer: int, *, k_scale: Optional[float] = None, v_scale: Optional[float] = None,
+                  k_centre: Optional[torch.Tensor] = None, k_mult: Optional[torch.Tensor] = None,
+                  v_centre: Optional[torch.Tensor] = None) -> None:
+        """Set a layer's transform (`PagedCache.configure_layer`): fp8 tensor scales, key centre
+        (float32 [H, D]; needs CacheConfig(key_centring=True)), key channel multipliers and value
+        centre (float32 [H, D]; see `PagedLayer`). Only while the cache holds no data (they
+        change what stored bytes mean). The prefix keys' namespace then covers the transform
+        (`storage.transform_namespace`): caches with different transforms share no prefix."""
+        self.cache.kv_plane.kv(layer)
         self.check_empty("configure_layer")
-        self._set(layer, self.validated(layer, **fields), namespace=True)
+        self._set(layer, self.validated(layer, k_scale=k_scale, v_scale=v_scale, k_centre=k_centre,
+                                        k_mult=k_mult, v_centre=v_centre), namespace=True)
 
     def validated(self, layer: int, k_scale=None, v_scale=None, k_centre=None, k_mult=None,
                   v_centre=None) -> dict:
         """The validated PagedLayer fields of a transform (ConfigError / InvalidInput)."""
         c = self.cache
-        pl = c._kv(layer)
+        pl = c.kv_plane.kv(layer)
         for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
             if val is not None and not (isinstance(val, (int, float)) and 0 < float(val) < float("inf")):
                 raise ConfigError(f"{name} must be a finite number > 0, got {val!r}")
@@ -106,7 +114,7 @@ class LayerTransforms:
 
         c = self.cache
         opts = options or c.config.options or CacheOptions()
-        fmt = c.config.layers[c._index(layer)].format
+        fmt = c.config.layers[c.storage.index(layer)].format
         return CalibrationOptions(key_centring=c.config.key_centring,
                                   key_scaling=scales_keys(fmt, opts.key_scaling),
                                   value_centring=centres_values(fmt, opts.value_centring, has_sinks))
@@ -115,22 +123,34 @@ class LayerTransforms:
         """(Calibration, validated layer fields) of a layer fitted to sample K/V/Q."""
         from . import calibration
 
-        pl = self.cache._kv(layer)
+        pl = self.cache.kv_plane.kv(layer)
         cal = calibration.calibrate(keys, values, queries, pl.k_codec.name, pl.v_codec.name,
                                     self.options(layer, options, has_sinks), self.cache.device)
         scale = {name: float(getattr(cal, name)) for name in ("k_scale", "v_scale") if getattr(cal, name) is not None}
         return cal, self.validated(layer, scale.get("k_scale"), scale.get("v_scale"),
                                    cal.k_centre, cal.k_mult, cal.v_centre)
 
-    def calibrate(self, layer, keys, values, queries=None, *, options=None, has_sinks: bool = False):
-        self.cache._kv(layer)
+    def calibrate(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                  queries: Optional[torch.Tensor] = None, *, options=None, has_sinks: bool = False):
+        """Fit and set a layer's transform (`PagedCache.calibrate_layer`) from sample K/V (float
+        [B, H, T, D]) and queries ([B, Hq, T, D] or None), as the transformers drop-in fits its
+        first chunk (`calibration.calibrate`, with `options`). Only while the cache holds no data
+        (`configure`). Returns the Calibration."""
+        self.cache.kv_plane.kv(layer)
         self.check_empty("calibrate_layer")
         cal, changes = self._fit(layer, keys, values, queries, options, has_sinks)
         self._set(layer, changes, namespace=True)
         return cal
 
-    def fit(self, layer, keys, values, queries=None, *, options=None, has_sinks: bool = False):
-        self.cache._kv(layer)
+    def fit(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+            queries: Optional[torch.Tensor] = None, *, options=None, has_sinks: bool = False):
+        """`calibrate` for a front door that fits each layer on its own first chunk while earlier
+        layers already store that chunk (`PagedCache.fit_layer`, `PagedCache(fit_first_chunk=
+        True)`, the transformers drop-in): allowed while this layer is not fitted and has stored
+        nothing since the cache was built or `reset`. The prefix keys' namespace stays (the
+        sequences hold their roots; a shared prefix store's keys cover the transform through the
+        record layout). Raises before any change. Returns the Calibration."""
+        self.cache.kv_plane.kv(layer)
         if layer in self.fitted or layer in self.written:
             raise ConfigError(f"layer {layer} already stores data under its transform; "
                               "fit_layer fits a layer before its first store (reset_transforms() first)")
@@ -149,7 +169,7 @@ class LayerTransforms:
             self.check_empty("reset_transforms")
             todo = list(range(len(c.layers)))
         else:
-            todo = [c._index(i) for i in layers]
+            todo = [c.storage.index(i) for i in layers]
             stored = [i for i in todo if i in self.written]
             if stored:
                 raise ConfigError(f"layers {stored} store data under their transform; "
