@@ -76,7 +76,7 @@ class WindowedAppend:
             s = self._get(sid)
             if n:
                 for i in self._releasable(s, len(s.tokens)):
-                    self._drop_entry(s.table[i])
+                    self.entries.drop(s.table[i])
                     s.table[i] = RELEASED
                     s.dead = i + 1
 

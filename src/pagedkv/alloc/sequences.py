@@ -33,7 +33,7 @@ from .hashing import Salt, root_hash
 from .pool import BlockPool
 from .growth import WindowedAppend
 from .prefixchain import PrefixChain
-from .swapstate import RELEASED, SwapEntries, swapped_record
+from .swapstate import RELEASED, TableEntries, swapped_record
 
 _NO_UNKNOWN = sys.maxsize
 _MAX_TOKEN = (1 << 63) - 1
@@ -75,7 +75,7 @@ def check_tokens(tokens, what: str) -> tuple[int, list[int], bool]:
     return len(toks), toks, True
 
 
-class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
+class SequenceManager(PrefixChain, WindowedAppend):
     """All sequences of one block group, sharing one `BlockPool`.
 
     namespace: bytes mixed into every prefix key (model identity, format, layer layout), so
@@ -102,7 +102,7 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
         self.prefix_queries = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        self._init_records()
+        self.entries = TableEntries(pool)  # the reference rule of entries; the swap records
 
     # ---- lookup ---------------------------------------------------------------------------
     def _get(self, seq_id: Hashable) -> _Seq:
@@ -277,7 +277,7 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
         c.committed, c.first_unknown, c.dead = s.committed, s.first_unknown, s.dead
         c.hashes, c.published = list(s.hashes), s.published
         for b in s.table:
-            self._share_entry(b)
+            self.entries.share(b)
         self._seqs[new_id] = c
         return new_id
 
@@ -311,13 +311,13 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
         new_len = len(s.tokens) - n
         keep = -(-new_len // self.block_size)
         while len(s.table) > keep:
-            self._drop_entry(s.table.pop())
+            self.entries.drop(s.table.pop())
         back = None
         if rid is not None:
             if not self.pool.ensure(1):  # pragma: no cover - checked above
                 raise CacheFull("no pool block for a swap-in")
             back = self.pool._take()
-            self._drop_entry(s.table[-1])
+            self.entries.drop(s.table[-1])
             s.table[-1] = back
         if keep and s.table[-1] >= 0 and self.pool._ref[s.table[-1]] == 1:
             self.pool.fill[s.table[-1]] = new_len - (keep - 1) * self.block_size
@@ -340,17 +340,35 @@ class SequenceManager(SwapEntries, PrefixChain, WindowedAppend):
         """Drop a sequence; its keyed blocks stay cached (LRU, tail blocks evicted first)."""
         s = self._get(seq_id)
         for b in reversed(s.table):
-            self._drop_entry(b)
+            self.entries.drop(b)
         del self._seqs[seq_id]
 
     def clear(self) -> None:
         """Drop every sequence and every cached prefix."""
-        self.dead_records.extend(self.rec_refs)
-        self.rec_refs.clear()
-        self.rec_chain.clear()
-        self._rec_by_chain.clear()
+        self.entries.clear()
         self._seqs.clear()
         self.pool.reset()
+
+    # ---- swapped entries (`swapstate.TableEntries` owns the records) -------------------------
+    rec_refs = property(lambda self: self.entries.refs, doc="record id -> table entries naming it")
+    rec_chain = property(lambda self: self.entries.chain, doc="record id -> chain key of its block")
+
+    def swap_candidates(self, seq_id: Hashable, cap: int) -> list[tuple[int, int, int, bool]]:
+        """Entries to swap out so at most `cap` blocks of the sequence stay resident
+        (`TableEntries.candidates`; then write the records and call `swapped_out`)."""
+        return self.entries.candidates(self._get(seq_id), cap, self.block_size)
+
+    def swapped_out(self, seq_id: Hashable, done: Sequence[tuple[int, int, int, bool]]) -> None:
+        """The records of `done` (from `swap_candidates`) are written: swap the entries."""
+        self.entries.swapped_out(self._get(seq_id), done)
+
+    def swapped(self, seq_id: Hashable) -> list[int]:
+        """Logical indices of the sequence's swapped-out blocks."""
+        return [i for i, b in enumerate(self._get(seq_id).table) if b <= -2]
+
+    def drain_dead_records(self) -> list[int]:
+        """Records whose last table entry went since the last call: delete them in the tier."""
+        return self.entries.drain()
 
     def check_invariants(self) -> None:
         """O(total) self-check (tests, debugging): AssertionError naming the first violation."""
