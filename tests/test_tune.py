@@ -137,6 +137,8 @@ def test_plan_files_are_validated_against_the_layout(plans, tmp_path):
     (["tune", "--bits", "3.5", "--out", "plan.txt"], "--out"),
     (["tune", "--bits", "0", "--out", "p.json"], "--bits"),
     (["tune", "--bits", "3.5", "--recent", "x64", "--out", "p.json"], "--recent"),
+    (["tune", "--bits", "3.5", "--needles", "99", "--out", "p.json"], "--needles"),
+    (["tune", "--bits", "3.5", "--needles", "-1", "--out", "p.json"], "--needles"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, word, capsys):
     from pagedkv.cli.main import main

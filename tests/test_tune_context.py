@@ -37,7 +37,7 @@ class WordTokenizer:
 @pytest.fixture(scope="module")
 def long_plan():
     import pagedkv.eval.text as eval_text
-    from pagedkv.tune import sensitivity, tune_budgets
+    from pagedkv.tune import for_context, sensitivity, tune_budgets
 
     model = peaked_llama(pagedkv_attention=False, num_hidden_layers=2, max_position_embeddings=2048)
     tok = WordTokenizer()
@@ -45,7 +45,7 @@ def long_plan():
     eval_text.default_text = lambda: (_ for _ in ()).throw(AssertionError("tune read the eval text"))
     sensitivity.MAX_QUERY_ROWS = 64  # test time (the sampling has its own test below)
     try:
-        docs = tune_budgets(model, tok, budgets=[3.5, 4.5], tokens=N, context=N, recent="auto")
+        docs = tune_budgets(model, tok, budgets=[3.5, 4.5], recent="auto", **for_context(N))
     finally:
         eval_text.default_text, sensitivity.MAX_QUERY_ROWS = saved
     return model, tok, docs

@@ -33,7 +33,7 @@ def resolve_tuned(model, tokenizer, choices: Sequence, context: int, directory: 
         return list(choices)
     if tokenizer is None:
         raise ConfigError("tuned<B> formats need the model's tokenizer (the calibration text is tokenized)")
-    from ..tune import check_context, tune_budgets
+    from ..tune import check_context, for_context, tune_budgets
     from ..tune.choose import write_plan
 
     out = directory or tempfile.mkdtemp(prefix="pagedkv-tuned-")
@@ -42,7 +42,7 @@ def resolve_tuned(model, tokenizer, choices: Sequence, context: int, directory: 
         budgets = sorted(budgets)
         if n is not None:
             check_context(model.config, n, f"tuned<B>@{n}:")
-        kw = dict(context=context) if n is None else dict(context=n, tokens=n)
+        kw = dict(context=context) if n is None else for_context(n)
         docs = tune_budgets(model, tokenizer, budgets=budgets, recent="auto", label="eval", **kw)
         for bits, doc in zip(budgets, docs):
             paths[bits, n] = os.path.join(out, f"tuned{bits:g}" + ("" if n is None else f"@{n}") + ".json")
