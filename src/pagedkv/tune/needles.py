@@ -43,7 +43,7 @@ FIRST_DEPTH, LAST_DEPTH = 0.05, 0.9
 def needle_window(encode, ids: Sequence[int], needles: int = DEFAULT_NEEDLES, seed: int = SEED) -> tuple[list[int], list[int]]:
     """(window, rows): `ids` (a calibration window, BOS first when the model has one) with
     `needles` facts inserted and asked at its end, of the same length; rows: the positions whose
-    next token is an answer digit (sorted). encode(text) -> token ids without special tokens.
+    next token is a token of an answer (" NNNNN"), sorted. encode(text) -> token ids without special tokens.
     ConfigError when the window is too short to hold them (a quarter of it at most)."""
     if not 1 <= needles <= len(WORDS):
         raise ConfigError(f"needles must be in 1..{len(WORDS)}, got {needles}")
