@@ -5,7 +5,9 @@ docstrings, `integrations.capture.calibration_text`, unless --text is given), ho
 layer's attention output moves when only its keys or only its values are stored in each codec
 of the ladder (with the statistics the cache would fit). `choose` picks per layer a K and a V
 codec by a greedy knapsack on those errors (best error drop per bit first) within the budget and
-writes the plan file, which `pagedkv.formats.read_plan` reads wherever a format is accepted.
+writes the plan file, which `pagedkv.formats.read_plan` reads wherever a format is accepted. A plan
+for a context of 2048 tokens or more also weighs `needles`: what each layer's keys and values
+cost the answers to facts hidden far back in the window.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def tune_budgets(model, tokenizer, *, budgets: Sequence[float], text: Optional[s
 
         n_tokens = min(tokens, nd.MAX_WINDOW)
         nwin, rows = nd.needle_window(lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
-                                        ids[:n_tokens], needles)
+                                      ids[:n_tokens], needles)
         found = nd.needle_errors(model, nwin, rows, codecs)
         per_window = [nd.combine(e, found) for e in per_window]
         needle_doc = {"needles": needles, "needle_tokens": n_tokens,

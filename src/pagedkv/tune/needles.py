@@ -105,9 +105,9 @@ def needle_gradients(model, window: Sequence[int], rows: Sequence[int]) -> list[
     before = getattr(model.config, "_attn_implementation", None)
     model.set_attn_implementation(NEEDLE_LABEL)
     try:
-        ids = torch.tensor([list(window)], device=model.device)
-        at = torch.tensor(list(rows), device=model.device)
-        with torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad():  # also when called under inference mode
+            ids = torch.tensor([list(window)], device=model.device)
+            at = torch.tensor(list(rows), device=model.device)
             logits = model(ids, use_cache=False).logits[0, at].float()
             nll = -torch.log_softmax(logits, -1).gather(-1, ids[0, at + 1, None]).sum()
             nll.backward()
