@@ -3,9 +3,12 @@
 Offline, deterministic, seeded: the same (task, length, trials, depths, seed, tokenizer) give the
 same token ids, so every KV format sees exactly the same trials (paired).
 
-- **passkey** (the classic probe, as llama.cpp's `llama-passkey`): a haystack of one repeated
+- **passkey** (the classic probe of llama.cpp's `llama-passkey`): a haystack of one repeated
   filler paragraph, one needle "The pass key is NNNNN. Remember it. NNNNN is the pass key." at
-  the trial's depth, then "What is the pass key? The pass key is"; one trial per context.
+  the trial's depth, then, on a line of its own, the needle's opening "The pass key is" for the
+  model to complete; one trial per context. (llama-passkey asks "What is the pass key? The pass
+  key is"; after that question the small models pagedkv ships often define the word instead,
+  "a special key that is used to ...", even in bf16, so the task could not judge a cache.)
 - **multikey** (RULER's niah_multikey form): a haystack of the default eval text
   (`pydoc_data.topics`) with `keys` needles "One of the special magic numbers for KEY is:
   NNNNNNN." (distinct keys, 7-digit values); each needle is queried once ("What is the special
@@ -42,7 +45,7 @@ PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here w
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                  "I will quiz you about the important information there.\n")
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+PASSKEY_QUESTION = "\nThe pass key is"
 
 MULTIKEY_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
                   "them. I will quiz you about the numbers afterwards.\n")
