@@ -26,13 +26,15 @@ from __future__ import annotations
 import sys
 from array import array
 from itertools import count
-from typing import Hashable, Optional, Sequence, Union
+from typing import Hashable, Iterable, Optional, Sequence, Union
 
+from ..compose import calls
 from ..errors import CacheFull, ConfigError, InvalidInput, UnknownSequence
-from .hashing import Salt, root_hash
+from .hashing import Salt
 from .pool import BlockPool
 from .growth import WindowedAppend
 from .prefixchain import PrefixChain
+from .shape import GroupShape
 from .swapstate import RELEASED, TableEntries, swapped_record
 
 _NO_UNKNOWN = sys.maxsize
@@ -75,8 +77,14 @@ def check_tokens(tokens, what: str) -> tuple[int, list[int], bool]:
     return len(toks), toks, True
 
 
-class SequenceManager(PrefixChain, WindowedAppend):
-    """All sequences of one block group, sharing one `BlockPool`.
+class SequenceManager:
+    """All sequences of one block group, sharing one `BlockPool`: the one owner of the
+    sequences' records (`_Seq`: tokens, block table, committed count, chain keys). Its parts,
+    each the owner of its own state, get the records they change: `keys` (`PrefixChain`: the
+    namespace, chain keys, what a hit holds and costs), `growth` (`WindowedAppend`: capacity,
+    window reclaim, appends, compaction) and `entries` (`TableEntries`: the entries' reference
+    rule, the swap records); `shape` (`GroupShape`) is the group's block size, window and kept
+    first blocks.
 
     namespace: bytes mixed into every prefix key (model identity, format, layer layout), so
     caches of different models or formats can never hit each other's blocks.
@@ -92,17 +100,22 @@ class SequenceManager(PrefixChain, WindowedAppend):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         self.pool = pool
-        self.block_size = block_size
-        self.namespace = namespace
-        self.window = window
-        self.keep_first = keep_first
-        self.prefix = prefix
+        self.shape = GroupShape(block_size, window, keep_first)
         self._seqs: dict[Hashable, _Seq] = {}
         self._ids = count()
         self.prefix_queries = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.entries = TableEntries(pool)  # the reference rule of entries; the swap records
+        self.keys = PrefixChain(pool, self.shape, namespace, prefix)
+        self.growth = WindowedAppend(pool, self.shape, self.entries)
+
+    block_size = property(lambda self: self.shape.block_size)
+    window = property(lambda self: self.shape.window)
+    keep_first = property(lambda self: self.shape.keep_first)
+    first_needed = calls("shape", GroupShape.first_needed)
+    namespace = property(lambda self: self.keys.namespace, doc="prefix keys' namespace (`keys` owns it)")
+    prefix = property(lambda self: self.keys.enabled, doc="whether committed full blocks are keyed")
 
     # ---- lookup ---------------------------------------------------------------------------
     def _get(self, seq_id: Hashable) -> _Seq:
@@ -112,6 +125,9 @@ class SequenceManager(PrefixChain, WindowedAppend):
             raise UnknownSequence(
                 f"unknown sequence {seq_id!r}; {len(self._seqs)} sequences are held"
             ) from None
+
+    def _all(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
+        return [self._get(i) for i in seq_ids]
 
     def __contains__(self, seq_id: Hashable) -> bool:
         try:
@@ -144,10 +160,6 @@ class SequenceManager(PrefixChain, WindowedAppend):
         """Leading entries released by the window."""
         return self._get(seq_id).dead
 
-    def first_needed(self, length: int) -> int:
-        """The first position a query at any position >= length can see (0 without a window)."""
-        return 0 if self.window is None else max(0, length - self.window + 1)
-
     def min_length(self, seq_id: Hashable) -> int:
         """The fewest tokens `pop` may leave (besides 0): released blocks must stay unseen."""
         d = self._get(seq_id).dead
@@ -167,10 +179,6 @@ class SequenceManager(PrefixChain, WindowedAppend):
             raise ConfigError(f"sequence id {seq_id!r} is already in use")
         return seq_id
 
-    def _slots(self, s: _Seq, start: int, n: int) -> list[int]:
-        bs, t = self.block_size, s.table
-        return [t[p // bs] * bs + p % bs for p in range(start, start + n)]
-
     def slots(self, seq_id: Hashable, start: int, n: int) -> list[int]:
         """Slots of positions start..start+n-1 (all resident; InvalidInput otherwise)."""
         s = self._get(seq_id)
@@ -178,7 +186,50 @@ class SequenceManager(PrefixChain, WindowedAppend):
         if n and min(s.table[start // bs:(start + n - 1) // bs + 1]) < 0:
             raise InvalidInput(f"positions [{start}, {start + n}) of sequence {seq_id!r} include "
                                "released or swapped-out blocks")
-        return self._slots(s, start, n)
+        return self.shape.slots(s.table, start, n)
+
+    # ---- prefix keys (`prefixchain.PrefixChain`) -------------------------------------------
+    chain = calls("keys", PrefixChain.chain)
+    hit_span = calls("keys", PrefixChain.hit_span)
+    hit_blocks = calls("keys", PrefixChain.hit_blocks)
+    feasible = calls("keys", PrefixChain.feasible)
+    match = calls("keys", PrefixChain.match)
+    hit_cost = calls("keys", PrefixChain.hit_cost)
+
+    def commit(self, seq_ids: Union[Hashable, Iterable[Hashable]]) -> None:
+        """Mark every allocated token of the sequences as written; key newly full blocks."""
+        if isinstance(seq_ids, (list, tuple, set, frozenset)) and seq_ids not in self:
+            self.keys.commit(self._all(seq_ids))
+        else:
+            self.keys.commit([self._get(seq_ids)])
+
+    def newly_full(self, seq_id: Hashable) -> list[tuple[int, bytes]]:
+        """(pool block, chain key) of the sequence's committed, keyed blocks not handed out
+        before (`PrefixChain.newly_full`)."""
+        return self.keys.newly_full(self._get(seq_id))
+
+    # ---- appends (`growth.WindowedAppend`) --------------------------------------------------
+    fits = calls("growth", WindowedAppend.fits)
+    full_error = calls("growth", WindowedAppend.full_error)
+
+    def demand(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> tuple[int, int]:
+        """(blocks an append of `counts` new tokens takes, blocks its window reclaim frees):
+        no change (`WindowedAppend.demand`)."""
+        return self.growth.demand(self._all(seq_ids), counts)
+
+    def reclaim(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> None:
+        """Release the blocks no query of the sequences about to grow can see any more."""
+        self.growth.reclaim(self._all(seq_ids), counts)
+
+    def extend(self, seq_ids: Sequence[Hashable], parsed: Sequence[tuple[int, list[int], bool]]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Append already checked tokens (`check_tokens` results; capacity from `demand`):
+        (slots, copies) (`WindowedAppend.extend`)."""
+        return self.growth.extend(self._all(seq_ids), parsed)
+
+    def compact(self, target: int) -> list[tuple[int, int]]:
+        """Cut the pool to `target` blocks, renumbering every table (`BlockPool.compact`)."""
+        return self.growth.compact(self._seqs.values(), target)
 
     # ---- sequences ------------------------------------------------------------------------
     def add(self, tokens: Sequence[int], salt: Salt = None, seq_id: Optional[Hashable] = None,
@@ -197,15 +248,15 @@ class SequenceManager(PrefixChain, WindowedAppend):
         if isinstance(tokens, int):
             raise ConfigError("add_sequence needs the prompt's token ids, not a count")
         if keys is None:
-            keys = self.chain(toks, salt) if self.prefix else []
-        root = root_hash(self.namespace, salt)
+            keys = self.keys.chain(toks, salt) if self.keys.enabled else []
+        root = self.keys.root(salt)
         seq_id = self._new_id(seq_id)
         bs, pool = self.block_size, self.pool
-        nhit = self.feasible(keys, len(keys) if max_hit_blocks is None else max_hit_blocks)
+        nhit = self.keys.feasible(keys, len(keys) if max_hit_blocks is None else max_hit_blocks)
         hit_tokens = nhit * bs
         held = n if rest else hit_tokens
         held_blocks = -(-held // bs)
-        cost = self.hit_cost(keys, nhit, held_blocks)
+        cost = self.keys.hit_cost(keys, nhit, held_blocks)
         if cost and not pool.ensure(cost):
             raise CacheFull(
                 f"add_sequence of {n} tokens needs {cost} blocks ({nhit} prefix hits); "
@@ -213,17 +264,17 @@ class SequenceManager(PrefixChain, WindowedAppend):
             )
         s = _Seq(root)
         s.table.extend([RELEASED] * nhit)
-        for i in self.hit_blocks(nhit):
+        for i in self.keys.hit_blocks(nhit):
             b = pool.lookup(keys[i])
             pool.share(b)
             s.table[i] = b
-        keep, lo = self.hit_span(nhit)
+        keep, lo = self.keys.hit_span(nhit)
         s.dead = lo if lo > keep else 0  # entries [keep, lo): outside the window already
         for _ in range(held_blocks - nhit):
             s.table.append(pool._take())
         s.tokens = toks[:held]
         if held > hit_tokens:
-            self._mark_fill(s, hit_tokens, held)
+            self.growth.mark_fill(s, hit_tokens, held)
         s.committed = hit_tokens
         s.hashes = keys[:nhit]
         s.published = nhit  # a hit block is already wherever the tiers keep it
@@ -231,41 +282,7 @@ class SequenceManager(PrefixChain, WindowedAppend):
         self.prefix_queries += 1
         self.prefix_query_tokens += n
         self.prefix_hit_tokens += hit_tokens
-        return seq_id, hit_tokens, self._slots(s, hit_tokens, held - hit_tokens)
-
-    def _append(self, s: _Seq, n: int, toks: list[int], known: bool,
-                copies: list[tuple[int, int]]) -> int:
-        """Append (reclaimed, capacity checked); returns the first new position."""
-        pool, bs = self.pool, self.block_size
-        L = len(s.tokens)
-        if n == 0:
-            return L
-        if L % bs:
-            last = s.table[-1]
-            if pool._ref[last] > 1:  # shared, partly filled: copy before writing
-                new = pool._take()
-                copies.append((last, new))
-                pool.record_copy(new, last)
-                pool.release(last)
-                s.table[-1] = new
-            elif pool._hash[last] is not None:  # sole owner of a keyed block: drop the key
-                pool.unregister(last)
-        for _ in range(-(-(L + n) // bs) - len(s.table)):
-            s.table.append(pool._take())
-        s.tokens.extend(toks)
-        self._mark_fill(s, L, L + n)
-        if not known and s.first_unknown > L:
-            s.first_unknown = L
-        return L
-
-    def _mark_fill(self, s: _Seq, start: int, end: int) -> None:
-        """Record that positions start..end-1 of `s` have slots (per-block high-water mark)."""
-        bs, fill, t = self.block_size, self.pool.fill, s.table
-        for j in range(start // bs, (end - 1) // bs + 1):
-            f = min(bs, end - j * bs)
-            b = t[j]
-            if fill[b] < f:
-                fill[b] = f
+        return seq_id, hit_tokens, self.shape.slots(s.table, hit_tokens, held - hit_tokens)
 
     def fork(self, seq_id: Hashable, new_id: Optional[Hashable] = None) -> Hashable:
         """A new sequence sharing every block of `seq_id` (copy-on-write on the first write)."""

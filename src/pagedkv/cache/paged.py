@@ -22,13 +22,13 @@ K/V were stored in every layer.
 
 from __future__ import annotations
 
-import functools
 from typing import Hashable, Iterable, Optional, Sequence, Union
 
 import torch
 
 from ..alloc.hashing import Salt
 from ..alloc.trace import BlockTrace
+from ..compose import calls
 from ..errors import ConfigError
 from .config import CacheConfig
 from .dataplane import DataPlane
@@ -38,18 +38,6 @@ from .handouts import Handouts
 from .latent_plane import LatentPlane
 from .tables import NewSequence, StepBatch, int_tensor  # noqa: F401 (NewSequence: re-exported)
 from .transforms import LayerTransforms
-
-
-def _calls(part: str, method):
-    """A `PagedCache` method that calls `method` of its part `part` (composition: the part owns
-    the state and the code; the name, signature and docstring are that method's)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        return getattr(getattr(self, part), name)(*args, **kwargs)
-
-    return call
 
 
 class PagedCache:
@@ -121,10 +109,10 @@ class PagedCache:
     seqs = property(lambda self: self.storage.core.main, doc="the first block group's `SequenceManager`")
     pool = property(lambda self: self.storage.core.main.pool, doc="the first block group's `BlockPool`")
 
-    set_layers = _calls("storage", GroupStorage.set_layers)
-    group_of = _calls("storage", GroupStorage.group_of)
-    block_bytes = _calls("storage", GroupStorage.block_bytes)
-    group_stats = _calls("storage", GroupStorage.group_stats)
+    set_layers = calls("storage", GroupStorage.set_layers)
+    group_of = calls("storage", GroupStorage.group_of)
+    block_bytes = calls("storage", GroupStorage.block_bytes)
+    group_stats = calls("storage", GroupStorage.group_stats)
 
     def _dropped(self) -> None:
         """Table entries went: delete the swap records nothing names any more."""
@@ -377,23 +365,23 @@ class PagedCache:
         """Per-block events (None unless CacheConfig(trace=True))."""
         return self.pool.trace
 
-    stats = _calls("storage", GroupStorage.stats)
+    stats = calls("storage", GroupStorage.stats)
 
-    # ---- data plane and layer transforms: methods of the parts, called (`_calls`) -------------
-    store = _calls("kv_plane", DataPlane.store)
-    attention_view = _calls("kv_plane", DataPlane.attention_view)
-    tail_view = _calls("kv_plane", DataPlane.tail_view)
-    decode_attention = _calls("kv_plane", DataPlane.decode_attention)
-    prefill_attention = _calls("kv_plane", DataPlane.prefill_attention)
-    gather = _calls("kv_plane", DataPlane.gather)
-    store_latent = _calls("latent_plane", LatentPlane.store_latent)
-    latent_decode_attention = _calls("latent_plane", LatentPlane.latent_decode_attention)
-    latent_prefill_attention = _calls("latent_plane", LatentPlane.latent_prefill_attention)
-    gather_latent = _calls("latent_plane", LatentPlane.gather_latent)
-    configure_layer = _calls("transforms", LayerTransforms.configure)
-    calibrate_layer = _calls("transforms", LayerTransforms.calibrate)
-    fit_layer = _calls("transforms", LayerTransforms.fit)
-    fit_options = _calls("transforms", LayerTransforms.options)
-    reset_transforms = _calls("transforms", LayerTransforms.reset)
+    # ---- data plane and layer transforms: methods of the parts, called (`compose.calls`) ------
+    store = calls("kv_plane", DataPlane.store)
+    attention_view = calls("kv_plane", DataPlane.attention_view)
+    tail_view = calls("kv_plane", DataPlane.tail_view)
+    decode_attention = calls("kv_plane", DataPlane.decode_attention)
+    prefill_attention = calls("kv_plane", DataPlane.prefill_attention)
+    gather = calls("kv_plane", DataPlane.gather)
+    store_latent = calls("latent_plane", LatentPlane.store_latent)
+    latent_decode_attention = calls("latent_plane", LatentPlane.latent_decode_attention)
+    latent_prefill_attention = calls("latent_plane", LatentPlane.latent_prefill_attention)
+    gather_latent = calls("latent_plane", LatentPlane.gather_latent)
+    configure_layer = calls("transforms", LayerTransforms.configure)
+    calibrate_layer = calls("transforms", LayerTransforms.calibrate)
+    fit_layer = calls("transforms", LayerTransforms.fit)
+    fit_options = calls("transforms", LayerTransforms.options)
+    reset_transforms = calls("transforms", LayerTransforms.reset)
     fitted = property(lambda self: self.transforms.fitted,
                       doc="The layers whose transform is fixed (fitted, or adopted from a prefix store).")

@@ -1,12 +1,13 @@
 """The offload policies of the engine cache: where `PagedCache` calls the tiers.
 
-`PagedCache(config, offload=OffloadConfig(...))` builds one `CacheTiers` over every block group
-(`pagedkv.offload.coretiers.CoreTiers`: the resident cap with swap, the shared prefix store; a
-group's records hold its block id in each of its members: the pages of its layers and the
-recent-window tails it holds). The cache calls it at admit (`before_add`: load the prompt's
+`PagedCache(config, offload=OffloadConfig(...))` builds one `CacheTiers` over every block group;
+it holds the policies (`pagedkv.offload.coretiers.CoreTiers`: the resident cap with swap, the
+shared prefix store; a group's records hold its block id in each of its members: the pages of
+its layers and the recent-window tails it holds) and the store's transform record
+(`transform_record.SharedTransform`) as objects it calls. The cache calls it at admit (`before_add`: load the prompt's
 longest stored hit into the pools as cached prefix blocks, where the admission finds them), at
 commit (`after_commit`: publish newly full blocks, then swap each sequence down to the cap in
-every group), at attention (`view`: a member with swapped blocks read back), at pop (`fetch`: a
+every group), at attention (`view_of`: a member with swapped blocks read back), at pop (`pop_fetch`: a
 swapped block that becomes the partly filled last block is read back before anything changes)
 and after entries go (`drop_dead`: delete records no table entry names).
 
@@ -21,6 +22,7 @@ from typing import Hashable, Optional, Sequence
 import torch
 
 from ..alloc.hashing import Salt, root_hash
+from ..compose import calls
 from ..errors import ConfigError
 from ..ops.batch import PagedLayer
 from ..offload.config import OffloadConfig
@@ -49,9 +51,12 @@ def _loadable(tokens, salt: Salt) -> Optional[list]:
     return toks
 
 
-class CacheTiers(CoreTiers, SharedTransform):
-    """The policies of one engine cache (see the module doc). swap_tier / prefix_tier: tiers to
-    use instead of those `offload` describes (tests, one tier shared by caches)."""
+class CacheTiers:
+    """The policies of one engine cache (see the module doc): it holds `policies` (`CoreTiers`:
+    swap and prefix store over every block group) and `transform` (`SharedTransform`: the
+    layers' transform as the prefix store's side record) and calls them with this cache's
+    members and transforms. swap_tier / prefix_tier: tiers to use instead of those `offload`
+    describes (tests, one tier shared by caches)."""
 
     def __init__(self, cache, offload: OffloadConfig, swap_tier=None, prefix_tier=None):
         if not isinstance(offload, OffloadConfig):
@@ -60,10 +65,19 @@ class CacheTiers(CoreTiers, SharedTransform):
         self.cache = cache
         swap, prefix, self.close = build_tiers(cache, cache.config, offload, swap_tier, prefix_tier,
                                                len(cache.core.groups))
-        super().__init__(cache.core, self._members, swap, offload.resident_blocks_per_seq,
-                         prefix, group_tags(cache.groups))
+        self.policies = CoreTiers(cache.core, self._members, swap, offload.resident_blocks_per_seq,
+                                  prefix, group_tags(cache.groups))
+        self.transform = SharedTransform(prefix)
         self.tier_hit_tokens = 0
         self.loaded_blocks = 0  # blocks brought up from the prefix store
+
+    space = property(lambda self: self.policies.space, doc="the swap space (or None)")
+    store = property(lambda self: self.policies.store, doc="the prefix store (or None)")
+    enforce = calls("policies", CoreTiers.enforce)
+    drop_dead = calls("policies", CoreTiers.drop_dead)
+    pop_fetch = calls("policies", CoreTiers.pop_fetch)
+    pop_restore = calls("policies", CoreTiers.pop_restore)
+    stats = calls("policies", CoreTiers.stats)
 
     def _members(self, g: int) -> list[Optional[PagedLayer]]:
         """Group g's members now, pools sized to its block pool, as records see them (a latent
@@ -82,38 +96,37 @@ class CacheTiers(CoreTiers, SharedTransform):
         latent cache's fp8 scales, a `fit_first_chunk` cache's K/V transforms."""
         shapes = self.cache.transforms.adoptable_shapes()
         if shapes is not None:
-            got = self.stored_transform(shapes)
+            got = self.transform.stored_transform(shapes)
             if got is not None:
                 self.cache.transforms.adopt(got)
 
     def before_add(self, seqs, tokens, salt: Salt, seq_id: Optional[Hashable]):
         """(tokens to admit, hit blocks in memory before loading). Loaded blocks stay cached
         (evictable) even if the admission then fails for another reason."""
-        toks = _loadable(tokens, salt) if self.prefix is not None else None
+        toks = _loadable(tokens, salt) if self.store is not None else None
         if toks is None:
             return tokens, None
         if seq_id is not None and seq_id in seqs:
             return toks, None
         self._adopt()
-        before, loaded = self.load(toks, salt)
+        before, loaded = self.policies.load(toks, salt)
         self.loaded_blocks += loaded
         return toks, before
 
     def after_commit(self, ids: Sequence[Hashable]) -> None:
         """Publish the transform this cache fitted (latent fp8 scales, or with
-        `fit_first_chunk` the K/V transforms; once every layer's is fixed), then the blocks."""
-        if self.prefix is not None:
+        `fit_first_chunk` the K/V transforms; once every layer's is fixed), then the blocks
+        (`CoreTiers.after_commit`)."""
+        if self.store is not None:
             transforms = self.cache.transforms.shared()
             if transforms is not None:
-                self.publish_transform(transforms)
-        super().after_commit(ids)
-
-    def member_index(self, g: int, kind: str, layer: int) -> int:
-        return self.cache.groups.members[g].index((kind, layer))
+                self.transform.publish_transform(transforms)
+        self.policies.after_commit(ids)
 
     def view_of(self, kind: str, layer: int, g: int, seq_ids: Sequence[Hashable], epoch: int,
                 device: torch.device):
         """(member with the batch's swapped blocks of group g read back, tables) or None."""
-        if self.swap is None:
+        if self.space is None:
             return None
-        return self.view(g, self.member_index(g, kind, layer), seq_ids, device, epoch)
+        index = self.cache.groups.members[g].index((kind, layer))
+        return self.policies.view(g, index, seq_ids, device, epoch)

@@ -93,9 +93,11 @@ class SharedTransform:
     same transform. Block keys cover the record layout (scales included), so blocks written
     under any other transform are plain misses."""
 
-    store = None  # set by the tiers
-    _transform_published = False
     _damage_warned = False  # one warning per process for a damaged record
+
+    def __init__(self, store=None):
+        self.store = store  # the prefix store (None: nothing to share)
+        self._transform_published = False
 
     def publish_transform(self, layers: Sequence[Transform]) -> None:
         """Publish `layers`' transforms once (never raises: a tier fault only logs)."""

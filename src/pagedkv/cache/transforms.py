@@ -102,7 +102,7 @@ class LayerTransforms:
         if namespace:
             ns = storage.transform_namespace(c.config.fingerprint, c.layers)
             for g in c.core.groups:  # empty (checked): no key was computed with the old one
-                g.namespace = ns
+                g.keys.namespace = ns
 
     def options(self, layer: int, options=None, has_sinks: bool = False):
         """What a fit of layer `layer` fits (`calibration.CalibrationOptions`): key centre when
@@ -187,7 +187,7 @@ class LayerTransforms:
         c.set_layers(new)
         if layers is None:
             for g in c.core.groups:
-                g.namespace = c.config.fingerprint
+                g.keys.namespace = c.config.fingerprint
         self.fitted = self.fitted - frozenset(todo)
         self.written = self.written - frozenset(todo)
 
