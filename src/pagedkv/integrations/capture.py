@@ -4,11 +4,14 @@ Both fit or measure on fixed text that is not the evaluation text: the docstring
 ordered list of standard-library modules (`calibration_text`), tokenized with BOS first when the
 tokenizer has one (`calibration_ids`). `capture_attention` runs one transformers forward in
 which every attention layer's queries, keys and values (after RoPE, float32) are recorded through
-transformers' attention interface (then computed by sdpa, so the forward is the model's own).
+transformers' attention interface (then computed by sdpa, so the forward is the model's own):
+`attention_hook`, the one place an attention implementation is registered, set and restored
+(also used by tune's needle gradients).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional
 
@@ -47,23 +50,30 @@ def calibration_ids(tokenizer, tokens: int, text: Optional[str] = None, what: st
     return ids[:tokens]
 
 
-def register_capture(seen: dict) -> None:
-    """Register the CAPTURE attention (and its sdpa mask): each call records its layer's (q, k, v
-    float32 [B, H, T, D], sliding window or None, softmax scale or None) in `seen[layer_idx]`,
-    then runs sdpa."""
+@contextlib.contextmanager
+def attention_hook(model, name: str, see):
+    """For the body of the `with`, every attention layer of the transformers `model` calls
+    `see(module, query, key, value, kwargs) -> (key, value)` and then sdpa on what it returns
+    (the model's own attention): `see` is registered as attention implementation `name` (with
+    sdpa's mask) and set; the model's implementation is restored on exit."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    def record(module, query, key, value, attention_mask, **kwargs):
-        qkv = tuple(x.detach().float().clone() for x in (query, key, value))
-        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        scale = kwargs.get("scaling", getattr(module, "scaling", None))
-        seen[int(module.layer_idx)] = (*qkv, int(window) if window else None, None if scale is None else float(scale))
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        key, value = see(module, query, key, value, kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register(CAPTURE, record)
-    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+    AttentionInterface.register(name, attend)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    before = getattr(model.config, "_attn_implementation", None)
+    if before != name:
+        model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        if before is not None and before != name:
+            model.set_attn_implementation(before)
 
 
 def capture_attention(model, ids: torch.Tensor) -> list[tuple]:
@@ -72,16 +82,16 @@ def capture_attention(model, ids: torch.Tensor) -> list[tuple]:
     transformers model for ids int64 [B, T], in layer order (its attention implementation is
     restored afterwards)."""
     seen: dict[int, tuple] = {}
-    register_capture(seen)
-    before = getattr(model.config, "_attn_implementation", None)
-    if before != CAPTURE:
-        model.set_attn_implementation(CAPTURE)
-    try:
-        with torch.no_grad():
-            model(ids.to(model.device), use_cache=False)
-    finally:
-        if before is not None and before != CAPTURE:
-            model.set_attn_implementation(before)
+
+    def record(module, query, key, value, kwargs):
+        qkv = tuple(x.detach().float().clone() for x in (query, key, value))
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        scale = kwargs.get("scaling", getattr(module, "scaling", None))
+        seen[int(module.layer_idx)] = (*qkv, int(window) if window else None, None if scale is None else float(scale))
+        return key, value
+
+    with attention_hook(model, CAPTURE, record), torch.no_grad():
+        model(ids.to(model.device), use_cache=False)
     if not seen:
         raise ConfigError("the model ran no attention layer through transformers' attention interface")
     return [seen[i] for i in sorted(seen)]

@@ -87,33 +87,27 @@ def needle_gradients(model, window: Sequence[int], rows: Sequence[int]) -> list[
     after RoPE, L the answers' negative log-likelihood at `rows` of `window` (one forward and
     one backward through the model's own sdpa; its attention implementation is restored)."""
     import torch
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from ..integrations.capture import attention_hook
 
     seen: dict = {}
 
-    def record(module, query, key, value, attention_mask, **kwargs):
+    def record(module, query, key, value, kwargs):
         # a zero offset per side: its gradient is the total derivative through every later layer
         dk = torch.zeros_like(key, requires_grad=True)
         dv = torch.zeros_like(value, requires_grad=True)
         seen[int(module.layer_idx)] = (query.detach(), key.detach(), value.detach(), dk, dv)
-        return sdpa_attention_forward(module, query, key + dk, value + dv, attention_mask, **kwargs)
+        return key + dk, value + dv
 
-    AttentionInterface.register(NEEDLE_LABEL, record)
-    AttentionMaskInterface.register(NEEDLE_LABEL, sdpa_mask)
-    before = getattr(model.config, "_attn_implementation", None)
-    model.set_attn_implementation(NEEDLE_LABEL)
     try:
-        with torch.inference_mode(False), torch.enable_grad():  # also when called under inference mode
+        with attention_hook(model, NEEDLE_LABEL, record), torch.inference_mode(False), \
+                torch.enable_grad():  # also when called under inference mode
             ids = torch.tensor([list(window)], device=model.device)
             at = torch.tensor(list(rows), device=model.device)
             logits = model(ids, use_cache=False).logits[0, at].float()
             nll = -torch.log_softmax(logits, -1).gather(-1, ids[0, at + 1, None]).sum()
             nll.backward()
     finally:
-        if before is not None:
-            model.set_attn_implementation(before)
         model.zero_grad(set_to_none=True)
     return [tuple(x[0].float() for x in seen[i][:3]) + tuple(x.grad[0].float() for x in seen[i][3:])
             for i in sorted(seen)]
