@@ -36,7 +36,7 @@ DEFAULT_PLAN_FORMATS = ("bf16", "fp8", "q8_0", "turbo8", "q4_0", "turbo4", "fp8k
 
 def layer_layout(config) -> tuple[list[int], list[int], list[Optional[int]]]:
     """Per attention layer: num_kv_heads, head_dim, sliding window (from a HF config)."""
-    from ..integrations.transformers import _layer_layout
+    from ..integrations.hf_common import _layer_layout
 
     _, windows, kv, hd = _layer_layout(config)
     return kv, hd, windows

@@ -70,6 +70,21 @@ def mla_dims(config) -> Optional[tuple[int, int]]:
     return None
 
 
+def latent_config(model_or_config, kv_format="bf16", *, rope_format: Optional[str] = None,
+                  **config_kwargs) -> CacheConfig:
+    """The `CacheConfig` of an MLA model's latent layers (its layer count, kv_lora_rank and
+    qk_rope_head_dim); config_kwargs: the rest (num_blocks or memory_bytes, block_size, ...).
+    The drop-in `PagedLatentCache` and the engine loop (`deepseek_engine`) both build theirs here."""
+    config = getattr(model_or_config, "config", model_or_config)
+    dims = mla_dims(config)
+    if dims is None:
+        raise ConfigError(f"{type(config).__name__} has no latent attention (kv_lora_rank, "
+                          "qk_rope_head_dim); use pagedkv.integrations.transformers.PagedKVCache for K/V models")
+    return CacheConfig(num_layers=int(text_config(config).num_hidden_layers), num_kv_heads=1,
+                       head_dim=dims[0] + dims[1], kv_format=kv_format,
+                       latent=LatentLayout(dims[0], dims[1], rope_format), **config_kwargs)
+
+
 class AbsorbedCache:
     """What the absorbed MLA forward (`enable`) asks of a cache; two front doors implement it:
     the drop-in `PagedLatentCache` (a transformers Cache, padded rows) and the engine's
@@ -120,17 +135,9 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
         if kv_only:
             raise ConfigError(f"{', '.join(kv_only)}: not implemented for latent (MLA) layers; accepted here: "
                               f"{', '.join(sorted(set(option_names()) - _KV_ONLY_OPTIONS))}")
-        dims = mla_dims(config)
-        if dims is None:
-            raise ConfigError(
-                f"{type(config).__name__} has no latent attention (kv_lora_rank, qk_rope_head_dim); "
-                "use pagedkv.integrations.transformers.PagedKVCache for K/V models"
-            )
-        self.config = CacheConfig(
-            num_layers=int(text_config(config).num_hidden_layers), num_kv_heads=1, head_dim=dims[0] + dims[1],
-            kv_format=kv_format, high_precision_layers=high_precision_layers,
-            latent=LatentLayout(dims[0], dims[1], rope_format),
-            **_engine_fields(model_or_config, opts, max_tokens, device, offload))
+        self.config = latent_config(model_or_config, kv_format, rope_format=rope_format,
+                                    high_precision_layers=high_precision_layers,
+                                    **_engine_fields(model_or_config, opts, max_tokens, device, offload))
         # the engine cache of latent layers (one global block group); token ids key the blocks
         self._open(model_or_config, self.config, opts, LatentCacheLayer, offload, swap_tier, prefix_tier)
 

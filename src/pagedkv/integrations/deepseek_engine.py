@@ -29,26 +29,9 @@ from typing import Hashable, Optional, Sequence, Union
 
 import torch
 
-from ..cache.config import CacheConfig
-from ..cache.latent import LatentLayout
 from ..cache.tables import GroupSlots
-from .deepseek import AbsorbedCache, mla_dims, patched_modules
-from .model_config import text_config
+from .deepseek import AbsorbedCache, latent_config, patched_modules  # noqa: F401 (latent_config: re-exported)
 from ..errors import ConfigError, InvalidInput
-
-
-def latent_config(model_or_config, kv_format="bf16", *, rope_format: Optional[str] = None,
-                  **config_kwargs) -> CacheConfig:
-    """The `CacheConfig` of an MLA model's latent layers (its layer count, kv_lora_rank and
-    qk_rope_head_dim); config_kwargs: the rest (num_blocks or memory_bytes, block_size, ...)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    dims = mla_dims(config)
-    if dims is None:
-        raise ConfigError(f"{type(config).__name__} has no latent attention (kv_lora_rank, "
-                          "qk_rope_head_dim)")
-    return CacheConfig(num_layers=int(text_config(config).num_hidden_layers), num_kv_heads=1,
-                       head_dim=dims[0] + dims[1], kv_format=kv_format,
-                       latent=LatentLayout(dims[0], dims[1], rope_format), **config_kwargs)
 
 
 class EngineStep(AbsorbedCache):

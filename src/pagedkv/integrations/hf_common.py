@@ -81,15 +81,10 @@ class GroupView:
                  tails: Optional[list[int]] = None):
         self.cache, self.index, self.window, self.layers = cache, index, window, layers
         self.tails = tails or []
-        self.block_size = cache.config.block_size
 
     @property
     def seqs(self):
         return self.cache.core.groups[self.index]
-
-    @property
-    def name(self) -> str:
-        return "global" if self.window is None else f"sliding-window (W={self.window})"
 
     @property
     def tables(self) -> list[list[int]]:
@@ -106,9 +101,6 @@ class GroupView:
     @property
     def num_blocks(self) -> int:
         return self.seqs.pool.num_blocks
-
-    def first_needed(self, length: int) -> int:
-        return self.seqs.first_needed(length)
 
 
 _CONCRETE: dict = {}
@@ -130,16 +122,17 @@ def _model_device(model_or_config):
 
 
 def _engine_fields(model_or_config, opts, max_tokens: Optional[int], device, offload) -> dict:
-    """The `CacheConfig` fields both drop-ins set alike: block size and hp format from the
-    options; with max_tokens every group capped at that many tokens' blocks, else pools that
-    grow on demand; the pools on `device` (default: the model's); the model's identity in the
-    prefix keys with offload tiers; slots unchecked (the adapter stores only those handed out)."""
+    """The `CacheConfig` fields both drop-ins set alike: the options (block size, hp format,
+    window, reclaim, key centring: `CacheConfig(options=)`); with max_tokens every group capped
+    at that many tokens' blocks, else pools that grow on demand; the pools on `device`
+    (default: the model's); the model's identity in the prefix keys with offload tiers; slots
+    unchecked (the adapter stores only those handed out)."""
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens <= 0):
         raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
     cap = -(-max_tokens // opts.block_size) if max_tokens else None
-    return dict(block_size=opts.block_size, hp_format=opts.hp_format, num_blocks=cap or 16,
-                grow_blocks=cap is None, device=device or _model_device(model_or_config),
+    return dict(options=opts, num_blocks=cap or 16, grow_blocks=cap is None,
+                device=device or _model_device(model_or_config),
                 model_id=_model_identity(model_or_config) if offload is not None else "", check_slots=False)
 
 

@@ -42,22 +42,20 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..approx import Approximation
 from ..cache.config import CacheConfig
 from ..cache.paged import PagedCache
 from ..errors import ConfigError, InvalidInput
 from ..formats import KVFormat
-from ..options import CacheOptions, default_key_centring
+from ..options import CacheOptions
 from ..spec import spec_and_arguments
-from .hf_attention import _dense_attention, _pagedkv_mask, enable, paged_attention_forward, register
-from .hf_common import (_TAG, ATTN_IMPLEMENTATION, GroupView, _concrete_class, _engine_fields, _layer_layout,
-                        _model_device, _transformers, _watch_input_ids)
+from .hf_attention import enable, paged_attention_forward, register
+from .hf_common import (ATTN_IMPLEMENTATION, GroupView, _concrete_class, _engine_fields, _layer_layout, _transformers,
+                        _watch_input_ids)
 from .hf_layer import PagedCacheLayer
 from .batch_rows import BatchRows
 
 __all__ = ["PagedKVCache", "PagedCacheLayer", "GroupView", "register", "enable",
            "paged_attention_forward", "ATTN_IMPLEMENTATION"]
-_REEXPORTED = (_TAG, _dense_attention, _pagedkv_mask, _model_device, _transformers)
 
 
 class PagedKVCache:  # the transformers base class is mixed in lazily, see __new__
@@ -90,7 +88,6 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     generate expects); row r stores only its valid tokens, `row_lengths(columns)[r]` of them.
     """
 
-    approx = Approximation()  # exact unless the constructor's approx= says otherwise
     _pagedkv_rows = True  # the forward pre-hook hands it the input_ids (`hf_common._note_input_ids`)
 
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
@@ -110,13 +107,11 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
                     f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
                 )
         types, windows, kv_heads, head_dims = _layer_layout(config)
-        fields = dict(num_layers=len(types), num_kv_heads=kv_heads[0], head_dim=head_dims[0],
-                      layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec, sliding_window=windows,
-                      reclaim_sliding=opts.reclaim_sliding,
-                      **_engine_fields(model_or_config, opts, max_tokens, device, offload))
-        key_centring = default_key_centring(CacheConfig(**fields).layer_formats, opts.key_centring)
-        self._open(model_or_config, CacheConfig(**fields, key_centring=key_centring), opts, PagedCacheLayer,
-                   offload, swap_tier, prefix_tier)
+        cache_config = CacheConfig(num_layers=len(types), num_kv_heads=kv_heads[0], head_dim=head_dims[0],
+                                   layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec,
+                                   sliding_window=windows,
+                                   **_engine_fields(model_or_config, opts, max_tokens, device, offload))
+        self._open(model_or_config, cache_config, opts, PagedCacheLayer, offload, swap_tier, prefix_tier)
 
     def __new__(cls, *args, **kwargs):
         # Subclass transformers' Cache lazily so importing pagedkv never imports transformers.

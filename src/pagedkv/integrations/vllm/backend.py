@@ -49,10 +49,6 @@ class PagedKVMetadata:
     prefill_query_start: torch.Tensor
     checked: dict[Any, Any] = field(default_factory=dict)
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_actual_tokens - self.num_decodes
-
 
 class PagedKVMetadataBuilder(AttentionMetadataBuilder[PagedKVMetadata]):
     """Builds `PagedKVMetadata` once per step and group; fits the engine's statistics once."""

@@ -16,9 +16,12 @@ import sys
 from typing import Optional, Sequence
 
 from ...errors import ConfigError
+from ...options import CacheOptions, add_option_arguments, options_from_args
 from ...spec import parse_spec
 from .fit import FitPlan, capture, describe, fit, save
 from .settings import DEFAULT_CALIBRATION_TOKENS
+
+FIT_OPTIONS = ("hp_format", "key_centring", "value_centring", "key_scaling")  # the options a fit reads
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,29 +31,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-format", required=True, help="the settings' kv_format (a spec: turbo3, turbo3+hp, plan.json)")
     p.add_argument("--out", required=True, help="statistics file to write (the settings' calibration)")
     p.add_argument("--high-precision-layers", default=None, help="N or auto (default: what the spec says)")
-    p.add_argument("--hp-format", default="q8_0", help="format of the high-precision layers (default q8_0)")
-    for name in ("key_centring", "value_centring"):
-        p.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
-                       help="as the settings key (default: pagedkv's, from the codecs)")
-    p.add_argument("--key-scaling", action="store_true", help="fit per-channel key multipliers")
+    add_option_arguments(p, FIT_OPTIONS)  # as the settings' keys (`pagedkv.options`)
     p.add_argument("--tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
                    help=f"tokens of the calibration text (default {DEFAULT_CALIBRATION_TOKENS})")
     return p
 
 
-def calibrate_file(model_dir: str, kv_format, out: str, *, high_precision_layers=None, hp_format="q8_0",
-                   key_centring: Optional[bool] = None, value_centring: Optional[bool] = None,
-                   key_scaling: bool = False, tokens: int = DEFAULT_CALIBRATION_TOKENS) -> str:
-    """Fit and write the statistics; returns `describe`'s one-line summary."""
+def calibrate_file(model_dir: str, kv_format, out: str, *, high_precision_layers=None,
+                   options: Optional[CacheOptions] = None, tokens: int = DEFAULT_CALIBRATION_TOKENS) -> str:
+    """Fit and write the statistics (hp format, centring and scaling from `options`, default
+    pagedkv's); returns `describe`'s one-line summary."""
     from .layout import layer_formats
 
+    opts = options or CacheOptions()
     spec = parse_spec(kv_format, "--kv-format").with_arguments(high_precision_layers, None, "--kv-format")
     if tokens < 16:
         raise ConfigError(f"--tokens must be >= 16, got {tokens}")
     layers = capture(model_dir, tokens)
     dims = [(int(k.shape[1]), int(k.shape[-1])) for _, k, _ in layers]
-    formats = layer_formats(spec, spec.high_precision_layers, hp_format, len(dims), dims)
-    plan = FitPlan.build(formats, key_centring, value_centring, key_scaling)
+    formats = layer_formats(spec, spec.high_precision_layers, opts.hp_format, len(dims), dims)
+    plan = FitPlan.build(formats, opts.key_centring, opts.value_centring, opts.key_scaling)
     cals = fit(model_dir, plan, tokens, cache_dir=None)
     save(out, cals)
     return describe(cals)
@@ -61,9 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hp = a.high_precision_layers
     hp = None if hp is None else hp if hp == "auto" else int(hp) if hp.isdigit() else hp
     try:
-        summary = calibrate_file(a.model_dir, a.kv_format, a.out, high_precision_layers=hp, hp_format=a.hp_format,
-                                 key_centring=a.key_centring, value_centring=a.value_centring,
-                                 key_scaling=a.key_scaling, tokens=a.tokens)
+        summary = calibrate_file(a.model_dir, a.kv_format, a.out, high_precision_layers=hp,
+                                 options=options_from_args(a, FIT_OPTIONS), tokens=a.tokens)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

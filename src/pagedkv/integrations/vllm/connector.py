@@ -38,7 +38,7 @@ from typing import Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorHandshakeMetadata,
                                                                KVConnectorMetadata, KVConnectorRole, SupportsHMA)
 
-from ...alloc.hashing import chain_hash, root_hash
+from ...alloc.hashing import chain, root_hash
 from ...errors import ConfigError
 from . import plugin
 from .fleet import CHAIN_NAMESPACE, ConnectorSettings, RankKeys, RankPages, model_identity, open_store, probe, rank_identity
@@ -197,13 +197,11 @@ class PagedKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _chains(self, state: _Request, n: int) -> list:
         """The request's first n chain keys (extended as its prompt's blocks are needed)."""
-        tokens = state.request.prompt_token_ids
-        bs = self.block_size
-        h = state.chains[-1] if state.chains else root_hash(CHAIN_NAMESPACE, state.request.cache_salt)
-        for i in range(len(state.chains), n):
-            h = chain_hash(h, tokens[i * bs:(i + 1) * bs])
-            state.chains.append(h)
-        return state.chains[:n]
+        have = state.chains
+        if n > len(have):  # `hashing.chain`, the one walk of the chain, from the last key on
+            have += chain(root_hash(CHAIN_NAMESPACE, state.request.cache_salt), state.request.prompt_token_ids,
+                          self.block_size, have[-1] if have else None, len(have), n)
+        return have[:n]
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         bs = self.block_size

@@ -29,10 +29,10 @@ from ...safe_io import read_regular_file
 from ...formats import KVFormat
 from ...options import centres_values, default_key_centring, needs_tensor_scales, scales_keys
 from ...cache.calibration import Calibration, CalibrationOptions, calibrate
+from ...cache.transform_record import FIELDS as _FIELDS  # the transform's fields, named once
 from ..capture import CALIBRATION_MODULES, calibration_ids, calibration_text, capture_attention  # noqa: F401 (CALIBRATION_MODULES: re-exported)
 
 FIT_VERSION = "pagedkv-vllm-fit-v1"
-_FIELDS = ("k_centre", "k_mult", "v_centre", "k_scale", "v_scale")
 MAX_FILE_BYTES = 256 << 20  # a statistics file is a few float32 [H, D] per layer: far less
 
 

@@ -190,8 +190,3 @@ class RankPages:
     def publish(self, blocks: Sequence[tuple[int, bytes]]) -> int:
         """Store (vLLM block id, chain key) pairs not stored yet; returns how many were stored."""
         return self.store.publish_many(self.layers, self.layout, [(int(b), c) for b, c in blocks])
-
-
-def record_overhead(layout: BlockLayout, key: str) -> int:
-    """Bytes a stored record adds to its pages (header, per-layer checks, seal)."""
-    return StoreKeys.size(layout, key) - layout.block_bytes

@@ -77,11 +77,9 @@ class PagedKVImpl(AttentionImpl):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
-        self.kv_cache_dtype = kv_cache_dtype
         self.sliding_window = sliding_window
         self.sinks = sinks
         self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
-        self.attn_type = attn_type
         self.fmt = None  # KVFormat, assigned with the other layers (assign_formats)
         self.calibration: Optional[Calibration] = None
         self._vllm_config = cfg
@@ -204,25 +202,23 @@ def attend(paged, params: AttentionParams, q: torch.Tensor, out: torch.Tensor, m
     one block count), so it calls that backend directly. With `checks` every layer validates."""
     n, nd = m.num_actual_tokens, m.num_decodes
     if nd:
-        qd = q[:nd]
-        run = None if checks else m.checked.get(Op.DECODE)
-        if run is None:
-            res = ops.decode_attention(qd, paged, m.decode_block_tables, m.decode_seq_lens, params,
-                                       backend=backend, checks=checks)
-            m.checked[Op.DECODE] = select_backend(Op.DECODE, paged.device, paged, params, backend)
-        else:
-            res = run.decode_attention(qd, paged, m.decode_block_tables, m.decode_seq_lens, params)
-        out[:nd] = res
+        out[:nd] = _once(m, ops.decode_attention, Op.DECODE, backend, checks,
+                         q[:nd], paged, m.decode_block_tables, m.decode_seq_lens, params)
     if n > nd:
-        qp = q[nd:n]
-        run = None if checks else m.checked.get(Op.PREFILL)
-        args = (qp, paged, m.prefill_block_tables, m.prefill_seq_lens, m.prefill_query_start, params)
-        if run is None:
-            res = ops.prefill_attention(*args, backend=backend, checks=checks)
-            m.checked[Op.PREFILL] = select_backend(Op.PREFILL, paged.device, paged, params, backend)
-        else:
-            res = run.prefill_attention(*args)
-        out[nd:n] = res
+        out[nd:n] = _once(m, ops.prefill_attention, Op.PREFILL, backend, checks, q[nd:n], paged,
+                          m.prefill_block_tables, m.prefill_seq_lens, m.prefill_query_start, params)
+
+
+def _once(m: PagedKVMetadata, public, op: Op, backend, checks: bool, *args) -> torch.Tensor:
+    """`public(q, paged, ..., params)` (an attention op of `pagedkv.ops`: it validates) for the
+    step's first layer, which records the backend that ran in `m.checked`; that backend's method
+    of the same name for the others (every layer validates with `checks`)."""
+    run = None if checks else m.checked.get(op)
+    if run is not None:
+        return getattr(run, public.__name__)(*args)
+    res = public(*args, backend=backend, checks=checks)
+    m.checked[op] = select_backend(op, args[1].device, args[1], args[-1], backend)
+    return res
 
 
 def attend_recent(paged, tail, tail_tables: torch.Tensor, recent, params: AttentionParams, q: torch.Tensor,

@@ -22,94 +22,76 @@ Keys (anything else is refused, naming the key):
   (`tail.py`: vLLM's sliding-window group of window R, so only the blocks covering the last R
   positions stay allocated, and prefix hits need them cached).
 - high_precision_layers: None (default: what the name says, none for a plain name), N >= 0 or
-  "auto" (see `pagedkv.cache.config`); hp_format (q8_0). A name means the same bytes as in Python
-  and on the command line.
-- key_centring / value_centring: None = pagedkv's defaults (keys: on for a non-bf16 K codec;
-  values: on for a non-bf16 V codec, off in layers with attention sinks), or true / false.
-- key_scaling: per-channel key multipliers (default false, as in the transformers cache).
+  "auto" (see `pagedkv.cache.config`). A name means the same bytes as in Python and on the
+  command line.
+- hp_format, key_centring, value_centring, key_scaling, approx, backend ("cpu", "triton",
+  "reference" or null), checks: the cache options (`pagedkv.options.CacheOptions`, one
+  declaration: each field's help and default there, as `PagedKVCache` and `pagedkv generate`
+  take them), except checks, off by default here (vLLM's inputs are trusted).
 - calibration: None = fit the statistics once at engine start on pagedkv's fixed calibration
-  text (`calibration_text.py`, never the evaluation text) with the served model's own weights;
+  text (`capture.calibration_text`, never the evaluation text) with the served model's own weights;
   or a path to a file written by `python -m pagedkv.integrations.vllm.calibrate`.
 - calibration_tokens: tokens of the calibration text (default 512).
 - cache_dir: where fitted statistics are kept between engine starts (default
   $XDG_CACHE_HOME/pagedkv/vllm or ~/.cache/pagedkv/vllm); None in a dict to disable.
-- backend: the pagedkv ops backend ("cpu", "triton", "reference"; default: automatic).
-- checks: run the ops' value checks on every call (default false: vLLM's inputs are trusted).
-- approx: the approximate attention paths permitted (`pagedkv.approx`): "exact" (default) or
-  a comma list of int8_scores, bf16_dots, sparse_v_threshold=T, as in `PagedKVCache(approx=...)`
-  and `pagedkv eval --approx`. No stored byte changes.
 
 Nothing here imports vLLM, so the main test suite checks the parsing without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from ...errors import ConfigError
 from ...safe_io import loads_json
-from ...formats import KVFormat, is_plan_path, parse_format, read_plan
-from ...approx import Approximation
+from ...formats import KVFormat, is_plan_path
+from ...offload.config import default_cache_dir
 from ...options import CacheOptions
-from ...spec import RecentWindow, check_hp_count, parse_spec, recent_window_from  # noqa: F401 (recent_window_from: re-exported)
+from ...spec import KVSpec, check_hp_count, hp_formats, parse_spec, recent_window_from
 
 ENV_VAR = "PAGEDKV_VLLM"
 CONFIG_KEY = "pagedkv"
 DEFAULT_CALIBRATION_TOKENS = 512
 
-_KEYS = ("kv_format", "high_precision_layers", "hp_format", "key_centring", "value_centring",
-         "key_scaling", "calibration", "calibration_tokens", "cache_dir", "backend", "checks",
-         "recent_window", "approx")
-
-
-def default_cache_dir(environ: Mapping[str, str]) -> str:
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pagedkv", "vllm")
+# the cache options' keys (`pagedkv.options.CacheOptions`, declared there once), then the settings' own
+_OPTION_KEYS = ("hp_format", "key_centring", "value_centring", "key_scaling", "backend", "checks",
+                "recent_window", "approx")
+_KEYS = ("kv_format", "high_precision_layers", "calibration", "calibration_tokens", "cache_dir") + _OPTION_KEYS
 
 
 @dataclass(frozen=True)
 class VllmSettings:
-    """pagedkv's settings for one vLLM engine (see the module docstring for every field)."""
+    """pagedkv's settings for one vLLM engine (see the module docstring for every key): the
+    format spec, the cache `options` (`CacheOptions`; checks off unless asked: vLLM's inputs are
+    trusted; its fields read as the settings' own, `settings.hp_format`) and where the
+    statistics come from."""
 
     kv_format: Union[str, tuple[str, ...]]
     high_precision_layers: Union[None, int, str] = None
-    hp_format: str = "q8_0"
-    key_centring: Optional[bool] = None
-    value_centring: Optional[bool] = None
-    key_scaling: bool = False
+    options: CacheOptions = CacheOptions(checks=False)
     calibration: Optional[str] = None
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     cache_dir: Optional[str] = field(default=None)
-    backend: Optional[str] = None
-    checks: bool = False
-    recent_window: Optional[RecentWindow] = None
-    approx: Approximation = Approximation()
-    options: CacheOptions = field(init=False, repr=False, compare=False)  # the fields above, as CacheOptions
+    spec: KVSpec = field(init=False, repr=False, compare=False)  # kv_format and the hp layers, parsed
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "approx", Approximation.parse(self.approx))
+        if not isinstance(self.options, CacheOptions):
+            raise ConfigError(f"pagedkv settings: options must be a CacheOptions, got {self.options!r}")
         check_hp_count(self.high_precision_layers, "pagedkv high_precision_layers")
         # the one spec parser (`pagedkv.spec`), as in Python and on the command line
         spec = parse_spec(self.kv_format, "pagedkv kv_format").with_arguments(
-            self.high_precision_layers, recent_window_from(self.recent_window, "pagedkv recent_window"),
-            "pagedkv kv_format")
+            self.high_precision_layers, self.options.recent_window, "pagedkv kv_format")
         if spec.tune_bits is not None:
             spec.layer_formats(1)  # ConfigError: a tuned label is made by `pagedkv eval`
         kv_format = (spec.plan if spec.plan is not None  # the engine's processes may not share a cwd
                      else spec.format.name if spec.layers is None else tuple(f.name for f in spec.layers))
         object.__setattr__(self, "kv_format", kv_format)
+        object.__setattr__(self, "spec", spec)
         object.__setattr__(self, "high_precision_layers", spec.high_precision_layers)
-        object.__setattr__(self, "recent_window", spec.recent_window)
-        try:  # the cache options, declared once (`pagedkv.options`), as the Python caches take them
-            options = CacheOptions(hp_format=self.hp_format, key_centring=self.key_centring,
-                                   value_centring=self.value_centring, key_scaling=self.key_scaling,
-                                   recent_window=self.recent_window, approx=self.approx, backend=self.backend,
-                                   checks=self.checks)
-        except ConfigError as exc:
-            raise ConfigError(f"pagedkv {exc}") from None
-        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "options", dataclasses.replace(self.options, recent_window=spec.recent_window))
         n = self.calibration_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 16:
             raise ConfigError(f"pagedkv calibration_tokens must be an int >= 16, got {n!r}")
@@ -123,17 +105,15 @@ class VllmSettings:
         if self.backend is not None and self.backend not in ("cpu", "triton", "reference"):
             raise ConfigError(f"pagedkv backend must be cpu, triton, reference or null, got {self.backend!r}")
 
+    def __getattr__(self, name: str):
+        if name in _OPTION_KEYS:  # an option's value (`options` holds them)
+            return getattr(self.options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def named_formats(self) -> tuple[KVFormat, ...]:
         """Every format the settings name (a plan's layers, the list, the name; the
         high-precision format when some layer uses it), each once, in order."""
-        fmt = self.kv_format
-        if is_plan_path(fmt):
-            names = read_plan(fmt)["formats"]
-        else:
-            names = (fmt,) if isinstance(fmt, str) else fmt
-        if self.high_precision_layers not in (None, 0):
-            names = tuple(names) + (self.hp_format,)
-        return tuple(dict.fromkeys(parse_format(n) for n in names))
+        return tuple(hp_formats(self.spec, self.hp_format))
 
     @property
     def label(self) -> str:
@@ -166,9 +146,15 @@ def parse_settings(value: Any, environ: Optional[Mapping[str, str]] = None) -> V
     if "kv_format" not in value:
         raise ConfigError("pagedkv settings need kv_format (a pagedkv format name, e.g. turbo3, "
                           "or one per attention layer)")
-    kwargs = dict(value)
+    kwargs = {k: v for k, v in value.items() if k not in _OPTION_KEYS}
+    options = {"checks": False, **{k: v for k, v in value.items() if k in _OPTION_KEYS}}
+    options["recent_window"] = recent_window_from(options.get("recent_window"), "pagedkv recent_window")
+    try:  # the cache options, declared once (`pagedkv.options`), as the Python caches take them
+        kwargs["options"] = CacheOptions.of(**options)
+    except ConfigError as exc:
+        raise ConfigError(f"pagedkv {exc}") from None
     if "cache_dir" not in kwargs:
-        kwargs["cache_dir"] = default_cache_dir(environ)
+        kwargs["cache_dir"] = str(default_cache_dir(environ) / "vllm")  # pagedkv's cache root
     return VllmSettings(**kwargs)
 
 

@@ -36,8 +36,7 @@ from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.v1.attention.backend import (AttentionBackend, AttentionMetadataBuilder,
-                                       CommonAttentionMetadata, MultipleOf)
+from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
@@ -177,9 +176,6 @@ class TailMetadata:
 class TailMetadataBuilder(AttentionMetadataBuilder[TailMetadata]):
     """The tail group's metadata: its block tables and slots, converted once per step."""
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TailMetadata:
         m = common_attn_metadata
@@ -206,10 +202,6 @@ class TailBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls():
         return TailMetadataBuilder
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        return [MultipleOf(1)]
 
     @classmethod
     def supported_kv_cache_layouts(cls):
