@@ -176,6 +176,10 @@ class TailMetadata:
 class TailMetadataBuilder(AttentionMetadataBuilder[TailMetadata]):
     """The tail group's metadata: its block tables and slots, converted once per step."""
 
+    # vLLM 0.32 declares AttentionMetadataBuilder.__init__ abstract: a subclass must define one.
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TailMetadata:
         m = common_attn_metadata
