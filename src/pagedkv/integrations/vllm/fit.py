@@ -30,6 +30,7 @@ from ...formats import KVFormat
 from ...options import centres_values, default_key_centring, needs_tensor_scales, scales_keys
 from ...cache.calibration import Calibration, CalibrationOptions, calibrate
 from ...cache.transform_record import FIELDS as _FIELDS  # the transform's fields, named once
+from .fleet import model_identity  # the one name of the exact weights (the connector's too)
 from ..capture import CALIBRATION_MODULES, calibration_ids, calibration_text, capture_attention  # noqa: F401 (CALIBRATION_MODULES: re-exported)
 
 FIT_VERSION = "pagedkv-vllm-fit-v1"
@@ -71,16 +72,6 @@ class FitPlan:
         return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
 
 
-def model_identity(model_dir: str) -> str:
-    """The model folder and its weight files' names, sizes and modification times."""
-    entries = []
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith((".safetensors", ".bin", ".json")):
-            st = os.stat(os.path.join(model_dir, name))
-            entries.append(f"{name}:{st.st_size}:{int(st.st_mtime)}")
-    return os.path.abspath(model_dir) + "|" + ",".join(entries)
-
-
 _captured: dict = {}  # (model identity, tokens) -> [(q, k, v)] per attention layer (one process)
 
 
@@ -119,7 +110,7 @@ def fit(model_dir: str, plan: FitPlan, tokens: int, cache_dir: Optional[str],
     earlier start fitted the same plan, else fitted now (and written there). geometry: per layer
     (kv heads, head dim), what a stored file's tensors must match.
 
-    The file's name is computable by anyone who can list the model folder, so the statistics
+    The file's name is computable by anyone who can read the model folder, so the statistics
     cache trusts nothing another user could have written: `cache_dir` is made private (0700) and
     must be owned by this user and not writable by others, as must the file (`pagedkv.private`);
     otherwise ConfigError naming `cache_dir`."""
