@@ -42,7 +42,6 @@ from ...alloc.hashing import chain, root_hash
 from ...errors import ConfigError
 from . import plugin
 from .fleet import CHAIN_NAMESPACE, ConnectorSettings, RankKeys, RankPages, model_identity, open_store, probe, rank_identity
-from .settings import settings_from
 
 log = logging.getLogger("vllm.pagedkv")
 
@@ -83,11 +82,7 @@ class PagedKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         self.settings = ConnectorSettings.parse(cfg.kv_connector_extra_config)
-        pk = settings_from(vllm_config.additional_config, plugin.env_value())
-        if pk is None:
-            raise ConfigError("pagedkv connector: the engine serves no pagedkv format; add "
-                              "--additional-config '{\"pagedkv\": {\"kv_format\": \"turbo3\"}}' (the "
-                              "connector moves pagedkv pages)")
+        pk = plugin.required_settings(vllm_config, "pagedkv connector (it moves pagedkv pages)")
         if pk.recent_window is not None:
             raise ConfigError(f"pagedkv connector: the recent window ({pk.recent_window.name}) keeps a "
                               "second KV-cache group that the connector does not carry; share the "

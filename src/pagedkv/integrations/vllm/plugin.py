@@ -20,7 +20,8 @@ import logging
 import os
 from typing import Optional
 
-from .settings import ENV_VAR, settings_from
+from ...errors import ConfigError
+from .settings import ENV_VAR, VllmSettings, settings_from
 
 BACKEND_PATH = "pagedkv.integrations.vllm.backend.PagedKVBackend"
 log = logging.getLogger("vllm.pagedkv")  # under vLLM's logger: its handlers print it
@@ -56,6 +57,15 @@ def engine_settings():
     return settings_from(getattr(cfg, "additional_config", None), env_value())
 
 
+def required_settings(cfg, who: str) -> VllmSettings:
+    """The pagedkv settings of the engine config `cfg`; ConfigError from `who` when it names none."""
+    settings = settings_from(getattr(cfg, "additional_config", None), env_value())
+    if settings is None:
+        raise ConfigError(f"{who}: the engine names no pagedkv format; pass --additional-config "
+                          f"'{{\"pagedkv\": {{\"kv_format\": \"turbo3\"}}}}' or set {ENV_VAR}")
+    return settings
+
+
 def _wrap_spec_registration(platform_cls) -> None:
     """Add pagedkv's KV-cache spec (the recent window's tail with sinks, `tail.SinkWindowSpec`)
     to vLLM's spec registry whenever vLLM registers its own (the platform's hook); a spec class
@@ -85,8 +95,6 @@ def _wrap_cpu_selection(platform_cls, enum, register_backend) -> None:
             if enum.CPU_ATTN.is_overridden() and enum.CPU_ATTN.get_path() == BACKEND_PATH:
                 enum.CPU_ATTN.clear_override()
             return original(selected_backend, attn_selector_config, num_heads)
-        from ...errors import ConfigError
-
         if attn_selector_config.use_mla or attn_selector_config.use_sparse:
             raise ConfigError("pagedkv vLLM backend: MLA / sparse attention layers are not supported; "
                               "supported: multi-head / grouped-query attention (drop the pagedkv setting)")
