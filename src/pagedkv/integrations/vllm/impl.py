@@ -36,8 +36,9 @@ from ...ops.dispatch import Op, select_backend
 from . import plugin
 from .backend import PagedKVMetadata, backend_for
 from .fit import FitPlan, describe, fit, for_rank, load, rank_heads
-from .layout import check_geometry, layer_formats, paged_layer, tail_layer
-from .settings import VllmSettings, settings_from
+from .layout import layer_formats, paged_layer, tail_layer
+from .settings import VllmSettings
+from .tail import TailMetadata
 
 log = logging.getLogger("vllm.pagedkv")  # under vLLM's logger: its handlers print it
 
@@ -55,11 +56,7 @@ class PagedKVImpl(AttentionImpl):
                  kv_sharing_target_layer_name: Optional[str] = None, sinks: Optional[torch.Tensor] = None,
                  **extra) -> None:
         cfg = get_current_vllm_config()
-        settings = settings_from(cfg.additional_config, plugin.env_value())
-        if settings is None:
-            raise ConfigError("pagedkv vLLM backend selected but no pagedkv format named: pass "
-                              "--additional-config '{\"pagedkv\": {\"kv_format\": \"turbo3\"}}' or set "
-                              f"{plugin.ENV_VAR}")
+        settings = plugin.required_settings(cfg, "pagedkv vLLM backend selected")
         if alibi_slopes is not None:
             _refuse("ALiBi position bias (alibi_slopes)", "alibi", "RoPE / no position bias")
         if attn_type != AttentionType.DECODER:
@@ -108,18 +105,13 @@ class PagedKVImpl(AttentionImpl):
         if self._paged is None or self._paged[0] != key:
             if self.fmt is None:
                 raise ConfigError("pagedkv: a layer ran before the layers' formats were assigned")
-            check_geometry(self.fmt, kv_cache.shape[2], self.num_kv_heads, self.head_size)
             self._paged = (key, paged_layer(kv_cache, self.fmt, self.num_kv_heads, self.head_size, self.calibration))
         return self._paged[1]
 
     def _tail(self):
         """(tail PagedLayer, this step's TailMetadata) or None (no window, profiling run)."""
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
-        if self.tail is None or self.tail.kv_cache.numel() == 0 or not is_forward_context_available():
-            return None
-        md = get_forward_context().attn_metadata
-        tm = md.get(self.tail.layer_name) if isinstance(md, dict) else None
+        tm = None if self.tail is None or self.tail.kv_cache.numel() == 0 else \
+            _step_metadata(self.tail, TailMetadata)
         if tm is None:
             return None
         kv = self.tail.kv_cache
@@ -159,15 +151,15 @@ class PagedKVImpl(AttentionImpl):
         return output
 
 
-def _step_metadata(layer) -> Optional[PagedKVMetadata]:
-    """This step's metadata of the layer's attention group (vLLM's forward context), or None."""
+def _step_metadata(layer, kind: type = PagedKVMetadata):
+    """This step's metadata of the layer's attention group (vLLM's forward context) if a `kind`, else None."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available():
         return None
     md = get_forward_context().attn_metadata
     m = md.get(getattr(layer, "layer_name", None)) if isinstance(md, dict) else md
-    return m if isinstance(m, PagedKVMetadata) else None
+    return m if isinstance(m, kind) else None
 
 
 def store_new(paged, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,

@@ -56,7 +56,8 @@ def check_geometry(fmt: KVFormat, block_size: int, num_kv_heads: int, head_dim: 
 
 def paged_layer(kv_cache: torch.Tensor, fmt: KVFormat, num_kv_heads: int, head_dim: int,
                 cal: Optional[Calibration]) -> PagedLayer:
-    """The PagedLayer over vLLM's page tensor (uint8 [num_blocks, H, N, C], block-contiguous)."""
+    """The PagedLayer over vLLM's page tensor (uint8 [num_blocks, H, N, C], block-contiguous);
+    ConfigError unless the page is the format's (`check_geometry`)."""
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4:
         raise ConfigError(f"pagedkv expects vLLM's KV cache as uint8 [blocks, H, N, C], got "
                           f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
@@ -64,6 +65,7 @@ def paged_layer(kv_cache: torch.Tensor, fmt: KVFormat, num_kv_heads: int, head_d
     if h != num_kv_heads or c != content_bytes(fmt, head_dim):
         raise ConfigError(f"pagedkv: vLLM's page {tuple(kv_cache.shape)} does not match format {fmt.name} "
                           f"({num_kv_heads} KV heads, {content_bytes(fmt, head_dim)} bytes per cell)")
+    check_geometry(fmt, n, num_kv_heads, head_dim)
     s = kv_cache.stride()
     if s[3] != 1 or s[2] != c or s[1] != n * c:
         raise ConfigError(f"pagedkv needs block-contiguous pages (layout LBHNC or BLHNC), got strides {s}")
@@ -89,10 +91,8 @@ def tail_layer(kv_cache: torch.Tensor, codec, num_kv_heads: int, head_dim: int,
     """The recent window's tail over vLLM's tail page (its own block size): `codec` on both
     sides, the layer's transform (key centre and multipliers, value centre: the tail stores the
     same transformed rows as the pages, as `cache.storage.build_tail`), unit tensor scales."""
-    check_geometry(KVFormat(codec, codec), kv_cache.shape[2], num_kv_heads, head_dim)
-    layer = paged_layer(kv_cache, KVFormat(codec, codec), num_kv_heads, head_dim, cal)
-    one = torch.ones(1, dtype=torch.float32, device=kv_cache.device)
-    return dataclasses.replace(layer, k_scale=one, v_scale=one.clone())
+    cal = dataclasses.replace(cal or Calibration(), k_scale=None, v_scale=None)
+    return paged_layer(kv_cache, KVFormat(codec, codec), num_kv_heads, head_dim, cal)
 
 
 def _stat(x: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
