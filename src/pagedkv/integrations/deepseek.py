@@ -129,7 +129,6 @@ class PagedLatentCache(PagedKVCache, AbsorbedCache):
                  rope_format: Optional[str] = None, high_precision_layers: Union[None, int, str] = None,
                  max_tokens: Optional[int] = None, device=None, offload=None, swap_tier=None, prefix_tier=None,
                  options: Optional[CacheOptions] = None, **option_fields):
-        config = getattr(model_or_config, "config", model_or_config)
         opts = CacheOptions.of(options, **option_fields)
         kv_only = sorted(set(opts.changed()) & _KV_ONLY_OPTIONS)
         if kv_only:

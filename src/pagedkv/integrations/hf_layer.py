@@ -30,7 +30,7 @@ class PagedCacheLayer:
     until the first chunk fixed the layer's transform).
     """
 
-    is_compileable = False
+    is_compileable = False  # the cache's too: transformers' Cache.is_compileable reads its layers'
     is_croppable = True
     supports_early_init = False
 

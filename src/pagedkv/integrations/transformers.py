@@ -246,10 +246,6 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         """Delete this cache's swap records and close its tiers."""
         self.engine.close()
 
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
     # ---- memory accounting ------------------------------------------------------------------
     def pool_bytes(self) -> int:
         """Bytes of every layer's K and V pools as allocated now (plus fp8 scales / centres)."""

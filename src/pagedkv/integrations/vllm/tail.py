@@ -42,7 +42,6 @@ from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import KVCacheLayout, SlidingWindowSpec
 
-from ...errors import ConfigError
 from ...formats import KVFormat
 from ...spec import RecentWindow
 from .layout import content_bytes, page_bytes
