@@ -135,3 +135,47 @@ def test_the_stores_description_never_shows_a_redis_password(tmp_path):
     settings = ConnectorSettings.parse({"store": "redis", "redis_url": "redis://u:hunter2@127.0.0.1:6379/0",
                                         "store_secret_file": str(secret)})
     assert "hunter2" not in settings.where and "redis://u:***@127.0.0.1:6379/0" in settings.where
+
+
+@pytest.mark.parametrize("name", ["turbo3", "q8_0", "fp8", "fp8k_turbo3v"])
+def test_a_ranks_pages_are_its_heads_bytes_of_one_ranks_pages(name):
+    """Under tensor parallelism each rank stores and attends its KV heads with the statistics
+    `for_rank` cuts for them (`rank_heads`: vLLM's split); given the same keys, values and
+    queries, a rank's pages are, row for row, its heads' bytes of the single rank's pages and its
+    attention outputs its query heads' rows. (What TP=2 in vLLM can then still change is the
+    inputs: tests_vllm/test_fleet_tp.py measures that, layer 0's pages equal byte for byte.)"""
+    from pagedkv import ops
+    from pagedkv.codecs.layout import block_views
+    from pagedkv.integrations.vllm.fit import for_rank, rank_heads
+    from pagedkv.ops.batch import AttentionParams
+
+    f = parse_format(name)
+    g = torch.Generator().manual_seed(1)
+    heads, q_per_kv, t = 2, 3, 40
+    cal = Calibration(k_centre=torch.randn(heads, D, generator=g), k_mult=torch.rand(heads, D, generator=g) + 0.5,
+                      v_centre=torch.randn(heads, D, generator=g), k_scale=torch.tensor([0.07]),
+                      v_scale=torch.tensor([0.05]))
+    k, v = torch.randn(t, heads, D, generator=g) * 3, torch.randn(t, heads, D, generator=g)
+    q = torch.randn(t, heads * q_per_kv, D, generator=g)
+    slots = torch.arange(BS, BS + t)  # blocks 1..3
+    tables = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    lens = torch.tensor([t], dtype=torch.int32)
+    qsl = torch.tensor([0, t], dtype=torch.int32)
+    params = AttentionParams(scale=D ** -0.5)
+
+    def serve(h, c, k, v, q):
+        layer = paged_layer(torch.zeros(BLOCKS, h, BS, content_bytes(f, D), dtype=torch.uint8), f, h, D, c)
+        ops.store(layer, k, v, slots)
+        out = ops.prefill_attention(q, layer, tables, lens, qsl, params)
+        rows = [torch.cat(block_views(codec, pool, BS, h, D), -1) for codec, pool in
+                ((f.k, layer.k_pool), (f.v, layer.v_pool))]
+        return rows, out
+
+    rows, out = serve(heads, cal, k, v, q)
+    for r in range(2):
+        (hr,) = rank_heads(heads, 2, r)
+        part_rows, part_out = serve(1, for_rank(cal, [hr]), k[:, hr:hr + 1], v[:, hr:hr + 1],
+                                    q[:, hr * q_per_kv:(hr + 1) * q_per_kv])
+        for whole, part in zip(rows, part_rows):
+            assert torch.equal(part[:, :, 0], whole[:, :, hr])
+        assert torch.equal(part_out, out[:, hr * q_per_kv:(hr + 1) * q_per_kv])
