@@ -233,3 +233,62 @@ def test_batch_needs_exactly_the_copies_it_makes():
     assert len(copies) == 2 and m.main.pool.num_available == 0
     assert len({m.main.table(x)[1] for x in (a, b, c)}) == 3
     m.check_invariants()
+
+
+def _trials(specs, prompts, decode: int = 3):
+    """Run prompts one after another as the retrieval eval does (admit with the longest hit
+    every group serves, store the rest in one step, decode a few tokens, free): the hit
+    tokens of each, and the manager."""
+    m = BlockManager(specs, 4, b"test")
+    hits, nxt = [], 10_000
+    for p in prompts:
+        sid, hit, _ = m.add(None, p, max_hit_blocks=m.common_hit([p]), rest=False)
+        m.step([sid], [p[hit:]])
+        m.commit([sid])
+        for _ in range(decode):
+            nxt += 1
+            m.step([sid], [[nxt]])
+            m.commit([sid])
+        hits.append(hit)
+        m.free(sid)
+        m.check_invariants()
+    return hits, m
+
+
+def test_recent_window_tail_keeps_what_later_prefix_hits_need():
+    """A recent window's tail group (W = 6, its first block kept for the sinks) next to the
+    pages' group. Prompts sharing ever shorter prefixes with the first (the retrieval eval's
+    sharing order): by default the tail pool is cut back once the window moved past the prompt
+    (memory returned), evicting the released blocks a hit needs at its end, so the hits are cut
+    short; with keep_cached every hit is as long as without the window and the tail pool stays
+    within its cap."""
+    import random
+
+    rng = random.Random(0)
+    base = [rng.randrange(1000) for _ in range(160)]
+    prompts = [base[:cut] + [rng.randrange(1000, 2000) for _ in range(160 - cut)]
+               for cut in (150, 131, 97, 60, 33)]
+    glob = GroupSpec(None, 4, 1 << 20)
+    no_window, _ = _trials([glob], prompts)
+    assert no_window == [0, 128, 96, 60, 32]  # whole blocks shared with the previous prompt
+    cut, m = _trials([glob, GroupSpec(6, 4, 1 << 20, keep_first=1)], prompts)
+    assert cut == [0, 32, 36, 40, 4] and m.groups[1].pool.num_blocks <= 16  # memory returned
+    kept, m = _trials([glob, GroupSpec(6, 4, 64, keep_first=1, keep_cached=True)], prompts)
+    assert kept == no_window
+    tail = m.groups[1].pool
+    assert tail.num_blocks == 40 and tail.num_cached > 32  # its high-water mark, kept
+
+
+def test_kept_tail_blocks_are_evicted_deepest_first():
+    """A tail pool at its cap takes new blocks from its cached ones: those its window released
+    while a sequence grew are ranked at its free as a global group ranks them (the deepest
+    evicted first), so an unrelated prompt in between leaves a short shared prefix's blocks."""
+    import random
+
+    rng = random.Random(0)
+    base = [rng.randrange(1000) for _ in range(160)]
+    prompts = [base, [7] * 60, base[:40] + [8] * 20]
+    glob = GroupSpec(None, 128)
+    assert _trials([glob], prompts)[0] == [0, 0, 40]
+    hits, m = _trials([glob, GroupSpec(6, 4, 40, keep_first=1, keep_cached=True)], prompts)
+    assert hits == [0, 0, 40] and m.groups[1].pool.num_blocks == 40 and m.groups[1].pool.evictions

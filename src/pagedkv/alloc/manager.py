@@ -26,12 +26,21 @@ from .sequences import SequenceManager, Tokens, check_tokens
 class GroupSpec:
     """One block group: its sliding window (None = global), initial and maximum pool size
     (blocks; max None = fixed at initial), and how many leading blocks of every sequence a
-    sliding group never releases (a recent window's attention sinks)."""
+    sliding group never releases (a recent window's attention sinks).
+
+    keep_cached: a sliding group's compaction keeps its cached blocks (released, keyed: the
+    blocks a later prompt's prefix hit needs at the hit's end) instead of evicting them to
+    return memory; they then leave only when an allocation needs their ids (LRU), as in the
+    global group. A hit of n blocks needs, in a group of window W, the blocks covering
+    positions [n*bs - W + 1, n*bs) besides the kept first ones, so a hit at any boundary of a
+    stored prompt needs every block of it: the price is the group's pool staying at its
+    high-water mark (within max_blocks) while its blocks are cached."""
 
     window: Optional[int]
     initial_blocks: int
     max_blocks: Optional[int] = None
     keep_first: int = 0
+    keep_cached: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,8 @@ class BlockManager:
         self.specs = tuple(specs)
         self.groups = [
             SequenceManager(BlockPool(g.initial_blocks, trace=trace, max_blocks=g.max_blocks),
-                            block_size, namespace, window=g.window, keep_first=g.keep_first)
+                            block_size, namespace, window=g.window, keep_first=g.keep_first,
+                            keep_cached=g.keep_cached)
             for g in specs]
         self.main = self.groups[0]
 
@@ -160,7 +170,8 @@ class BlockManager:
             if g.window is not None:
                 g.reclaim(seq_ids, counts)
                 pool = g.pool
-                target = max(spec.initial_blocks, 2 * (pool.num_used + need))
+                live = pool.num_used + (pool.num_cached if g.keep_cached else 0)
+                target = max(spec.initial_blocks, 2 * (live + need))
                 if 2 * target <= pool.num_blocks:  # most blocks left the window: shrink
                     moves = g.compact(target)
             slots, copies = g.extend(seq_ids, parsed)

@@ -235,6 +235,12 @@ class BlockPool:
         if self.trace is not None:
             self.trace.add("free", block, r)
 
+    def touch(self, block: int) -> None:
+        """Make a cached block the most recently used (evicted last); a block that is not
+        cached is left as it is."""
+        if block in self._cached:
+            self._cached.move_to_end(block)
+
     # ---- prefix index ---------------------------------------------------------------------
     def lookup(self, key: bytes) -> Optional[int]:
         """The block registered under `key`, or None."""

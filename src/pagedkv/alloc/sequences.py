@@ -93,14 +93,19 @@ class SequenceManager:
     only the blocks a query after the hit sees). prefix: key committed full blocks.
     keep_first: with a window, the first blocks of every sequence are never released (a recent
     window's tail that also holds the attention sinks).
+    keep_cached: with a window, the group keeps its released cached blocks for later hits
+    (`manager.GroupSpec.keep_cached`): `free` then ranks the sequence's released blocks that
+    are still cached in the LRU as a global group ranks its blocks (the deepest evicted first).
     """
 
     def __init__(self, pool: BlockPool, block_size: int, namespace: bytes = b"", *,
-                 window: Optional[int] = None, prefix: bool = True, keep_first: int = 0):
+                 window: Optional[int] = None, prefix: bool = True, keep_first: int = 0,
+                 keep_cached: bool = False):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         self.pool = pool
         self.shape = GroupShape(block_size, window, keep_first)
+        self.keep_cached = keep_cached
         self._seqs: dict[Hashable, _Seq] = {}
         self._ids = count()
         self.prefix_queries = 0
@@ -354,10 +359,21 @@ class SequenceManager:
         self.pop(seq_id, self.length(seq_id))
 
     def free(self, seq_id: Hashable) -> None:
-        """Drop a sequence; its keyed blocks stay cached (LRU, tail blocks evicted first)."""
+        """Drop a sequence; its keyed blocks stay cached (LRU, tail blocks evicted first). With
+        `keep_cached`, the blocks its window released that are still cached take their places
+        in that order too (released while the sequence grew, they would go first otherwise,
+        the prompt's first blocks first: those a later prompt sharing it hits)."""
         s = self._get(seq_id)
-        for b in reversed(s.table):
-            self.entries.drop(b)
+        pool, hashes = self.pool, s.hashes
+        for i in range(len(s.table) - 1, -1, -1):
+            b = s.table[i]
+            if b == RELEASED:
+                if self.keep_cached and i < len(hashes):
+                    c = pool.lookup(hashes[i])
+                    if c is not None:
+                        pool.touch(c)
+            else:
+                self.entries.drop(b)
         del self._seqs[seq_id]
 
     def clear(self) -> None:

@@ -99,6 +99,13 @@ class CacheConfig:
     grow_blocks: every block group's pool starts at `total_blocks` (a sliding one at most 16)
     and grows by doubling on demand without a limit (the transformers drop-in without
     max_tokens); False (default): the global pool is fixed, sliding ones grow up to it.
+    keep_window_prefixes: the sliding groups (and the recent window's tail group) keep the
+    blocks their window released while those stay cached, instead of cutting the pool back to
+    what the sequences hold (`alloc.manager.GroupSpec.keep_cached`): a later prompt sharing a
+    stored prompt's first blocks then hits as long a prefix as without the window (the hit
+    needs the window's blocks at its end), at the price of the group's pool staying at its
+    high-water mark (within the same cap); False (default): the memory is returned and such a
+    hit is cut to the released blocks that happen to survive.
     """
 
     num_layers: int
@@ -122,6 +129,7 @@ class CacheConfig:
     reclaim_sliding: bool = True
     options: Optional["CacheOptions"] = None
     grow_blocks: bool = False
+    keep_window_prefixes: bool = False
     layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
     num_high_precision_layers: int = field(init=False, repr=False, compare=False)
 
@@ -187,8 +195,9 @@ class CacheConfig:
         if not isinstance(self.model_id, str):
             raise ConfigError(f"model_id must be a str, got {self.model_id!r}")
 
-        if not isinstance(self.reclaim_sliding, bool):
-            raise ConfigError(f"reclaim_sliding must be a bool, got {self.reclaim_sliding!r}")
+        for name in ("reclaim_sliding", "keep_window_prefixes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.recent_window is not None and self.latent is not None:
             raise ConfigError("a recent window is not implemented for latent (MLA) layers")
         if self.latent is not None:

@@ -82,12 +82,14 @@ def tail_keep_blocks(recent, block_size: int) -> int:
     return sink_blocks(recent.sinks, block_size)
 
 
-def group_specs(layout: GroupLayout, total: int, grow: bool = False) -> list[GroupSpec]:
+def group_specs(layout: GroupLayout, total: int, grow: bool = False,
+                keep_cached: bool = False) -> list[GroupSpec]:
     """The block manager's groups: the global pool fixed at `total` blocks, sliding ones from
-    at most 16 up to `total`; with `grow` (CacheConfig.grow_blocks) every pool grows unbounded."""
+    at most 16 up to `total`; with `grow` (CacheConfig.grow_blocks) every pool grows unbounded;
+    with `keep_cached` (CacheConfig.keep_window_prefixes) sliding ones keep their cached blocks."""
     limit = UNBOUNDED if grow else total
     return [GroupSpec(None, total, UNBOUNDED if grow else None) if w is None else
-            GroupSpec(w, min(total, SLIDING_INITIAL_BLOCKS), limit, k)
+            GroupSpec(w, min(total, SLIDING_INITIAL_BLOCKS), limit, k, keep_cached)
             for w, k in zip(layout.windows, layout.keep_first)]
 
 
@@ -103,7 +105,8 @@ class GroupStorage:
     def __init__(self, config: CacheConfig):
         self.config = config
         self.layout = group_layout(config)
-        specs = group_specs(self.layout, config.total_blocks, config.grow_blocks)
+        specs = group_specs(self.layout, config.total_blocks, config.grow_blocks,
+                            config.keep_window_prefixes)
         self.core = BlockManager(specs, config.block_size, config.fingerprint, trace=config.trace)
         self.device = config.device
         sizes = [s.initial_blocks for s in specs]

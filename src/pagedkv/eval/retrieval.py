@@ -7,8 +7,9 @@ the cache stored before are not computed again, exactly as a serving cache reuse
 document), one forward over the rest of the prompt, then `max_new_tokens` greedy decode steps
 (the decode path, as a user's generation takes it). Key centring and fp8 scales are fixed by the
 unit's first trial (its whole prompt: a long first chunk, as a long prompt gives) and kept by the
-later ones, as a serving cache keeps them. Sliding-window models take no prefix hits (every
-prompt computed whole).
+later ones, as a serving cache keeps them. A recent window's tail keeps the blocks it released
+(`PagedKVCache(keep_window_prefixes=True)`), so a format with a window hits the same prefixes as
+one without. Sliding-window models take no prefix hits (every prompt computed whole).
 
 Units are independent: with `compute.workers` > 1 they are shared out to forked processes of
 `compute.threads` threads each (the model loaded once before the fork), the most expensive
@@ -121,7 +122,10 @@ def run_unit(model, unit: Unit, block_size: int, on_trial: Optional[Callable[[],
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     choice = unit.choice
-    cache = cache_for(model, choice, block_size, checks=False)
+    # the tail of a recent window keeps the blocks a later trial's hit needs at its end, so
+    # every format computes what `computed_tokens` counts (no sliding layers: see the doc)
+    cache = cache_for(model, choice, block_size, checks=False,
+                      keep_window_prefixes=not has_sliding_layers(model.config))
     bits = layout_numbers(cache, 1, choice.recent, unit.length)[0]
     kw = with_cache(model, cache)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

@@ -86,9 +86,11 @@ class FormatResult:
 
 
 def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks: bool = True,
-              approx: Approximation = Approximation(), options: Optional[CacheOptions] = None):
+              approx: Approximation = Approximation(), options: Optional[CacheOptions] = None,
+              keep_window_prefixes: bool = False):
     """The cache `choice` names for `model`: `options` (default: block_size, checks and approx
-    as given, the rest at their defaults; the choice's window added)."""
+    as given, the rest at their defaults; the choice's window added); keep_window_prefixes:
+    see `PagedKVCache` (a recent window's tail keeps what later prefix hits need)."""
     from ..integrations.deepseek import mla_dims
 
     opts = options or CacheOptions(block_size=block_size, checks=checks, approx=approx)
@@ -106,7 +108,7 @@ def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks:
     from ..integrations.transformers import PagedKVCache
 
     return PagedKVCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
-                        recent_window=choice.recent, options=opts)
+                        recent_window=choice.recent, options=opts, keep_window_prefixes=keep_window_prefixes)
 
 
 def layout_numbers(cache, memory_bytes: int, recent: Optional[RecentWindow] = None,
