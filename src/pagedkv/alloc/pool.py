@@ -235,10 +235,11 @@ class BlockPool:
         if self.trace is not None:
             self.trace.add("free", block, r)
 
-    def touch(self, block: int) -> None:
-        """Make a cached block the most recently used (evicted last); a block that is not
-        cached is left as it is."""
-        if block in self._cached:
+    def touch_key(self, key: bytes) -> None:
+        """Make the cached block registered under `key` the most recently used (evicted last);
+        nothing when no block is registered or it is not cached."""
+        block = self.lookup(key)
+        if block is not None and block in self._cached:
             self._cached.move_to_end(block)
 
     # ---- prefix index ---------------------------------------------------------------------

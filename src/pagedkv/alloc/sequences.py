@@ -82,20 +82,16 @@ class SequenceManager:
     sequences' records (`_Seq`: tokens, block table, committed count, chain keys). Its parts,
     each the owner of its own state, get the records they change: `keys` (`PrefixChain`: the
     namespace, chain keys, what a hit holds and costs), `growth` (`WindowedAppend`: capacity,
-    window reclaim, appends, compaction) and `entries` (`TableEntries`: the entries' reference
-    rule, the swap records); `shape` (`GroupShape`) is the group's block size, window and kept
-    first blocks.
+    window reclaim, appends, compaction), `entries` (`TableEntries`: the entries' reference
+    rule, the swap records); `shape` (`GroupShape`): block size, window, kept first blocks.
 
     namespace: bytes mixed into every prefix key (model identity, format, layer layout), so
     caches of different models or formats can never hit each other's blocks.
     window: None, or the group's sliding window W (`reclaim` then drops blocks no query at or
     after a position can see; released keyed blocks stay cached for prefix hits, which need
     only the blocks a query after the hit sees). prefix: key committed full blocks.
-    keep_first: with a window, the first blocks of every sequence are never released (a recent
-    window's tail that also holds the attention sinks).
-    keep_cached: with a window, the group keeps its released cached blocks for later hits
-    (`manager.GroupSpec.keep_cached`): `free` then ranks the sequence's released blocks that
-    are still cached in the LRU as a global group ranks its blocks (the deepest evicted first).
+    keep_first: with a window, the first blocks of every sequence are never released (sinks).
+    keep_cached: a windowed group keeps released cached blocks for hits (`GroupSpec.keep_cached`).
     """
 
     def __init__(self, pool: BlockPool, block_size: int, namespace: bytes = b"", *,
@@ -360,20 +356,14 @@ class SequenceManager:
 
     def free(self, seq_id: Hashable) -> None:
         """Drop a sequence; its keyed blocks stay cached (LRU, tail blocks evicted first). With
-        `keep_cached`, the blocks its window released that are still cached take their places
-        in that order too (released while the sequence grew, they would go first otherwise,
-        the prompt's first blocks first: those a later prompt sharing it hits)."""
+        `keep_cached` the cached blocks its window released take their places in that order
+        too (else they would go first, the prompt's first blocks first: what later hits need)."""
         s = self._get(seq_id)
-        pool, hashes = self.pool, s.hashes
         for i in range(len(s.table) - 1, -1, -1):
-            b = s.table[i]
-            if b == RELEASED:
-                if self.keep_cached and i < len(hashes):
-                    c = pool.lookup(hashes[i])
-                    if c is not None:
-                        pool.touch(c)
-            else:
-                self.entries.drop(b)
+            if s.table[i] != RELEASED:
+                self.entries.drop(s.table[i])
+            elif self.keep_cached and i < len(s.hashes):
+                self.pool.touch_key(s.hashes[i])
         del self._seqs[seq_id]
 
     def clear(self) -> None:
