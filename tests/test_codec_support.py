@@ -159,6 +159,16 @@ def test_the_dispatcher_enforces_a_declaration():
     assert reference.BACKEND.codecs.refusal(Q5, store=True) is None
 
 
+def test_a_store_may_declare_a_rule_for_rotated_rows_only():
+    """`unrotated_encode`: the level search declared for rotated rows (turbo4) but not for nvfp4,
+    the same rule and width without the rotation; attention reads both."""
+    sup = CodecSupport(encode=pairs(EncodeRule.TABLE_SEARCH, (4,)), unrotated_encode=frozenset(),
+                       decode=pairs(DecodeKind.TABLE, (4,)))
+    assert sup.refusal(CODECS["turbo4"], store=True) is None
+    assert "unrotated row" in sup.refusal(CODECS["nvfp4"], store=True)
+    assert sup.refusal(CODECS["nvfp4"], store=False) is None
+
+
 def test_auto_high_precision_layers_has_a_value_for_every_width():
     """The rule replaces the table {16: 0, 8: 0, 4: 2, 3: 3, 2: 4}, which fell through to 0."""
     got = {c.code_bits: auto_high_precision_layers(c) for c in CODECS.values()}

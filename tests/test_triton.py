@@ -41,7 +41,8 @@ if DEVICE_IS_CPU and not tr.interpreting():
 pytestmark = pytest.mark.triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKEND = tr.BACKEND if DEVICE == "cuda" else tr.interpreter_backend()
+# fp32 products on a GPU (the registered default is bf16): the oracle comparisons are to fp32 rounding
+BACKEND = tr.make_backend("fp32", name="triton-fp32-test") if DEVICE == "cuda" else tr.interpreter_backend()
 ATTN = dict(decode_attention=tr.decode_attention, prefill_attention=tr.prefill_attention)
 TOL = dict(atol=2e-5, rtol=2e-5)  # fp32 arithmetic in a different order than the reference
 
@@ -65,9 +66,10 @@ STORED = [n for n in CODECS if n not in refused_codecs(SUPPORT, store=True)]
 
 
 def test_rows_the_kernels_do_not_implement_run_on_the_reference():
-    """f16, fp8_e5m2 (store), turbo5 and turbo2g64 (groups of 64) are not in `spec.SUPPORT`: the
+    """f16, fp8_e5m2 and nvfp4 (store: its unrotated level search wrote other bytes than the
+    reference on an H200), turbo5 and turbo2g64 (groups of 64) are not in `spec.SUPPORT`: the
     dispatcher declines them."""
-    assert set(refused_codecs(SUPPORT, store=True)) == {"f16", "fp8_e5m2", "turbo5", "turbo2g64"}
+    assert set(refused_codecs(SUPPORT, store=True)) == {"f16", "fp8_e5m2", "turbo5", "turbo2g64", "nvfp4"}
     assert set(refused_codecs(SUPPORT)) == {"f16", "turbo5", "turbo2g64"}
     for name in refused_codecs(SUPPORT, store=True):
         layer = make_layer(CODECS[name], CODECS[name], 2, 16, 1, 64, device=DEVICE)
@@ -242,7 +244,7 @@ def test_bench_dry_run():
 
 @pytest.mark.parametrize("name,norm_on,rope_kind", [
     ("turbo3", True, "partial"), ("q4_0", True, "full"), ("fp8", False, "partial"),
-    ("turbo4", True, None), ("nvfp4", True, "multimodal"),
+    ("turbo4", True, None), ("q8_0", True, "multimodal"),
 ])
 def test_fused_norm_rope_store_k(name, norm_on, rope_kind):
     """The fused K kernel returns the reference's fp32 keys (to the last bit or so) and stores

@@ -21,7 +21,8 @@ from pagedkv.ops.triton.spec import SUPPORT
 pytestmark = pytest.mark.triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKEND = tr.BACKEND if DEVICE == "cuda" else tr.interpreter_backend()
+# fp32 products on a GPU (the registered default is bf16): the oracle comparisons are to fp32 rounding
+BACKEND = tr.make_backend("fp32", name="triton-fp32-test") if DEVICE == "cuda" else tr.interpreter_backend()
 L, R, BS, HQ = 64, 32, 8, 4
 TOL = dict(atol=3e-5, rtol=1e-4)  # fp32 in another order than the oracle (and its inverse WHT)
 

@@ -25,12 +25,14 @@ class CodecSupport:
     """decode: frozenset of (DecodeKind, bits) attention reads; encode: frozenset of
     (EncodeRule, bits) the store writes; groups: frozenset of group sizes; None = any.
     store_groups: the group sizes the store handles where they differ from `groups` (None: the
-    same as `groups`)."""
+    same as `groups`). unrotated_encode: the (EncodeRule, bits) the store writes for rows without
+    the WHT rotation, where that differs from `encode` (None: the same)."""
 
     decode: Optional[frozenset] = None
     encode: Optional[frozenset] = None
     groups: Optional[frozenset] = None
     store_groups: Optional[frozenset] = None
+    unrotated_encode: Optional[frozenset] = None
 
     def refusal(self, codec: Codec, *, store: bool) -> Optional[str]:
         """None when this backend implements `codec` for the store (store=True) or attention,
@@ -38,6 +40,8 @@ class CodecSupport:
         t = traits(codec)
         if store:
             wanted, have, what = (t.encode, t.bits), self.encode, "encode rule"
+            if not codec.rotated and self.unrotated_encode is not None:
+                have, what = self.unrotated_encode, "encode rule (unrotated row)"
         else:
             wanted, have, what = (t.decode, t.bits), self.decode, "decode kind"
         if have is not None and wanted not in have:

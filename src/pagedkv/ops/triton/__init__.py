@@ -54,10 +54,10 @@ def make_backend(precision: str = "fp32", *, name: str = "triton", priority: int
     """A Backend running these kernels with the given matmul operand precision.
 
     precision: "fp32" (fp32-accurate products: exact FMAs in decode, 3xTF32 tensor-core
-    products in prefill; the registered default, matches the reference to fp32 rounding),
-    "tf32" or "bf16" (operands rounded, tensor cores, as FlashAttention does; fp32
-    accumulation either way). Register it to make it the CUDA default:
-    `register_backend(make_backend("bf16"))` (same name: replaces the default one).
+    products in prefill; matches the reference to fp32 rounding), "tf32" or "bf16" (operands
+    rounded, tensor cores, as SDPA and FlashAttention do over a bf16 cache; the registered
+    default); fp32 accumulation either way. Register one to make it the CUDA default:
+    `register_backend(make_backend("fp32"))` (same name: replaces the default one).
     """
     from functools import partial
 
@@ -77,7 +77,9 @@ def make_backend(precision: str = "fp32", *, name: str = "triton", priority: int
     )
 
 
-BACKEND = make_backend()
+# bf16 operands by default: on an H200 it computed the same attention as "fp32" to three digits
+# of the error against SDPA, for every format, at a fraction of the time (docs/gpu.md)
+BACKEND = make_backend("bf16")
 register_backend(BACKEND)
 
 

@@ -89,7 +89,7 @@ def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
             val = (code - (1 << (BITS - 1))).to(tl.float32)
         else:
             tl.static_assert(VALUES == _VAL_TABLE, "unknown VALUES constexpr (spec.py derives it)")
-            val = tl.load(table_ptr + code)
+            val = table_value(code, table_ptr, BITS)
         if SCALE_KIND == _SCALE_TENSOR:
             val = val * tensor_scale
         elif SCALE_KIND != 0:  # one scale per GROUP elements along the row
@@ -104,6 +104,36 @@ def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
                     s = sw.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             val = tl.reshape(tl.reshape(val, (N, NG, GROUP)) * s[:, :, None], (N, BLOCK_D))
     return tl.where(row_ok[:, None] & (offs_d < D)[None, :], val, 0.0)
+
+
+@triton.jit
+def _lut2(code, t_ptr, BASE: tl.constexpr):
+    """Table entries BASE..BASE+3 picked by code bits 0-1 (selects over 4 scalars: no gather)."""
+    b0 = (code & 1) != 0
+    lo = tl.where(b0, tl.load(t_ptr + BASE + 1), tl.load(t_ptr + BASE))
+    hi = tl.where(b0, tl.load(t_ptr + BASE + 3), tl.load(t_ptr + BASE + 2))
+    return tl.where((code & 2) != 0, hi, lo)
+
+
+@triton.jit
+def _lut3(code, t_ptr, BASE: tl.constexpr):
+    return tl.where((code & 4) != 0, _lut2(code, t_ptr, BASE + 4), _lut2(code, t_ptr, BASE))
+
+
+@triton.jit
+def table_value(code, table_ptr, BITS: tl.constexpr):
+    """float32 table[code] for int32 codes of a 2-, 3- or 4-bit table codec (Lloyd-Max levels,
+    E2M1), as a tree of selects over the table's 2**BITS scalars instead of a per-element gather
+    `tl.load(table + code)`, which was the one difference between the table codecs' decode and
+    q4_0's when the first GPU run timed them far slower (docs/gpu.md). Other widths gather."""
+    if BITS == 2:
+        return _lut2(code, table_ptr, 0)
+    elif BITS == 3:
+        return _lut3(code, table_ptr, 0)
+    elif BITS == 4:
+        return tl.where((code & 8) != 0, _lut3(code, table_ptr, 8), _lut3(code, table_ptr, 0))
+    else:
+        return tl.load(table_ptr + code)
 
 
 @triton.jit

@@ -292,11 +292,14 @@ def decode_attention(q: torch.Tensor, layer: PagedLayer, block_tables: torch.Ten
     max_ctx = block_tables.shape[1] * layer.block_size
     if params.sliding_window is not None:
         max_ctx = min(max_ctx, params.sliding_window)
-    fma = precision == "fp32"  # exact fp32 FMAs on the real GQA rows (no padding to 16 rows)
-    block_g = triton.next_power_of_2(g) if fma else max(16, triton.next_power_of_2(g))
+    # exact fp32 FMAs on the real GQA rows where tl.dot would pad them to 16. With 16+ heads on a
+    # KV head (MQA, latent rows) nothing is padded, and the [16, 8, 128] FMA tile gave wrong
+    # outputs on an H200 (docs/gpu.md): tensor cores there (3xTF32 for fp32), except for rows
+    # wider than 128, where those tiles spill at sm_90 and 8-key FMA tiles do not
     block_d = max(16, triton.next_power_of_2(d))
+    fma = precision == "fp32" and (g < 16 or block_d > 128)
+    block_g = triton.next_power_of_2(g) if fma else max(16, triton.next_power_of_2(g))
     if block_n is None:
-        # 16+ heads on one KV head (MQA, latent rows): 8 keys a tile, else [16, 16, 256] spills
         block_n = max(8 if block_g >= 16 else 16, min(64, 8192 // (block_g * block_d))) if fma else 32
     splits = num_splits or num_splits_for(bsz, h, max_ctx, block_n, dev)
     m = torch.empty(bsz, hq, splits, dtype=torch.float32, device=dev)

@@ -54,12 +54,16 @@ _VALUES = {
 # What the kernels implement (`common.load_rows` unpacks 2/3/4/8-bit codes and bf16 halves; the
 # store packs any width but is tested at these); the dispatcher refuses every other row.
 _WIDTHS = (2, 3, 4, 8)
+_ENCODE_DIRECT = (pairs(EncodeRule.ROUND_BF16, (16,)) | pairs(EncodeRule.E4M3_TENSOR, (8,))
+                  | pairs(EncodeRule.E4M3_GROUP, (8,)) | pairs(EncodeRule.INT_AMAX, (8,))
+                  | pairs(EncodeRule.INT_SIGNED_MAX, (4,)))
 SUPPORT = CodecSupport(
     decode=(pairs(DecodeKind.RAW_BF16, (16,)) | pairs(DecodeKind.E4M3, (8,)) | pairs(DecodeKind.INT8, (8,))
             | pairs(DecodeKind.INT_OFFSET, (4,)) | pairs(DecodeKind.TABLE, _WIDTHS)),
-    encode=(pairs(EncodeRule.ROUND_BF16, (16,)) | pairs(EncodeRule.E4M3_TENSOR, (8,))
-            | pairs(EncodeRule.E4M3_GROUP, (8,)) | pairs(EncodeRule.INT_AMAX, (8,))
-            | pairs(EncodeRule.INT_SIGNED_MAX, (4,)) | pairs(EncodeRule.TABLE_SEARCH, (2, 3, 4))),
+    encode=_ENCODE_DIRECT | pairs(EncodeRule.TABLE_SEARCH, (2, 3, 4)),
+    # the level search of an unrotated row (nvfp4) wrote other bytes than the reference on an
+    # H200 (13% of a test's code bytes; the rotated rows matched): the reference stores it there
+    unrotated_encode=_ENCODE_DIRECT,
     groups=frozenset({0, 16, 32}),
 )
 
