@@ -103,7 +103,7 @@ class _QDQLayer(transformers.cache_utils.DynamicLayer):
 
     def update(self, k, v, *args, **kwargs):
         pl = self.paged_layer
-        m = pl.k_mult if pl.k_mult is not None else torch.ones(k.shape[1], k.shape[-1])
+        m = pl.k_mult if pl.k_mult is not None else torch.ones(k.shape[1], k.shape[-1], device=k.device)
         cm = pl.paged.k_centre if pl.paged.k_centre is not None else torch.zeros_like(m)
         m4, cm4 = m[None, :, None, :], cm[None, :, None, :]
         kq = (_qdq((k.float() * m4 - cm4).transpose(1, 2), self.fmt.k).transpose(1, 2) + cm4) / m4
