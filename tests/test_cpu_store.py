@@ -386,6 +386,19 @@ def test_the_scale_search_sums_a_group_as_torch_does(group):
         assert not torch.equal(_c_group_sums(x, 1), x.sum(-1))
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_the_lane_probe_sums_as_the_c_store_does(lanes):
+    """TORCH_SUM_LANES is found by comparing torch's sums with a Python copy of the C order
+    (`write._lane_order_sum`); that copy must be the C order for either lane count."""
+    from pagedkv.ops.cpu.write import _lane_order_sum
+
+    gen = torch.Generator().manual_seed(lanes)
+    for group in (8, 16, 40, 64):
+        x = (torch.randn(16, group, generator=gen) * torch.exp(torch.randn(16, group, generator=gen) * 4)).square()
+        rows = [list(r) for r in x.numpy()]
+        assert _c_group_sums(x, lanes).tolist() == [_lane_order_sum(r, lanes) for r in rows]
+
+
 @pytest.mark.slow
 def test_the_avx512_path_emulated_where_the_cpu_lacks_it(tmp_path, monkeypatch):
     """On a CPU without AVX-512 the avx512 build's store path is checked through SIMDe's portable

@@ -59,9 +59,54 @@ _SCALE_KIND = {ScaleType.NONE: 0, ScaleType.TENSOR_FP32: 0, ScaleType.FP8_E4M3: 
                ScaleType.BF16: 2, ScaleType.FP16: 3}
 _X_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 4096  # MAX_HEAD_DIM in store_kernel.c
-# float lanes of torch's CPU vectors (Vectorized<float>): the order its sums take, which the C
-# scale search follows to pick the reference's scale at exact ties (group_sum in store_kernel.c)
-TORCH_SUM_LANES = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+def _lane_order_sum(row: list, lanes: int) -> float:
+    """The fp32 sum group_sum (store_kernel.c) takes of one row with `lanes`-wide vectors."""
+    import numpy as np
+
+    f = np.float32
+    g = len(row)
+    w = 1 if g < lanes else lanes
+    nv = g // w
+    ilp = nv // 4
+    err = f(0.0)
+    for e in range(nv * w, g):
+        err = f(err + row[e])
+    for e in range(w):
+        p = row[e]
+        if ilp:
+            acc = [row[w * k + e] for k in (1, 2, 3)]
+            for j in range(1, ilp):
+                p = f(p + row[w * 4 * j + e])
+                acc = [f(acc[k - 1] + row[w * (4 * j + k) + e]) for k in (1, 2, 3)]
+            for i in range(4 * ilp, nv):
+                p = f(p + row[w * i + e])
+            for a in acc:
+                p = f(p + a)
+        else:
+            for i in range(1, nv):
+                p = f(p + row[w * i + e])
+        err = f(err + p)
+    return float(err)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_sum_lanes() -> int:
+    """Float lanes of the vectors torch's CPU sum runs on here: the order its sums take, which the
+    C scale search follows to pick the reference's scale at exact ties (group_sum in
+    store_kernel.c). Found by summing terms of wide range both ways: the CPU capability torch
+    reports does not decide it (an AVX-512 Zen 4 reports "AVX512" and sums in 8 lanes)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 64, generator=gen) * torch.exp(torch.randn(8, 64, generator=gen) * 4)).square()
+    want = x.sum(-1).tolist()
+    rows = [[v for v in r] for r in x.numpy().astype("float32")]
+    preferred = (16, 8) if torch.backends.cpu.get_cpu_capability() == "AVX512" else (8, 16)
+    for lanes in preferred:
+        if all(_lane_order_sum(r, lanes) == t for r, t in zip(rows, want)):
+            return lanes
+    return preferred[0]
+
+
+TORCH_SUM_LANES = _torch_sum_lanes()
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
