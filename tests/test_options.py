@@ -23,7 +23,7 @@ def test_options_are_validated_once_naming_the_value():
     for kw, needle in ((dict(block_size=0), "block_size"), (dict(hp_format="q9"), "q9"),
                        (dict(key_centring="yes"), "key_centring"), (dict(checks=1), "checks"),
                        (dict(recent_window="64"), "recent_window"), (dict(approx="int9"), "int9"),
-                       (dict(backend=3), "backend")):
+                       (dict(backend=3), "backend"), (dict(keep_window_prefixes=1), "keep_window_prefixes")):
         with pytest.raises(ConfigError, match=needle):
             CacheOptions(**kw)
     with pytest.raises(ConfigError, match="unknown cache option.*colour.*accepted: block_size"):
@@ -78,6 +78,31 @@ def test_cache_config_takes_options():
     assert not CacheConfig(kv_format="turbo3", options=CacheOptions(key_centring=False), **base).key_centring
     with pytest.raises(ConfigError, match="block_size: given both"):
         CacheConfig(kv_format="turbo3", block_size=8, options=CacheOptions(), **base)
+
+
+def test_keep_window_prefixes_is_an_option_reaching_the_window_groups():
+    """`keep_window_prefixes` flows as every option does: `options=` or a keyword of the drop-in,
+    `CacheConfig(options=)`, to the windowed groups' `GroupSpec.keep_cached` (the one place the
+    block manager holds it); the global group never keeps released blocks (it releases none)."""
+    from pagedkv.cache import PagedCache
+    from pagedkv.integrations.transformers import PagedKVCache
+
+    model = peaked_llama()
+    window = RecentWindow(4, "q8_0")  # the tail group slides (the tiny model's layers do not)
+    for opts, kw in ((CacheOptions(keep_window_prefixes=True, recent_window=window), {}),
+                     (None, dict(keep_window_prefixes=True, recent_window=window)),
+                     (CacheOptions(recent_window=window), {}), (None, dict(recent_window=window))):
+        cache = PagedKVCache(model, "turbo3", options=opts, **kw)
+        kept = cache.options.keep_window_prefixes
+        assert cache.config.keep_window_prefixes is kept
+        assert [(s.window, s.keep_cached) for s in cache.engine.core.specs] == [(None, False), (4, kept)]
+    assert kept is False and CacheOptions().keep_window_prefixes is False  # off by default
+    base = dict(num_layers=2, num_kv_heads=2, head_dim=64, num_blocks=8, sliding_window=[None, 8])
+    cfg = CacheConfig(kv_format="turbo3", options=CacheOptions(keep_window_prefixes=True), **base)
+    assert cfg.keep_window_prefixes
+    assert [s.keep_cached for s in PagedCache(cfg).core.specs] == [False, True]
+    with pytest.raises(ConfigError, match="keep_window_prefixes: given both"):
+        CacheConfig(kv_format="turbo3", keep_window_prefixes=True, options=CacheOptions(), **base)
 
 
 def test_vllm_settings_hold_the_same_options():

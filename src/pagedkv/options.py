@@ -48,6 +48,10 @@ class CacheOptions:
     key_scaling: bool = field(default=False, metadata=_help("fit per-channel key multipliers (default off)"))
     reclaim_sliding: bool = field(default=True, metadata=_help(
         "release the blocks a sliding-window layer no longer reads (default on)"))
+    keep_window_prefixes: bool = field(default=False, metadata=_help(
+        "sliding-window and recent-window (tail) pools keep the blocks their window released while "
+        "they stay cached, so a later prompt hits as long a prefix as without the window; their "
+        "memory is then not returned (default off)"))
     recent_window: Union[None, int, RecentWindow] = field(default=None, metadata=_help(
         "high-precision recent window: R tokens in bf16 (or name it in the spec: turbo3+r64s16q8_0)"))
     approx: Union[None, str, Approximation] = field(default=None, metadata=_help(
@@ -69,7 +73,7 @@ class CacheOptions:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(f"{name} must be True, False or None, got {v!r}")
-        for name in ("key_scaling", "reclaim_sliding", "checks"):
+        for name in ("key_scaling", "reclaim_sliding", "keep_window_prefixes", "checks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _set(self, "recent_window", recent_window_of(self.recent_window))

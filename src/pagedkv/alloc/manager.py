@@ -75,8 +75,7 @@ class BlockManager:
         self.specs = tuple(specs)
         self.groups = [
             SequenceManager(BlockPool(g.initial_blocks, trace=trace, max_blocks=g.max_blocks),
-                            block_size, namespace, window=g.window, keep_first=g.keep_first,
-                            keep_cached=g.keep_cached)
+                            block_size, namespace, window=g.window, keep_first=g.keep_first)
             for g in specs]
         self.main = self.groups[0]
 
@@ -170,7 +169,7 @@ class BlockManager:
             if g.window is not None:
                 g.reclaim(seq_ids, counts)
                 pool = g.pool
-                live = pool.num_used + (pool.num_cached if g.keep_cached else 0)
+                live = pool.num_used + (pool.num_cached if spec.keep_cached else 0)
                 target = max(spec.initial_blocks, 2 * (live + need))
                 if 2 * target <= pool.num_blocks:  # most blocks left the window: shrink
                     moves = g.compact(target)
@@ -204,8 +203,8 @@ class BlockManager:
     def free(self, seq_id: Hashable) -> None:
         for g in self.groups:
             g._get(seq_id)
-        for g in self.groups:
-            g.free(seq_id)
+        for g, spec in zip(self.groups, self.specs):
+            g.free(seq_id, spec.keep_cached)
 
     def clear(self) -> None:
         for g in self.groups:

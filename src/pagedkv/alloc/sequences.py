@@ -91,17 +91,14 @@ class SequenceManager:
     after a position can see; released keyed blocks stay cached for prefix hits, which need
     only the blocks a query after the hit sees). prefix: key committed full blocks.
     keep_first: with a window, the first blocks of every sequence are never released (sinks).
-    keep_cached: a windowed group keeps released cached blocks for hits (`GroupSpec.keep_cached`).
     """
 
     def __init__(self, pool: BlockPool, block_size: int, namespace: bytes = b"", *,
-                 window: Optional[int] = None, prefix: bool = True, keep_first: int = 0,
-                 keep_cached: bool = False):
+                 window: Optional[int] = None, prefix: bool = True, keep_first: int = 0):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         self.pool = pool
         self.shape = GroupShape(block_size, window, keep_first)
-        self.keep_cached = keep_cached
         self._seqs: dict[Hashable, _Seq] = {}
         self._ids = count()
         self.prefix_queries = 0
@@ -354,15 +351,16 @@ class SequenceManager:
         """Empty a sequence (keeps its id and salt)."""
         self.pop(seq_id, self.length(seq_id))
 
-    def free(self, seq_id: Hashable) -> None:
+    def free(self, seq_id: Hashable, keep_cached: bool = False) -> None:
         """Drop a sequence; its keyed blocks stay cached (LRU, tail blocks evicted first). With
-        `keep_cached` the cached blocks its window released take their places in that order
-        too (else they would go first, the prompt's first blocks first: what later hits need)."""
+        `keep_cached` (the group's `GroupSpec.keep_cached`, which `BlockManager.free` passes) the
+        cached blocks its window released take their places in that order too (else they would
+        go first, the prompt's first blocks first: what later hits need)."""
         s = self._get(seq_id)
         for i in range(len(s.table) - 1, -1, -1):
             if s.table[i] != RELEASED:
                 self.entries.drop(s.table[i])
-            elif self.keep_cached and i < len(s.hashes):
+            elif keep_cached and i < len(s.hashes):
                 self.pool.touch_key(s.hashes[i])
         del self._seqs[seq_id]
 

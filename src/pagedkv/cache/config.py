@@ -93,7 +93,8 @@ class CacheConfig:
     check_slots: `store` verifies every slot belongs to a block some sequence holds (a host
     sync for device tensors; turn off in production serving once the caller is trusted).
     options: a `pagedkv.options.CacheOptions` supplies block_size, hp_format, recent_window,
-    reclaim_sliding and key_centring (None: on for a non-raw K codec), instead of those fields.
+    reclaim_sliding, keep_window_prefixes and key_centring (None: on for a non-raw K codec),
+    instead of those fields.
     latent: a `pagedkv.cache.latent.LatentLayout` makes every layer a latent (MLA) layer: one pool
     of [latent | rope] per token (num_kv_heads/head_dim/layer_dims are then ignored).
     grow_blocks: every block group's pool starts at `total_blocks` (a sliding one at most 16)
@@ -250,14 +251,15 @@ class CacheConfig:
 
     def _take_options(self) -> None:
         """Fill the fields a `CacheOptions` declares (block_size, hp_format, recent_window,
-        reclaim_sliding, key_centring: None = on for a non-raw K codec) from `options`; a field
-        also given here (not at its default) is refused."""
+        reclaim_sliding, keep_window_prefixes, key_centring: None = on for a non-raw K codec)
+        from `options`; a field also given here (not at its default) is refused."""
         from ..options import CacheOptions
 
         opts = self.options
         if not isinstance(opts, CacheOptions):
             raise ConfigError(f"options must be a pagedkv.options.CacheOptions, got {opts!r}")
-        taken = ("block_size", "hp_format", "recent_window", "reclaim_sliding", "key_centring")
+        taken = ("block_size", "hp_format", "recent_window", "reclaim_sliding", "keep_window_prefixes",
+                 "key_centring")
         defaults = {f.name: f.default for f in fields(CacheConfig)}
         both = [n for n in taken if getattr(self, n) != defaults[n]]
         if both:

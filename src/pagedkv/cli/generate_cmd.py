@@ -18,7 +18,7 @@ from .output import print_json
 # the cache options (`pagedkv.options.CacheOptions`) with a flag here; the recent window is
 # named in --kv-format (turbo3+r64s16q8_0)
 OPTION_FLAGS = ("block_size", "hp_format", "key_centring", "value_centring", "key_scaling", "reclaim_sliding",
-                "approx", "backend", "checks")
+                "keep_window_prefixes", "approx", "backend", "checks")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -118,14 +118,16 @@ def run_unit(model, unit: Unit, block_size: int, on_trial: Optional[Callable[[],
     import torch
 
     from ..integrations.hf_compat import with_cache
+    from ..options import CacheOptions
     from .runner import cache_for, layout_numbers
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     choice = unit.choice
     # the tail of a recent window keeps the blocks a later trial's hit needs at its end, so
     # every format computes what `computed_tokens` counts (no sliding layers: see the doc)
-    cache = cache_for(model, choice, block_size, checks=False,
-                      keep_window_prefixes=not has_sliding_layers(model.config))
+    opts = CacheOptions(block_size=block_size, checks=False,
+                        keep_window_prefixes=not has_sliding_layers(model.config))
+    cache = cache_for(model, choice, options=opts)
     bits = layout_numbers(cache, 1, choice.recent, unit.length)[0]
     kw = with_cache(model, cache)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

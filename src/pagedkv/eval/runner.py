@@ -86,11 +86,9 @@ class FormatResult:
 
 
 def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks: bool = True,
-              approx: Approximation = Approximation(), options: Optional[CacheOptions] = None,
-              keep_window_prefixes: bool = False):
+              approx: Approximation = Approximation(), options: Optional[CacheOptions] = None):
     """The cache `choice` names for `model`: `options` (default: block_size, checks and approx
-    as given, the rest at their defaults; the choice's window added); keep_window_prefixes:
-    see `PagedKVCache` (a recent window's tail keeps what later prefix hits need)."""
+    as given, the rest at their defaults; the choice's window added)."""
     from ..integrations.deepseek import mla_dims
 
     opts = options or CacheOptions(block_size=block_size, checks=checks, approx=approx)
@@ -108,7 +106,7 @@ def cache_for(model, choice: FormatChoice, block_size: int = BLOCK_SIZE, checks:
     from ..integrations.transformers import PagedKVCache
 
     return PagedKVCache(model, choice.kv_format, high_precision_layers=choice.high_precision_layers,
-                        recent_window=choice.recent, options=opts, keep_window_prefixes=keep_window_prefixes)
+                        recent_window=choice.recent, options=opts)
 
 
 def layout_numbers(cache, memory_bytes: int, recent: Optional[RecentWindow] = None,

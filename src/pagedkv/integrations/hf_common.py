@@ -125,10 +125,10 @@ def _model_device(model_or_config):
 
 def _engine_fields(model_or_config, opts, max_tokens: Optional[int], device, offload) -> dict:
     """The `CacheConfig` fields both drop-ins set alike: the options (block size, hp format,
-    window, reclaim, key centring: `CacheConfig(options=)`); with max_tokens every group capped
-    at that many tokens' blocks, else pools that grow on demand; the pools on `device`
-    (default: the model's); the model's identity in the prefix keys with offload tiers; slots
-    unchecked (the adapter stores only those handed out)."""
+    window, reclaim, kept window prefixes, key centring: `CacheConfig(options=)`); with
+    max_tokens every group capped at that many tokens' blocks, else pools that grow on demand;
+    the pools on `device` (default: the model's); the model's identity in the prefix keys with
+    offload tiers; slots unchecked (the adapter stores only those handed out)."""
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens <= 0):
         raise ConfigError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")

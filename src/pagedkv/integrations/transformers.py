@@ -70,11 +70,11 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     high_precision_layers: the same policy as an argument (N, or "auto": N from the K codec,
     see `pagedkv.cache.config`); None (default) = what the name says.
     options: a `pagedkv.options.CacheOptions`, or its fields as keywords (block_size, hp_format,
-    key_centring, value_centring, key_scaling, reclaim_sliding, recent_window, approx, backend,
-    checks; each field's help is there, the defaults derive from the codecs' traits), the
-    keywords replacing the options' fields. The layer transform they choose is fitted to each
-    layer's first chunk (`cache.calibration`); value_centring=True refuses layers with sinks
-    (their weight takes no value, so a centre is not exact).
+    key_centring, value_centring, key_scaling, reclaim_sliding, keep_window_prefixes,
+    recent_window, approx, backend, checks; each field's help is there, the defaults derive from
+    the codecs' traits), the keywords replacing the options' fields. The layer transform they
+    choose is fitted to each layer's first chunk (`cache.calibration`); value_centring=True
+    refuses layers with sinks (their weight takes no value, so a centre is not exact).
     max_tokens: None grows the pools on demand; an int caps every block group at that many
     tokens summed over rows (CacheFull beyond, raised before any change): the global layers'
     pools are allocated at that size, sliding-window layers' pools start small and grow up to
@@ -83,9 +83,9 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     device: where the pools live (default: the model's device, else cpu).
     offload / swap_tier / prefix_tier: the engine's tiers (`pagedkv.offload.OffloadConfig`: a
     resident cap per row with swap, a shared prefix store; `begin(ids)` takes the hits).
-    keep_window_prefixes: sliding-window and recent-window (tail) pools keep the blocks the
-    window released while they stay cached, so `begin` hits as long a prefix as without the
-    window; their memory is then not returned (`CacheConfig.keep_window_prefixes`; default off).
+    keep_window_prefixes (an option): sliding-window and recent-window (tail) pools keep the
+    blocks the window released while they stay cached, so `begin` hits as long a prefix as
+    without the window; their memory is then not returned (`CacheConfig.keep_window_prefixes`).
 
     Padded batches: `get_seq_length()` counts columns (pads included, what transformers'
     generate expects); row r stores only its valid tokens, `row_lengths(columns)[r]` of them.
@@ -96,8 +96,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
     def __init__(self, model_or_config, kv_format: Union[str, KVFormat, Sequence] = "turbo3", *,
                  high_precision_layers: Union[None, int, str] = None, max_tokens: Optional[int] = None,
                  device=None, check_attn_implementation: bool = True, offload=None, swap_tier=None,
-                 prefix_tier=None, options: Optional[CacheOptions] = None, keep_window_prefixes: bool = False,
-                 **option_fields):
+                 prefix_tier=None, options: Optional[CacheOptions] = None, **option_fields):
         config = getattr(model_or_config, "config", model_or_config)
         opts = CacheOptions.of(options, **option_fields)  # ConfigError before anything is built
         spec = spec_and_arguments(kv_format, high_precision_layers, opts.recent_window)  # one parser
@@ -113,7 +112,7 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         types, windows, kv_heads, head_dims = _layer_layout(config)
         cache_config = CacheConfig(num_layers=len(types), num_kv_heads=kv_heads[0], head_dim=head_dims[0],
                                    layer_dims=list(zip(kv_heads, head_dims)), kv_format=spec,
-                                   sliding_window=windows, keep_window_prefixes=keep_window_prefixes,
+                                   sliding_window=windows,
                                    **_engine_fields(model_or_config, opts, max_tokens, device, offload))
         self._open(model_or_config, cache_config, opts, PagedCacheLayer, offload, swap_tier, prefix_tier)
 
