@@ -381,14 +381,14 @@ def test_the_scale_search_sums_a_group_as_torch_does(group):
     order (one lane at a time) rounds differently."""
     gen = torch.Generator().manual_seed(group)
     x = (torch.randn(16, group, generator=gen) * torch.exp(torch.randn(16, group, generator=gen) * 4)).square()
-    assert torch.equal(_c_group_sums(x, cstore.TORCH_SUM_LANES), x.sum(-1))
+    assert torch.equal(_c_group_sums(x, cstore.torch_sum_lanes()), x.sum(-1))
     if group >= 16:
         assert not torch.equal(_c_group_sums(x, 1), x.sum(-1))
 
 
 @pytest.mark.parametrize("lanes", [8, 16])
 def test_the_lane_probe_sums_as_the_c_store_does(lanes):
-    """TORCH_SUM_LANES is found by comparing torch's sums with a Python copy of the C order
+    """torch_sum_lanes() is found by comparing torch's sums with a Python copy of the C order
     (`write._lane_order_sum`); that copy must be the C order for either lane count."""
     from pagedkv.ops.cpu.write import _lane_order_sum
 

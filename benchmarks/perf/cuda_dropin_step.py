@@ -27,11 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 
-def parse_tokens(text: str) -> int:
-    t = text.strip().lower()
-    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-
-
 def smollm2_shaped(device):
     import transformers
 
@@ -76,13 +71,14 @@ def main(argv=None) -> int:
         return 2
     from transformers import DynamicCache
 
+    from pagedkv.cli.sizes import parse_counts
     from pagedkv.integrations.transformers import PagedKVCache
 
     dev = torch.device("cuda")
     model = smollm2_shaped(dev)
     rows = []
-    for ctx in [parse_tokens(c) for c in args.contexts.split(",")]:
-        for batch in [int(b) for b in args.batches.split(",")]:
+    for ctx in parse_counts(args.contexts, "--contexts"):
+        for batch in parse_counts(args.batches, "--batches"):
             prompt = torch.randint(3, 49152, (batch, ctx), generator=torch.Generator().manual_seed(ctx)).to(dev)
             model.set_attn_implementation("sdpa")
             base = step_ms(model, DynamicCache(config=model.config), prompt, args.steps)

@@ -32,11 +32,6 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 HQ, H, D = 9, 3, 64
 
 
-def parse_tokens(text: str) -> int:
-    t = text.strip().lower()
-    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-
-
 def case(fmt, window, ctx: int, batch: int, page_block: int, tail_block: int, gen: torch.Generator):
     from pagedkv.cache.storage import build_tail
     from pagedkv.ops import api, make_layer
@@ -110,13 +105,15 @@ def main(argv=None) -> int:
     p.add_argument("--tail-block", type=int, default=32)
     p.add_argument("--reps", type=int, default=7)
     args = p.parse_args(argv)
+    from pagedkv.cli.sizes import parse_counts
+
     torch.set_num_threads(1)
     print(f"{args.format}+{args.window}, pages block {args.page_block}, tail block {args.tail_block}, "
           f"1 thread, ms per layer per decode step (thread CPU time, median of {args.reps})")
     print("| context | batch | no window | window, torch | window, split | torch / split | split / no window "
           "| max abs diff | load |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for ctx in (parse_tokens(c) for c in args.contexts.split(",")):
+    for ctx in parse_counts(args.contexts, "--contexts"):
         for batch in (int(b) for b in args.batches.split(",")):
             r = measure(args.format, args.window, ctx, batch, args)
             print(f"| {ctx:,} | {batch} | {r['plain_ms']:.2f} | {r['torch_ms']:.2f} | {r['split_ms']:.2f} | "

@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recent_decode_step import D, HQ, case, parse_tokens  # noqa: E402
+from recent_decode_step import D, HQ, case  # noqa: E402
 
 
 def measure(fmt_name: str, window_label: str, ctx: int, reps: int) -> dict:
@@ -69,13 +69,15 @@ def main(argv=None) -> int:
         p.add_argument(flag, default=default)
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
+    from pagedkv.cli.sizes import parse_counts
+
     torch.set_num_threads(1)
     print(f"{args.format}+{args.window}, 16-token blocks, 1 thread, s per layer per prefill "
           f"(thread CPU time, median of {args.reps})")
     cols = ("context", "no window", "window, torch", "window, split", "torch / split", "split / no window",
             "max abs diff", "load")
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-    for ctx in (parse_tokens(c) for c in args.contexts.split(",")):
+    for ctx in parse_counts(args.contexts, "--contexts"):
         r = measure(args.format, args.window, ctx, args.reps)
         print(f"| {ctx:,} | {r['plain']:.3f} | {r['torch']:.3f} | {r['split']:.3f} | {r['torch'] / r['split']:.2f}x | "
               f"{r['split'] / r['plain']:.2f}x | {r['diff']:.1e} | {r['load']:.1f} |", flush=True)

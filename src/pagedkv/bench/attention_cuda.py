@@ -100,8 +100,7 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
     rel_err_vs_sdpa (|ours - sdpa| / |sdpa| over the decode outputs: ~1e-3 for bf16 pages, the
     codec's error otherwise; a sanity check that the timed kernel computes attention).
     """
-    from ..ops import api, select_backend
-    from ..ops.dispatch import Op
+    from ..ops import api
     from ..ops.triton import decode_attention, prefill_attention  # Triton imported here, not at module import
 
     cfg.check()
@@ -170,7 +169,6 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
         layer = make_layer(fmt.k, fmt.v, n_blocks, bs, h, d, device=device)
         # the store by the dispatcher (a codec the Triton store does not declare runs the reference)
         chosen = _store_backend(device, layer)
-        store_backend = select_backend(Op.STORE, device, layer, None, backend=chosen).name
 
         def store(layer, k, v, slots):
             api.store(layer, k, v, slots, backend=chosen, checks=False)
@@ -198,7 +196,7 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
             add(op="prefill", impl="ours", format=name, precision=prec, ms=ms,
                 tflops=flops / (ms * 1e-3) / 1e12, speedup_vs_sdpa=sdpa_pre_ms / ms,
                 store_ms=store_ms, store_over_prefill=store_ms / ms)
-        add(op="store", impl="ours" if store_backend.startswith("triton") else store_backend, format=name,
+        add(op="store", impl="ours" if chosen.name.startswith("triton") else chosen.name, format=name,
             precision="-", ms=store_ms, tokens_per_s=pb * chunk / (store_ms * 1e-3))
         del layer
         if device.type == "cuda":
@@ -214,15 +212,17 @@ def run_cuda_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None
 
 
 def _store_backend(device: torch.device, layer):
-    """The store's backend: the automatic choice on a GPU; on the dry run's CPU tensors the Triton
-    interpreter's backend, or the reference where it declines the codec."""
-    if device.type == "cuda":
-        return None
+    """The store's backend: the dispatcher's choice on a GPU; on the dry run's CPU tensors the
+    Triton interpreter's backend, or the reference where it declines the codec."""
+    from ..ops import select_backend
     from ..ops import triton as tr
     from ..ops.dispatch import Op, codec_refusal
 
-    interp = tr.interpreter_backend()
-    return interp if codec_refusal(interp, Op.STORE, layer) is None else "reference"
+    choice = None
+    if device.type != "cuda":
+        interp = tr.interpreter_backend()
+        choice = interp if codec_refusal(interp, Op.STORE, layer) is None else "reference"
+    return select_backend(Op.STORE, device, layer, None, backend=choice)
 
 
 def _sdpa_prefill_ms(timer, q_pre, k, v, pb, chunk, hq, h, scale) -> float:

@@ -42,7 +42,7 @@ def _layer_layout(config) -> tuple[list[str], list[Optional[int]], list[int], li
             "pagedkv.integrations.deepseek.PagedLatentCache (and deepseek.enable(model))"
         )
     types, kwargs = cache_utils.get_layer_types_and_kwargs(text)
-    if isinstance(kwargs, dict):  # transformers < 5.25 (5.17 seen): one kwargs dict for every layer
+    if isinstance(kwargs, dict):  # older transformers (5.17 seen; 5.25 gives a list): one dict for every layer
         kwargs = [kwargs] * len(types)
     n_heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or n_heads

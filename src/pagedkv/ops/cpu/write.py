@@ -90,23 +90,22 @@ def _lane_order_sum(row: list, lanes: int) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_sum_lanes() -> int:
+def torch_sum_lanes() -> int:
     """Float lanes of the vectors torch's CPU sum runs on here: the order its sums take, which the
     C scale search follows to pick the reference's scale at exact ties (group_sum in
     store_kernel.c). Found by summing terms of wide range both ways: the CPU capability torch
-    reports does not decide it (an AVX-512 Zen 4 reports "AVX512" and sums in 8 lanes)."""
+    reports does not decide it (an AVX-512 Zen 4 reports "AVX512" and sums in 8 lanes). Probed
+    once, at the first store description, not at import."""
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(8, 64, generator=gen) * torch.exp(torch.randn(8, 64, generator=gen) * 4)).square()
     want = x.sum(-1).tolist()
-    rows = [[v for v in r] for r in x.numpy().astype("float32")]
+    rows = [list(r) for r in x.numpy()]
     preferred = (16, 8) if torch.backends.cpu.get_cpu_capability() == "AVX512" else (8, 16)
     for lanes in preferred:
         if all(_lane_order_sum(r, lanes) == t for r, t in zip(rows, want)):
             return lanes
     return preferred[0]
 
-
-TORCH_SUM_LANES = _torch_sum_lanes()
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -251,7 +250,7 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
     a.row_data_bytes = codec.row_data_bytes(layer.head_dim)
     a.row_scale_bytes = codec.row_scale_bytes(layer.head_dim)
     a.num_levels = d.levels.numel() if d.kind == SK_TABLE else 0
-    a.sum_lanes = TORCH_SUM_LANES
+    a.sum_lanes = torch_sum_lanes()
     a.top, a.tensor_scale = d.top, tensor_scale
     rc = lib.pkv_store(ctypes.byref(a))
     if rc == 1:
