@@ -64,3 +64,16 @@ def test_a_model_that_cannot_be_written_leaves_nothing_behind(tmp_path):
     root = tmp_path / "models"
     assert mc.save(root, gguf, model=object(), tokenizer=None) is None  # no .config: the writer fails
     assert list(root.iterdir()) == [] and mc.lookup(root, gguf) is None
+
+
+def test_the_folder_is_keyed_by_the_files_bytes_not_its_path(tmp_path):
+    """Two checkouts of the same GGUF share one converted folder; a file with other bytes gets its own."""
+    data = os.urandom(5 << 20)
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, body in ((a, data), (b, data), (c, data[:-1] + bytes([data[-1] ^ 1]))):
+        path.parent.mkdir()
+        path.write_bytes(body)
+    os.utime(b, ns=(1, 1))
+    assert mc.folder_key(str(a)) == mc.folder_key(str(b))
+    assert mc.folder_key(str(c)) != mc.folder_key(str(a))
+    assert mc.folder_key(str(a)).startswith("m-")

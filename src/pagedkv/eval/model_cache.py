@@ -7,8 +7,10 @@ and test process. The converted folder holds exactly what that load produced (th
 dequantized tensors as safetensors, the config, the tokenizer), so a model loaded from it computes
 bit-identical logits (tests/test_model_cache.py) and loads in a few seconds.
 
-The folder is keyed by the GGUF's resolved path, size and modification time and by the
-transformers version; it is written to a temporary folder and renamed (never half a folder; two
+The folder is keyed by the GGUF's content (a blake2b of its bytes: a fraction of a second for
+the embedded model, against the conversion's half minute) and by the transformers version, so
+every checkout or install of the same file shares one folder (a key by path and modification
+time left one 0.5 GB folder per clone); it is written to a temporary folder and renamed (never half a folder; two
 processes racing keep one), and it is used only when it and its files belong to this user and
 are not writable by others (nobody else could have planted weights). safetensors holds no code.
 A cache that cannot be written is skipped: the model still loads, from the GGUF.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from functools import lru_cache
 from hashlib import blake2b
 from pathlib import Path
 from typing import Any, Optional
@@ -30,14 +33,22 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 
 
 def folder_key(gguf_path: str) -> str:
-    """Name of the converted folder for one GGUF file as it is now (path, size, mtime, transformers)."""
+    """Name of the converted folder for one GGUF file as it is now (its bytes, transformers' version)."""
     import transformers
 
     real = os.path.realpath(gguf_path)
     st = os.stat(real)
+    return _content_key(real, st.st_size, st.st_mtime_ns, transformers.__version__)
+
+
+@lru_cache(maxsize=8)
+def _content_key(real: str, size: int, mtime_ns: int, version: str) -> str:
+    """Hashed once per process and file state (a lookup and a save read the file once)."""
     h = blake2b(digest_size=12)
-    for part in (real, str(st.st_size), str(st.st_mtime_ns), transformers.__version__):
-        h.update(part.encode() + b"\0")
+    with open(real, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    h.update(b"\0" + version.encode())
     return f"{Path(real).stem}-{h.hexdigest()}"
 
 
