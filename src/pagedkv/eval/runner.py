@@ -44,6 +44,7 @@ from ..options import CacheOptions
 from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError, PagedKVError
 from ..integrations.hf_compat import with_cache
+from ..integrations.model_config import text_config
 from ..ops.recent import tail_tokens
 from ..spec import RecentWindow
 from .choice import FormatChoice, parse_choice, parse_window  # noqa: F401 (parse_window: re-exported)
@@ -215,7 +216,7 @@ def output_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
     forward forms them: its output embeddings, then the final soft-cap where the config has one
     (Gemma). `_forward` checks it against the model's own last logit row on every pass."""
     emb = model.get_output_embeddings()
-    conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    conf = text_config(model.config)
     cap = getattr(conf, "final_logit_softcapping", None)
 
     def head(h: torch.Tensor) -> torch.Tensor:
