@@ -248,3 +248,17 @@ def test_the_estimate_counts_prefix_hits_and_knows_which_caches_take_none():
     (unit,) = make_units({("passkey", 3000): _trials("passkey")}, [SimpleNamespace(label="bf16", recent=None)])
     hits, whole = unit_seconds(unit, 16, (1.0, 1.0), True), unit_seconds(unit, 16, (1.0, 1.0), False)
     assert 0 < hits < 0.8 * whole
+
+
+def test_the_named_lists_expand_to_formats_every_front_door_parses():
+    """`--formats retrieval` (the recorded study's rows) and the default preset name formats the
+    one spec parser accepts, each once and bf16 first."""
+    from pagedkv.eval.config import RETRIEVAL_FORMATS, expand_formats
+    from pagedkv.eval.retrieval_config import DEFAULT_PRESET
+    from pagedkv.spec import parse_spec
+
+    assert expand_formats(["retrieval"]) == RETRIEVAL_FORMATS
+    for names in (RETRIEVAL_FORMATS, DEFAULT_PRESET.formats):
+        assert names[0] == "bf16" and len(set(names)) == len(names)
+        for name in names:
+            parse_spec(name)

@@ -39,7 +39,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "the plan `pagedkv tune --bits B` makes for the model, tunedB@N (e.g. tuned3.5@8k) the one "
                         "`pagedkv tune --bits B --context N` makes for N-token contexts (at most the model's); "
                         "`default` / `demo` name the default list (its tunedB@8k taken at the model's context "
-                        "where that is shorter) / make demo's shorter one (default: "
+                        "where that is shorter) / make demo's shorter one / `retrieval` the recorded "
+                        "retrieval study's rows (docs/long-context.md) (default: "
                         f"{','.join(DEFAULT_FORMATS)}; with a retrieval --task: {','.join(DEFAULT_PRESET.formats)})")
     p.add_argument("--windows", type=int, default=D.windows,
                    help=f"windows spread over the text (default {D.windows})")

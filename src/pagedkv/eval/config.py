@@ -25,7 +25,13 @@ DEFAULT_FORMATS = ("bf16", "fp8", "q8_0", "q4_0", "turbo8", "turbo4", "turbo3", 
 # plain ladder and the three window rows of the budgets, near the old 12-format time.
 DEMO_FORMATS = ("bf16", "turbo4", "turbo3", "turbo2",
                 "turbo3+r64s16q8_0", "turbo3k_turbo2v+r32s16q8_0", "turbo2g64+r16s16q8_0")
-FORMAT_LISTS = {"default": DEFAULT_FORMATS, "demo": DEMO_FORMATS}
+# `--formats retrieval`: the rows of the recorded retrieval study (docs/long-context.md): bf16,
+# fp8 and turbo3, and the best rows found at the budgets as stored at 2k-8k: <= 4.5 bits
+# (turbo4g32+r32s16q8_0), <= 3.5 bits (4-bit keys / 2-bit values with the window: passkey and
+# multikey at 2k; the 128-token window over turbo3g32: passkey at 8k, 3.62 bits at 2k), <= 2.5.
+RETRIEVAL_FORMATS = ("bf16", "fp8", "turbo3", "turbo4g32+r32s16q8_0", "turbo4g32k_turbo2g64v+r32s16q8_0",
+                     "turbo3g32+r128s16q8_0", "turbo2g64+r16s16q8_0")
+FORMAT_LISTS = {"default": DEFAULT_FORMATS, "demo": DEMO_FORMATS, "retrieval": RETRIEVAL_FORMATS}
 REFERENCE_FORMAT = "bf16"
 
 

@@ -15,11 +15,6 @@ from .compute import Compute
 from .config import REFERENCE_FORMAT
 from .retrieval_tasks import KEYS, TASKS
 
-# The recorded study's rows (docs/long-context.md): the plain ladder's bf16 / fp8 / turbo3 and the
-# best window rows at the budgets (<= 4.5, <= 3.5 and <= 2.5 bits as stored at 2k-8k).
-RETRIEVAL_FORMATS = ("bf16", "fp8", "turbo3", "turbo4g32+r32s16q8_0", "turbo3g32+r32s16q8_0",
-                     "turbo2g64+r16s16q8_0")
-
 
 @dataclass(frozen=True)
 class Preset:
@@ -29,10 +24,11 @@ class Preset:
 
 
 # `pagedkv eval --task T` with no sizes: <= 20 min on 2 idle cores for the embedded SmolLM2 (the
-# estimate is printed before the run: passkey ~15 min, multikey ~5 min; a passkey trial computes
+# estimate is printed before the run: passkey ~16 min, multikey ~6 min; a passkey trial computes
 # its haystack from the needle on, a multikey context serves 4 trials); --quick: about a minute,
 # what the tests run on a tiny model. The recorded study's sizes cost hours (docs/long-context.md).
-DEFAULT_PRESET = Preset((2048, 4096), 16, ("bf16", "turbo3", "turbo4g32+r32s16q8_0"))
+DEFAULT_PRESET = Preset((2048, 4096), 16, ("bf16", "turbo3", "turbo4g32k_turbo2g64v+r32s16q8_0",
+                                             "turbo4g32+r32s16q8_0"))
 QUICK_PRESET = Preset((1024,), 6, ("bf16", "turbo3", "turbo3+r64s16q8_0"))
 
 MAX_TRIALS = 100_000  # each a prompt per format
