@@ -215,3 +215,21 @@ def test_shipped_codebooks_are_what_the_solver_fits():
         fitted = fit_lloyd_max_table(c.code_bits, c.group_size)
         # equal up to one rounding quantum (float summation order may differ across machines)
         assert torch.allclose(shipped, fitted, atol=LEVEL_QUANTUM * 1.01, rtol=0), name
+
+
+def test_equal_levels_keep_code_order_in_every_encoder():
+    """E2M1 holds +0 (code 0) and -0 (code 8): every encoder takes the levels from `level_order`
+    (a stable sort on the CPU), so which zero code a small value gets is fixed, whatever device
+    or sort the table meets: values just under zero get +0's code, just over it -0's (the level
+    search's rule: ties go down, the second of two equal levels from above)."""
+    from pagedkv.codecs.reference import decode, encode, level_order
+
+    codec = CODECS["nvfp4"]
+    levels, order = level_order(codec.value_table())
+    zeros = order[levels == 0].tolist()
+    assert zeros == [0, 8] and levels.device.type == "cpu"
+    x = torch.tensor([[6.0, -0.01, 0.01, 0.0] + [1.0] * 12])
+    data, scales = encode(codec, x)
+    codes = [(int(b) >> s) & 15 for b in data[0, :2] for s in (0, 4)]
+    assert codes[1:4] == [0, 8, 0]
+    assert torch.equal(decode(codec, data, scales, 16)[0, 1:4].abs(), torch.zeros(3))

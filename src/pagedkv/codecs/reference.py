@@ -41,6 +41,16 @@ _HALF = {ScaleType.BF16: torch.bfloat16, ScaleType.FP16: torch.float16}
 SEARCH_SLICE = 4096  # groups searched at a time: bounds the encoder's working set (~1 MB)
 
 
+def level_order(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A value table's levels ascending and the code of each, as every encoder takes them (the
+    reference, the C and the Triton stores): sorted on the CPU by a stable sort, so that equal
+    levels (E2M1's +0 and -0) keep code order on every device. Which code of an equal pair a value
+    gets is part of the stored bytes; CUDA's default sort put -0 first, so the reference on a GPU
+    wrote other zero codes than the kernels."""
+    levels, order = table.detach().cpu().sort(stable=True)
+    return levels, order
+
+
 def search_group_scales(x: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Best E4M3 scale per group and the nearest-level indices.
 
@@ -152,10 +162,9 @@ def encode(codec: Codec, x: torch.Tensor, tensor_scale: float | None = None):
         codes = u.to(torch.uint8)
         scale_bytes = to_half_bytes(dq[:, None], _HALF[t.scale])
     elif rule is EncodeRule.TABLE_SEARCH:  # nvfp4, turbo2/3/4: levels with an E4M3 group scale
-        table = codec.value_table().to(x.device)
-        levels, order = table.sort()
+        levels, order = level_order(codec.value_table())
         scale, idx = search_group_scales(groups, levels)
-        codes = order[idx].to(torch.uint8)
+        codes = order.to(x.device)[idx].to(torch.uint8)
         scale_bytes = to_e4m3_bytes(scale[:, None])
     else:  # pragma: no cover - derive.traits only yields the rules above
         raise AssertionError(f"no encoder for {rule}")

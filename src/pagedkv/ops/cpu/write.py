@@ -32,6 +32,7 @@ import torch
 from ...codecs import wht
 from ...codecs.catalogue import Codec, ScaleType
 from ...codecs.derive import EncodeRule
+from ...codecs.reference import level_order
 from ...errors import InvalidInput
 from .. import transform
 from ..batch import PagedLayer
@@ -159,7 +160,7 @@ def store_desc(codec: Codec) -> Optional[StoreDesc]:
     table = codec.value_table()
     none = (_empty(), _empty(), _empty(torch.uint8))
     if kind == SK_TABLE:
-        levels, order = table.sort()  # the reference's own call: equal levels (E2M1 +-0) in its order
+        levels, order = level_order(table)  # the reference's order of equal levels (E2M1 +-0)
         mids = (levels[1:] + levels[:-1]) / 2
         return StoreDesc(kind, t.bits, t.group, sk, float(levels.abs().max()), levels.contiguous(),
                          mids.contiguous(), order.to(torch.uint8).contiguous())

@@ -16,6 +16,7 @@ import torch
 
 from ...codecs.catalogue import Codec, ScaleType
 from ...codecs.derive import DecodeKind, EncodeRule
+from ...codecs.reference import level_order
 from ...errors import ConfigError
 from ..support import CodecSupport, pairs
 
@@ -61,9 +62,6 @@ SUPPORT = CodecSupport(
     decode=(pairs(DecodeKind.RAW_BF16, (16,)) | pairs(DecodeKind.E4M3, (8,)) | pairs(DecodeKind.INT8, (8,))
             | pairs(DecodeKind.INT_OFFSET, (4,)) | pairs(DecodeKind.TABLE, _WIDTHS)),
     encode=_ENCODE_DIRECT | pairs(EncodeRule.TABLE_SEARCH, (2, 3, 4)),
-    # the level search of an unrotated row (nvfp4) wrote other bytes than the reference on an
-    # H200 (13% of a test's code bytes; the rotated rows matched): the reference stores it there
-    unrotated_encode=_ENCODE_DIRECT,
     groups=frozenset({0, 16, 32}),
 )
 
@@ -157,7 +155,7 @@ def _tables_cpu(codec: Codec) -> CodecTables:
     if table is None:
         one = torch.zeros(1, dtype=torch.float32)
         return CodecTables(one, one, one, torch.zeros(1, dtype=torch.int32), 1.0)
-    levels, order = table.sort()  # the same call as the reference encoder (tie order matters)
+    levels, order = level_order(table)  # the reference encoder's order (tie order matters)
     mids = (levels[1:] + levels[:-1]) / 2
     if mids.numel() == 0:
         mids = torch.zeros(1)
