@@ -44,7 +44,7 @@ if [ "$PHASE" = short ]; then  # about 9 minutes in all: the checks and the benc
   phase kernel_tests 90 $PY -m pytest "${T[@]}" -n 8 tests/test_triton.py tests/test_triton_latent.py \
     tests/test_codec_support.py tests/test_ops_api.py -k "not every_pair and not prefill_pairs"
   phase bench_attention 90 $PY -m pagedkv.cli.main bench attention --device cuda --precisions bf16 \
-    --formats bf16,q4_0,turbo4,turbo3,turbo2,fp8k_turbo3v
+    --formats bf16,q4_0,turbo4,turbo3,turbo2,nvfp4,fp8k_turbo3v
   phase dropin_step 50 $PY benchmarks/perf/cuda_dropin_step.py --contexts 1k,8k --batches 1,16 \
     --formats bf16,turbo3 --steps 10
   phase pair_tests 200 $PY -m pytest "${T[@]}" -n 12 tests/test_triton.py -k "every_pair or prefill_pairs"
@@ -60,5 +60,5 @@ fi
 if [ "$PHASE" = rest ] || [ "$PHASE" = all ]; then
   phase pair_tests 240 $PY -m pytest "${T[@]}" -n 12 tests/test_triton.py -k "every_pair or prefill_pairs"
   phase bench_attention_rest 90 $PY -m pagedkv.cli.main bench attention --device cuda \
-    --formats turbo8,fp8k_turbo3v,q4_0
+    --formats turbo8,fp8k_turbo3v,nvfp4,q4_0
 fi
