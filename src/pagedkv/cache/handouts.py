@@ -111,9 +111,8 @@ def pending_mask(seqs, num_slots: int) -> torch.Tensor:
     bs = seqs.block_size
     idx = []
     for sid in seqs.ids():
-        s = seqs._get(sid)
-        t = s.table
-        idx.extend(t[p // bs] * bs + p % bs for p in range(s.committed, len(s.tokens))
+        t = seqs.table(sid)
+        idx.extend(t[p // bs] * bs + p % bs for p in range(seqs.committed(sid), seqs.length(sid))
                    if t[p // bs] >= 0)
     if idx:
         mask[torch.tensor(idx, dtype=torch.long)] = True
