@@ -7,10 +7,10 @@ and test process. The converted folder holds exactly what that load produced (th
 dequantized tensors as safetensors, the config, the tokenizer), so a model loaded from it computes
 bit-identical logits (tests/test_model_cache.py) and loads in a few seconds.
 
-The folder is keyed by the GGUF's content (a blake2b of its bytes: a fraction of a second for
-the embedded model, against the conversion's half minute) and by the transformers version, so
-every checkout or install of the same file shares one folder (a key by path and modification
-time left one 0.5 GB folder per clone); it is written to a temporary folder and renamed (never half a folder; two
+The folder is keyed by the GGUF's content (a blake2b of its bytes, read once per process: far
+cheaper than the conversion) and by the transformers version, so every checkout or install of the
+same file shares one folder (a key by path and modification time left one folder per clone); it
+is written to a temporary folder and renamed (never half a folder; two
 processes racing keep one), and it is used only when it and its files belong to this user and
 are not writable by others (nobody else could have planted weights). safetensors holds no code.
 A cache that cannot be written is skipped: the model still loads, from the GGUF.
