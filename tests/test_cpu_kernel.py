@@ -66,6 +66,9 @@ SHAPES = [
     # scales per token), blocks of 24 and 8 (16-token groups across blocks)
     (("q4_0", "turbo3"), 8, 2, 64, 24),
     (("nvfp4", "turbo4"), 2, 4, 128, 8),
+    # AVX-512 tokens-in-lanes exact scores over E4M3 keys (scores_e4m3): 6 query vectors (passes of
+    # 4 + 2), two 64-dim passes
+    (("fp8", "turbo4"), 2, 6, 128, 16),
 ]
 
 

@@ -355,7 +355,12 @@ PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, co
    only: the code's, with the next code's bits above bit `bits`, which the table replicated to 16
    entries ignores. Against scores_dot_t (decode64, a scale multiply per 16 values, partial vectors
    per token and a 16-token reduction tree): no horizontal sums, no partial stores, the scale
-   once per 16 tokens. Sums in another order than scores_dot_t's: exact fp32 both. */
+   once per 16 tokens. Sums in another order than scores_dot_t's: exact fp32 both. Two
+   accumulators per query (the 16-dim group's even and odd registers) halve the FMA chains:
+   0.95-0.99x the time at 32k tokens on Zen 4 (benchmarks/perf/ab_decode_kernel.py). */
+#ifndef PKV_LUT_ACC2
+#define PKV_LUT_ACC2 1  /* 0: one accumulator per query, no unroll hint (A/B builds) */
+#endif
 PKV_INLINE void scores_lut_t(const int bits, const int MM, const pkv_side *sd, const i8_ctx *ic, const pkv_rows *rw,
                              int h, int nt, int D, const float *qv, float *S, int BSP) {
     const i8_ctx c = *ic;  /* a local copy, kept in registers (see scores_dot_t) */
@@ -371,22 +376,27 @@ PKV_INLINE void scores_lut_t(const int bits, const int MM, const pkv_side *sd, c
             __m512i L[16];
             i8_pass16(bits, 0, &c, rw, g0, n16, hoff, rd, p, 64, L);
             const float *sb = rw->sclt + ((int64_t)h * nc + 4 * p) * ld + g0;
+#if PKV_LUT_ACC2
+#pragma GCC unroll 4
+#endif
             for (int z = 0; z < 4; z++) {
-                __m512 acc[4];
-                for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();
+                __m512 acc[2][4];  /* two accumulators per query (alternate registers): shorter FMA chains */
+                for (int u = 0; u < 2; u++)
+                    for (int m = 0; m < MM; m++) acc[u][m] = _mm512_setzero_ps();
                 for (int k = 0; k < 4; k++) {
                     const __m512i w = L[4 * z + k];
                     const __m512 v[4] = {_mm512_permutexvar_ps(w, table),
                                          _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8), table),
                                          _mm512_permutexvar_ps(_mm512_srli_epi32(w, 16), table),
                                          _mm512_permutexvar_ps(_mm512_srli_epi32(w, 24), table)};
-                    const int d = 64 * p + 16 * z + 4 * k;
+                    const int d = 64 * p + 16 * z + 4 * k, u = PKV_LUT_ACC2 ? k & 1 : 0;
                     for (int b = 0; b < 4; b++)
                         for (int m = 0; m < MM; m++)
-                            acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(qv[(int64_t)m * D + d + b]), v[b], acc[m]);
+                            acc[u][m] = _mm512_fmadd_ps(_mm512_set1_ps(qv[(int64_t)m * D + d + b]), v[b], acc[u][m]);
                 }
                 const __m512 sv = _mm512_maskz_load_ps(tm, sb + (int64_t)z * ld);
-                for (int m = 0; m < MM; m++) sacc[m] = _mm512_fmadd_ps(acc[m], sv, sacc[m]);
+                for (int m = 0; m < MM; m++)
+                    sacc[m] = _mm512_fmadd_ps(PKV_LUT_ACC2 ? _mm512_add_ps(acc[0][m], acc[1][m]) : acc[0][m], sv, sacc[m]);
             }
         }
         for (int m = 0; m < MM; m++) _mm512_store_ps(S + (int64_t)m * BSP + g0, sacc[m]);
