@@ -4,11 +4,13 @@ attention the cache calls are the Triton kernels, chosen by the automatic dispat
 
 Oracles: transformers' DynamicCache with eager attention on the same device (bf16 pages, within
 bf16 rounding of K/V), and, for compressed pages, eager attention over the K/V the pages hold,
-decoded by the reference (the attention kernels alone: the GPU store may put the rare element
-within float rounding of a decision boundary on the neighbouring code, which at 4 or fewer bits
-moves the logits by more than bf16 rounding; the store's bytes are tested against the reference
-in test_triton). The registered CUDA backend multiplies bf16 operands (fp32 accumulation), so
-both compare within bf16 rounding (2**-8 relative per operand).
+decoded by the reference (the attention kernels alone). An oracle that encodes the K/V its own
+model computes does not work on a GPU: from the second layer on its inputs differ from the paged
+run's by the first layer's bf16-operand rounding, and a codec of 4 or fewer bits turns those
+small differences into whole code steps (the first layer, with identical inputs, stores exactly
+the reference's codes; the store's bytes are tested against the reference in test_triton). The
+registered CUDA backend multiplies bf16 operands (fp32 accumulation), so both compare within
+bf16 rounding (2**-8 relative per operand).
 """
 
 from __future__ import annotations
