@@ -29,7 +29,7 @@ from pagedkv.formats import parse_format
 from pagedkv.ops import AttentionParams
 from pagedkv.ops import cpu as cpu_ops
 from pagedkv.ops.cpu import build
-from pagedkv.ops.cpu.attention import _Args, _Side, run_attention
+from pagedkv.ops.cpu.attention import run_attention
 
 
 def old_kernel(rev: str, variant: str, defines: list) -> build.LoadedKernel:
@@ -44,11 +44,12 @@ def old_kernel(rev: str, variant: str, defines: list) -> build.LoadedKernel:
         (tmp / src.name).write_bytes(data)
     cc = build.find_compiler()
     out = tmp / "old.so"
-    flags = build._flags(variant, True) + list(defines)
-    subprocess.run([cc, *flags, *(str(tmp / s.name) for s in build.SOURCES), "-o", str(out), "-lm"], check=True)
+    ok, err = build._compile(cc, build._flags(variant, True) + list(defines), out,
+                             sources=[tmp / s.name for s in build.SOURCES])
+    if not ok:
+        raise SystemExit(f"compiling the old kernel failed: {err}")
     lib = ctypes.CDLL(str(out))
-    lib.pkv_attention.restype = ctypes.c_int
-    lib.pkv_attention.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Side), ctypes.POINTER(_Side)]
+    cpu_ops.bind(lib)
     return build.LoadedKernel(lib, str(out), variant, True, cc)
 
 

@@ -91,14 +91,19 @@ def load(config: KernelConfig = KernelConfig()) -> LoadedKernel:
     """Build (if needed) and load the kernel with `config`; raises KernelUnavailable."""
     global _kernel, _error
     k = build_and_load(config)
-    k.lib.pkv_attention.restype = ctypes.c_int
-    k.lib.pkv_attention.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Side), ctypes.POINTER(_Side)]
-    k.lib.pkv_stream_sum.restype = ctypes.c_double
-    k.lib.pkv_stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
-    k.lib.pkv_store.restype = ctypes.c_int
-    k.lib.pkv_store.argtypes = [ctypes.POINTER(_store._StoreArgs)]
+    bind(k.lib)
     _kernel, _error = k, None
     return k
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Declare the kernel library's entry points' argument and result types."""
+    lib.pkv_attention.restype = ctypes.c_int
+    lib.pkv_attention.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Side), ctypes.POINTER(_Side)]
+    lib.pkv_stream_sum.restype = ctypes.c_double
+    lib.pkv_stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
+    lib.pkv_store.restype = ctypes.c_int
+    lib.pkv_store.argtypes = [ctypes.POINTER(_store._StoreArgs)]
 
 
 def available() -> bool:

@@ -143,9 +143,10 @@ def _candidate_dirs(preferred: Optional[str]):
     yield Path(tempfile.gettempdir()) / f"pagedkv-kernels-{uid}", False
 
 
-def _compile(cc: str, flags: list, out: Path) -> tuple[bool, str]:
+def _compile(cc: str, flags: list, out: Path, sources=SOURCES) -> tuple[bool, str]:
+    """Compile `sources` (default: this package's) into the library `out`: (ok, compiler error)."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [cc, *flags, *(str(src) for src in SOURCES), "-o", str(tmp), "-lm"]
+    cmd = [cc, *flags, *(str(src) for src in sources), "-o", str(tmp), "-lm"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
