@@ -184,6 +184,25 @@ def test_compute_default_counts_idle_cpus(monkeypatch):
         compute.Compute.resolve(threads=0)
 
 
+def test_a_gpu_run_stays_in_one_process(monkeypatch):
+    """Forked workers cannot use their parent's CUDA context (found on an H200: "Cannot
+    re-initialize CUDA in forked subprocess"), so --device cuda runs in one process by default
+    and refuses more workers in one line, before anything loads; the CPU default is unchanged."""
+    from argparse import Namespace
+
+    from pagedkv.cli.edge import compute_from_args
+    from pagedkv.eval import compute
+
+    monkeypatch.setattr(compute, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(compute.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert compute_from_args(Namespace(threads=None, workers=None, device="cuda"), parallel_work=12).workers == 1
+    assert compute_from_args(Namespace(threads=None, workers=None, device="cuda:1"), parallel_work=12).workers == 1
+    assert compute_from_args(Namespace(threads=None, workers=None, device="cpu"), parallel_work=12).workers == 12
+    assert compute_from_args(Namespace(threads=1, workers=1, device="cuda"), parallel_work=12).workers == 1
+    with pytest.raises(ConfigError, match=r"--workers 4 with --device cuda.*--workers 1"):
+        compute_from_args(Namespace(threads=None, workers=4, device="cuda"), parallel_work=12)
+
+
 def test_plot_reads_at_a_glance_even_with_nothing_on_the_log_axis(tmp_path):
     pytest.importorskip("matplotlib")
     from pagedkv.eval.plot import _panel_points, plot_results

@@ -20,11 +20,29 @@ def add_compute_arguments(p: argparse.ArgumentParser, workers: bool = False) -> 
                             "per window; 1 = in this process)")
 
 
+def on_gpu(device: Optional[str]) -> bool:
+    """Whether a --device value names a CUDA device ("auto" where one is available)."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return bool(device) and str(device).startswith("cuda")
+
+
 def compute_from_args(args, parallel_work: int = 1):
+    """The threads and workers of a command. On a GPU the work runs in this process: worker
+    processes are forked, and a forked process cannot use the CUDA context of its parent, so
+    the default is one worker there and more is refused before anything loads."""
     from ..eval.compute import Compute
 
-    return Compute.resolve(args.threads, getattr(args, "workers", None) if parallel_work > 1 else 1,
-                           parallel_work=parallel_work)
+    workers = getattr(args, "workers", None)
+    device = getattr(args, "device", None)
+    if on_gpu(device):
+        if workers is not None and workers > 1:
+            raise ConfigError(f"--workers {workers} with --device {device}: worker processes are forked and "
+                              "cannot use the GPU; use --workers 1 (one process drives the GPU)")
+        parallel_work = 1
+    return Compute.resolve(args.threads, workers if parallel_work > 1 else 1, parallel_work=parallel_work)
 
 
 def check_output_file(path: Optional[str], flag: str, suffix: str) -> None:

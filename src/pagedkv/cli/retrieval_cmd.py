@@ -52,7 +52,7 @@ def run(args, log, minutes, cpu_seconds) -> int:
     from ..eval.model import load_config, load_model, load_tokenizer, resolve_device, resolve_model_source
 
     source = resolve_model_source(cfg.model)
-    resolve_device(args.device)
+    gpu = resolve_device(args.device).type == "cuda"
     from ..integrations.model_config import trained_context
 
     model_config = load_config(source)
@@ -83,7 +83,8 @@ def run(args, log, minutes, cpu_seconds) -> int:
     seconds, computed, total = rt.estimate(units, cfg.block_size, model_config, cfg.compute.workers)
     log(f"{source.label}: {', '.join(cfg.tasks)} at {', '.join(map(str, cfg.lengths))} tokens, {cfg.trials} trials "
         f"each, {len(choices)} formats ({len(units)} runs); prefix caching computes {computed} of {total} prompt "
-        f"tokens; expected ~{minutes(seconds)} on {cfg.compute.describe()} when those CPUs are idle")
+        f"tokens; " + ("not estimated on a GPU (the estimate is fitted to CPU prefills)" if gpu else
+                       f"expected ~{minutes(seconds)} on {cfg.compute.describe()} when those CPUs are idle"))
     log(f"loading {source.label} ...")
     lm = load_model(source, attn_implementation="pagedkv", device=args.device, tokenizer=tokenizer)
     from ..eval.tuned import resolve_tuned
@@ -117,10 +118,10 @@ def run(args, log, minutes, cpu_seconds) -> int:
 
     title = f"{source.label}: retrieval, {cfg.trials} paired trials per cell"
     print_then_plot(show, args.plot, lambda path: plot_retrieval(rows, path, title=title), log)
-    times = (time.perf_counter() - t0, elapsed, seconds, cpu_run - cpu0, cpu_seconds() - cpu_run)
+    wall, estimated = minutes(time.perf_counter() - t0), "not estimated on a GPU" if gpu else minutes(seconds)
     log("pagedkv eval --task {}: {} runs in {} wall (the runs {}, estimated {}); CPU {:.0f} s before the runs + "
-        "{:.0f} s in them; {}".format(",".join(cfg.tasks), len(units), *map(minutes, times[:3]), *times[3:],
-                                      cfg.compute.describe()))
+        "{:.0f} s in them; {}".format(",".join(cfg.tasks), len(units), wall, minutes(elapsed), estimated,
+                                      cpu_run - cpu0, cpu_seconds() - cpu_run, cfg.compute.describe()))
     return 0
 
 
