@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from helpers.processes import free_port, stop_server
 
 PERF = Path(__file__).resolve().parents[1] / "benchmarks" / "perf"
@@ -51,6 +53,20 @@ def test_both_serving_tables_build_their_value_ratio_cells_alike():
     line = serve.table(rows, {"chat": {"prompts": 6, "input": 64, "output": 24}}, args).splitlines()[-1]
     assert line == ("| chat | 64 MiB | pagedkv-turbo3 | 4,730 | 4.73x | 10.0 | 1.00x | 200 | 1.00x | 400 | 1.00x | "
                     "50.0 | 1.00x |  |  | 0.50 | 1.00x | 4 | 50% | 2.0 |")
+
+
+def test_bench_serve_resizes_a_mix_and_refuses_a_bad_size(capsys):
+    serve = _load("vllm_bench_serve")
+    assert serve.parse_size("chat=64x512x512") == {"prompts": 64, "input": 512, "output": 512}
+    for bad in ("chat=64x512", "chat=0x512x512", "shared=4x64x8", "chat=axbxc", "nope=1x2x3"):
+        try:
+            serve.parse_size(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+    with pytest.raises(SystemExit):  # argparse's one-line error, before any server starts
+        serve.main(["--size", "chat=64x512", "--mixes", "chat", "--configs", "vllm-bf16"])
+    assert "--size 'chat=64x512'" in capsys.readouterr().err
 
 
 def _started(code: str) -> subprocess.Popen:

@@ -66,6 +66,15 @@ STARTUP_S = 1200
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
+def parse_size(spec: str) -> dict:
+    """"chat=64x512x512" -> {"prompts": 64, "input": 512, "output": 512} (ValueError if malformed)."""
+    mix, _, size = spec.partition("=")
+    parts = size.lower().split("x")
+    if mix not in MIXES or "input" not in MIXES[mix] or len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise ValueError("not a random-prompt mix with three positive sizes")
+    return dict(zip(("prompts", "input", "output"), map(int, parts)))
+
+
 def mix_len(m: dict) -> int:
     """Longest request of a mix, prompt + output tokens."""
     return m.get("input", m.get("prefix", 0) + m.get("suffix", 0)) + m["output"]
@@ -326,6 +335,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1, help="threads per engine (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny mixes (a smoke run of every row)")
+    p.add_argument("--size", action="append", default=[], metavar="MIX=PROMPTSxINxOUT",
+                   help="resize a random-prompt mix, e.g. chat=64x512x512 (the issue's chat mix); repeatable")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE (row by row)")
     p.add_argument("--from-json", default=None, metavar="FILE",
                    help="print the table of the rows saved in FILE (a run cut short too) and exit")
@@ -335,7 +346,13 @@ def main(argv=None) -> int:
     for m in names:
         if m not in source:
             p.error(f"--mixes: unknown {m!r}; accepted: {', '.join(source)}")
-    mixes = {m: source[m] for m in names}
+    mixes = {m: dict(source[m]) for m in names}
+    for spec in args.size:
+        try:
+            mixes[spec.split("=", 1)[0]].update(parse_size(spec))
+        except (KeyError, ValueError) as exc:
+            p.error(f"--size {spec!r}: {exc}; accepted: MIX=PROMPTSxINxOUT for a chosen mix of "
+                    f"{', '.join(m for m in mixes if 'input' in mixes[m])}")
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             print(table(with_ratios(json.load(f)), mixes, args))
