@@ -180,6 +180,29 @@ def test_output_dtype_follows_q():
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
 
 
+def test_centre_terms_follow_the_layer_and_an_in_place_write():
+    """The per-query-head centre terms are derived once per layer (`attention._centres`): a call
+    at another scale, a bf16 q (the add and the cast fused) and a centre written in place still
+    match the reference ops."""
+    cc, case = _decode_case(("turbo3", "turbo4"), (40, 9), transform=True, num_kv_heads=2, group=3)
+    layer = case.layer
+    assert layer.k_centre is not None and layer.v_centre is not None
+
+    def same(params, q=case.q_decode):
+        got = cpu.decode_attention(q, layer, case.block_tables, case.seq_lens, params)
+        want = reference.decode_attention(q.float(), layer, case.block_tables, case.seq_lens, params)
+        assert got.dtype == q.dtype
+        rounding = 2.0 ** -8 * want.abs() if q.dtype == torch.bfloat16 else 0.0  # the output's own rounding
+        assert bool(((got.float() - want).abs() <= 2e-4 + rounding).all())
+
+    same(cc.params())
+    same(AttentionParams(scale=0.05))
+    same(cc.params(), case.q_decode.to(torch.bfloat16))
+    layer.k_centre.add_(0.5)
+    layer.v_centre.mul_(-2.0)
+    same(cc.params())
+
+
 @pytest.mark.parametrize("variant", ["scalar", "avx2"])
 def test_portable_variants(variant):
     """The other builds give the same results: the portable C path (scalar) and the AVX2

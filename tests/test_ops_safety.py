@@ -109,6 +109,25 @@ def test_a_nan_in_v_leaves_both_pools_unchanged(backend, checks):
         assert torch.equal(kbuf, before_k) and torch.equal(vbuf, before_v), (k_name, v_name)
 
 
+@pytest.mark.parametrize("checks", [True, False])
+def test_finite_rows_whose_sum_overflows_are_stored_and_an_inf_is_not(checks):
+    """The finite-value scan sums each side first (`validate.check_store_finite`): a sum that
+    overflows on finite rows must fall through to the element-wise scan and pass, and an Inf
+    among them still be refused before any write."""
+    from pagedkv.ops import validate
+
+    big = torch.full((3, 1, 64), 3e38)  # finite fp32; the fp32 sum is +Inf
+    assert not torch.isfinite(big.sum())
+    validate.check_store_finite(big, big.to(torch.bfloat16), torch.tensor([0, 1, 2]))
+    layer, kbuf, vbuf = _guarded(CODECS["bf16"], CODECS["fp8"])
+    k, v = torch.full((3, 1, 64), 1e38), torch.randn(3, 1, 64)
+    k[1, 0, 7] = float("inf")
+    before_k, before_v = kbuf.clone(), vbuf.clone()
+    with pytest.raises(InvalidInput, match="k holds NaN or Inf"):
+        api.store(layer, k, v, torch.tensor([0, 1, 2]), checks=checks)
+    assert torch.equal(kbuf, before_k) and torch.equal(vbuf, before_v)
+
+
 @pytest.mark.parametrize("backend", [None, "reference"])
 def test_a_nan_in_a_skipped_row_is_not_rejected(backend):
     """Issue 12 item 10: rows with a negative slot are padding the store skips; their values are

@@ -51,15 +51,6 @@ def add_value_centre(layer: PagedLayer, out: torch.Tensor, weight_sum: torch.Ten
     return out
 
 
-def add_value_centre_once(layer: PagedLayer, out: torch.Tensor) -> torch.Tensor:
-    """`add_value_centre` with every weight sum 1 (no sinks, every row sees a key): out float32
-    [T, Hq, D], contiguous, += v_centre of each query head's kv head; in place, one broadcast add."""
-    if layer.v_centre is not None:
-        h, d = layer.v_centre.shape
-        out.view(out.shape[0], h, -1, d).add_(layer.v_centre.to(out.device, torch.float32)[None, :, None, :])
-    return out
-
-
 def rows_weight_sum(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_heads: int,
                     device) -> torch.Tensor:
     """Token-weight sums without sinks: float32 [Tq, Hq], 1 for every query row of a sequence

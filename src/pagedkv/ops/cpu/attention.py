@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -184,9 +185,10 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     q_scale = params.scale * _tensor_scale(layer.k_codec, layer.k_scale)
     # one query-sized buffer either way (rotation and scale in one matmul)
     qk = torch.matmul(qf, _scaled_rotation_t(hd, q_scale)) if layer.k_codec.rotated else (qf * q_scale).contiguous()
+    k_centre, v_centre = _centres(layer, hq, params.scale)
     bias = None
-    if layer.k_centre is not None:  # one fused dot per (token, head): einsum costs ~10x at decode sizes
-        bias = torch.linalg.vecdot(qf, transform.per_q_head(layer.k_centre.float(), hq)).mul_(params.scale)
+    if k_centre is not None:  # one fused dot per (token, head): einsum costs ~10x at decode sizes
+        bias = torch.linalg.vecdot(qf, k_centre)
     sinks = None if params.sinks is None else params.sinks.float().contiguous()
     bt = _i32c(block_tables)
     lens = _i32c(seq_lens)
@@ -244,15 +246,44 @@ def run_attention(kernel, q: torch.Tensor, layer: PagedLayer, block_tables: torc
     if layer.v_codec.rotated:  # into the query buffer, dead by now: no third [Tq, Hq, D] buffer
         del bias
         out = torch.matmul(out, wht.rotation_matrix(hd, out.device), out=qk)
-    if layer.v_centre is not None:
+    if v_centre is not None:
         if not key_start and min(lens.tolist(), default=1) > 0:  # every row's token weights sum to 1
-            transform.add_value_centre_once(layer, out)
+            if q.dtype == torch.float32:
+                return out.add_(v_centre)
+            # the add and the cast to q's dtype in one op (the same fp32 sum, rounded once)
+            return torch.add(out, v_centre, out=torch.empty(tq, hq, hd, dtype=q.dtype))
         else:
             weight = transform.rows_weight_sum(lens, qsl, hq, out.device)
             if key_start:  # a row whose keys all lie before key_start has no weight
                 weight = weight * torch.isfinite(lse)
             transform.add_value_centre(layer, out, weight)
     return out.to(q.dtype)
+
+
+_CENTRES = weakref.WeakKeyDictionary()  # PagedLayer -> (key, k term, v term) (`_centres`)
+
+
+def _centres(layer: PagedLayer, num_q_heads: int, scale: float):
+    """(scale * k_centre, v_centre) float32 [Hq, D] per query head (each kv head's row repeated
+    for its GQA group), None where the layer has no such centre: what the logit term and the
+    output's centre add take, derived once per layer, not per call (at decode sizes the
+    `repeat_interleave`, casts and the scale's multiply cost about as much as the dot itself).
+    Rebuilt when the scale or the head count change, or a centre is written in place (seen by
+    its version counter; inference tensors have none, and pagedkv never writes a centre)."""
+    kc, vc = layer.k_centre, layer.v_centre
+    key = (num_q_heads, scale, _written(kc), _written(vc))
+    hit = _CENTRES.get(layer)
+    if hit is None or hit[0] != key:
+        kq = None if kc is None else transform.per_q_head(kc.float(), num_q_heads) * scale
+        vq = None if vc is None else transform.per_q_head(vc.float(), num_q_heads).contiguous()
+        hit = (key, kq, vq)
+        _CENTRES[layer] = hit
+    return hit[1], hit[2]
+
+
+def _written(x: Optional[torch.Tensor]) -> int:
+    """How many in-place writes the tensor has seen (0 where torch does not count them)."""
+    return 0 if x is None or x.is_inference() else x._version
 
 
 @functools.lru_cache(maxsize=256)  # a few entries: fp8 K tensor scales differ per layer at most

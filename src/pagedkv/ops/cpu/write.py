@@ -170,17 +170,66 @@ def store_desc(codec: Codec) -> Optional[StoreDesc]:
     return StoreDesc(kind, t.bits, t.group, sk, top, *none)
 
 
-def _fallback_reason(layer: PagedLayer, codec: Codec, pool: torch.Tensor) -> Optional[str]:
-    """Why this side cannot run in the C store (None: it can)."""
+@dataclass(frozen=True)
+class _SidePlan:
+    """What a store call needs of one codec at one layer geometry, derived once (`_side_plan`):
+    the catalogue lookups (traits, support, description) cost more per call than the C store
+    itself at decode sizes (a few tokens), so a call only fills in its tensors' pointers.
+
+    why: why the C store cannot take this codec / geometry (None: it can; the pool's own device
+    and layout are checked per call). saturable: an integer codec, whose half-precision group
+    scale each call range-checks (`_scale_would_saturate`). rotation_t: R^T float32 [D, D] (the
+    very view `wht.rotate` multiplies by) for a rotated codec, else None. args: the C arguments
+    with every codec- and geometry-derived field set (None where `why`)."""
+
+    why: Optional[str]
+    saturable: bool
+    rotation_t: Optional[torch.Tensor]
+    args: Optional[_StoreArgs]
+
+
+_PLANS: dict = {}  # (id(codec), block size, H, D) -> (codec, _SidePlan)
+
+
+def _side_plan(codec: Codec, layer: PagedLayer) -> _SidePlan:
+    """The cached `_SidePlan` of `codec` at the layer's geometry (keyed by the codec's identity:
+    hashing a catalogue row costs microseconds; the codec is kept, so its id is not reused)."""
+    key = (id(codec), layer.block_size, layer.num_kv_heads, layer.head_dim)
+    hit = _PLANS.get(key)
+    if hit is None or hit[0] is not codec:
+        hit = (codec, _make_plan(codec, *key[1:]))
+        _PLANS[key] = hit
+    return hit[1]
+
+
+def _make_plan(codec: Codec, block_size: int, num_heads: int, head_dim: int) -> _SidePlan:
     why = STORE_SUPPORT.refusal(codec, store=True)
+    if why is None and head_dim > MAX_HEAD_DIM:
+        why = f"head_dim {head_dim} > {MAX_HEAD_DIM}"
+    saturable = codec.traits.encode in (EncodeRule.INT_AMAX, EncodeRule.INT_SIGNED_MAX)
+    rotation_t = wht.rotation_matrix(head_dim).T if codec.rotated else None
     if why is not None:
-        return why
+        return _SidePlan(why, saturable, rotation_t, None)
+    d = store_desc(codec)
+    a = _StoreArgs()
+    a.levels, a.mids, a.order = d.levels.data_ptr(), d.mids.data_ptr(), d.order.data_ptr()
+    a.scale_offset = codec.data_bytes(block_size * num_heads * head_dim)
+    a.block_size, a.num_heads, a.head_dim = block_size, num_heads, head_dim
+    a.kind, a.bits, a.group, a.scale_kind = d.kind, d.bits, d.group, d.scale_kind
+    a.row_data_bytes = codec.row_data_bytes(head_dim)
+    a.row_scale_bytes = codec.row_scale_bytes(head_dim)
+    a.num_levels = d.levels.numel() if d.kind == SK_TABLE else 0
+    a.sum_lanes = torch_sum_lanes()
+    a.top = d.top
+    return _SidePlan(None, saturable, rotation_t, a)
+
+
+def _pool_refusal(pool: torch.Tensor) -> Optional[str]:
+    """Why the C store cannot write this pool (None: it can)."""
     if pool.device.type != "cpu":
         return f"the pool is on {pool.device.type}"
     if pool.stride(1) != 1:
         return "the pool's rows are not byte-contiguous"
-    if layer.head_dim > MAX_HEAD_DIM:
-        return f"head_dim {layer.head_dim} > {MAX_HEAD_DIM}"
     return None
 
 
@@ -199,10 +248,12 @@ def _scale_would_saturate(codec: Codec, x: torch.Tensor, centre: Optional[torch.
 
 
 def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: torch.Tensor,
-               x: torch.Tensor, centre: Optional[torch.Tensor], slot_mapping: torch.Tensor) -> None:
-    """Encode x float [T, H, D] (minus `centre` [H, D] if given) into `pool` at `slot_mapping`."""
-    why = _fallback_reason(layer, codec, pool)
-    if why is None and _scale_would_saturate(codec, x, centre):
+               x: torch.Tensor, centre: Optional[torch.Tensor], slots: torch.Tensor, every: bool) -> None:
+    """Encode x float [T, H, D] (minus `centre` [H, D] if given) into `pool` at `slots` (int64
+    [T], contiguous; `every`: no slot is negative, as `store` finds once for both sides)."""
+    plan = _side_plan(codec, layer)
+    why = plan.why or _pool_refusal(pool)
+    if why is None and plan.saturable and _scale_would_saturate(codec, x, centre):
         why = "rows at or past the range of the half-precision group scale (or not finite)"
     if why is not None:
         log_fallback_once(f"the CPU store of {codec.name}", why, "reference store")
@@ -212,25 +263,22 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
         if centre is not None:
             xf = xf - centre.to(xf.device, torch.float32)
         if not runs:
-            reference_store_side(layer, codec, pool, scale, xf, slot_mapping)
+            reference_store_side(layer, codec, pool, scale, xf, slots)
             return
-    d = store_desc(codec)
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
-    slots = slots.contiguous()
     if slots.numel() == 0:
         return
     tensor_scale = 1.0
     if codec.scale_type is ScaleType.TENSOR_FP32:
         tensor_scale = float(scale.reshape(-1)[0])
-    if codec.rotated:  # exactly the reference's ops: centre (above), keep, rotate
-        keep = slots >= 0
-        if not bool(keep.all()):
+    if codec.rotated:  # exactly the reference's ops: centre (above), keep, rotate (wht.rotate's product)
+        if not every:
+            keep = slots >= 0
             slots = slots[keep]
             if slots.numel() == 0:
                 return
             xf = xf[keep]
-        x, centre = wht.rotate(xf), None
-    elif not bool((slots >= 0).any()):
+        x, centre = xf @ plan.rotation_t, None
+    elif not every and not bool((slots >= 0).any()):
         return
     if codec.scale_type is ScaleType.TENSOR_FP32 and not tensor_scale > 0:
         raise InvalidInput(f"fp8 tensor_scale must be > 0, got {tensor_scale!r}")
@@ -239,20 +287,13 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
     if centre is not None:
         centre = centre.to(torch.float32).contiguous()
 
-    a = _StoreArgs()
-    a.x, a.centre, a.slots, a.pool = x.data_ptr(), (centre.data_ptr() if centre is not None else None), slots.data_ptr(), pool.data_ptr()
-    a.levels, a.mids, a.order = d.levels.data_ptr(), d.mids.data_ptr(), d.order.data_ptr()
+    a = _StoreArgs.from_buffer_copy(plan.args)  # a copy: concurrent calls never share one
+    a.x, a.slots, a.pool = x.data_ptr(), slots.data_ptr(), pool.data_ptr()
+    a.centre = centre.data_ptr() if centre is not None else None
     a.x_stride_t, a.x_stride_h, a.num_tokens = x.stride(0), x.stride(1), slots.shape[0]
     a.block_stride = pool.stride(0)
-    a.scale_offset = codec.data_bytes(layer.block_size * layer.num_kv_heads * layer.head_dim)
     a.x_dtype = _X_DTYPE[x.dtype]
-    a.block_size, a.num_heads, a.head_dim = layer.block_size, layer.num_kv_heads, layer.head_dim
-    a.kind, a.bits, a.group, a.scale_kind = d.kind, d.bits, d.group, d.scale_kind
-    a.row_data_bytes = codec.row_data_bytes(layer.head_dim)
-    a.row_scale_bytes = codec.row_scale_bytes(layer.head_dim)
-    a.num_levels = d.levels.numel() if d.kind == SK_TABLE else 0
-    a.sum_lanes = torch_sum_lanes()
-    a.top, a.tensor_scale = d.top, tensor_scale
+    a.tensor_scale = tensor_scale
     rc = lib.pkv_store(ctypes.byref(a))
     if rc == 1:
         raise InvalidInput(f"{codec.name} encode got NaN or Inf values")
@@ -265,9 +306,13 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
 
 def store(lib, layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
           slot_mapping: torch.Tensor) -> None:
-    """Reference-signature store (plus the loaded library): K side first, then V."""
+    """Reference-signature store (plus the loaded library): K side first, then V. The slots are
+    made int64 and contiguous, and checked for negatives (padding), once for both sides."""
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    slots = slots.contiguous()
+    every = slots.numel() == 0 or int(slots.min()) >= 0
     if k is not None:
         store_side(lib, layer, layer.k_codec, layer.k_pool, layer.k_scale, transform.keys_to_store(layer, k),
-                   layer.k_centre, slot_mapping)
+                   layer.k_centre, slots, every)
     if v is not None:
-        store_side(lib, layer, layer.v_codec, layer.v_pool, layer.v_scale, v, layer.v_centre, slot_mapping)
+        store_side(lib, layer, layer.v_codec, layer.v_pool, layer.v_scale, v, layer.v_centre, slots, every)
