@@ -1842,17 +1842,22 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
 #endif
     int cur = 0, jlo = 0, jhi = 0;
     int nt = fill_chunk(a, ks, vs, bt, t->blk0, t->blk1, NB, jmin, jmax, &jlo, &jhi, &krs[0], &vrs[0]);
+#if PKV_PF_AHEAD > 0
+    /* bytes of one K / V block (codes and scales): what the prefetch below fetches per block */
+    const int64_t pf_kn = ks->scale_offset + (int64_t)BS * H * ks->row_scale_bytes;
+    const int64_t pf_vn = vs->scale_offset + (int64_t)BS * H * vs->row_scale_bytes;
+#endif
     for (int lb = t->blk0; lb < t->blk1; lb += NB) {
         int jlo2 = 0, jhi2 = 0;
 #if PKV_PF_AHEAD > 0
-        /* the blocks PKV_PF_AHEAD chunks ahead into L2 (whole K and V blocks, one prefetcht1 per line) */
+        /* the blocks PKV_PF_AHEAD chunks ahead into L2 (whole K and V blocks, one prefetcht1 per line);
+           a negative entry (a block a sliding window gave back) has nothing to fetch */
         for (int b2 = lb + PKV_PF_AHEAD * NB; b2 < imin(lb + (PKV_PF_AHEAD + 1) * NB, t->blk1); b2++) {
             const int pb = bt[b2];
+            if (pb < 0) continue;
             const uint8_t *kb = ks->pool + (int64_t)pb * ks->block_stride, *vb = vs->pool + (int64_t)pb * vs->block_stride;
-            const int64_t kn = ks->scale_offset + (int64_t)BS * H * ks->row_scale_bytes;
-            const int64_t vn = vs->scale_offset + (int64_t)BS * H * vs->row_scale_bytes;
-            for (int64_t o = 0; o < kn; o += 64) __builtin_prefetch(kb + o, 0, 2);
-            for (int64_t o = 0; o < vn; o += 64) __builtin_prefetch(vb + o, 0, 2);
+            for (int64_t o = 0; o < pf_kn; o += 64) __builtin_prefetch(kb + o, 0, 2);
+            for (int64_t o = 0; o < pf_vn; o += 64) __builtin_prefetch(vb + o, 0, 2);
         }
 #endif
         int nt2 = lb + NB < t->blk1
