@@ -356,8 +356,8 @@ PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, co
    entries ignores. Against scores_dot_t (decode64, a scale multiply per 16 values, partial vectors
    per token and a 16-token reduction tree): no horizontal sums, no partial stores, the scale
    once per 16 tokens. Sums in another order than scores_dot_t's: exact fp32 both. Two
-   accumulators per query (the 16-dim group's even and odd registers) halve the FMA chains:
-   0.95-0.99x the time at 32k tokens on Zen 4 (benchmarks/perf/ab_decode_kernel.py). */
+   accumulators per query (the 16-dim group's even and odd registers) halve the FMA chains
+   (measured with benchmarks/perf/ab_decode_kernel.py: docs/performance.md). */
 #ifndef PKV_LUT_ACC2
 #define PKV_LUT_ACC2 1  /* 0: one accumulator per query, no unroll hint (A/B builds) */
 #endif

@@ -112,7 +112,7 @@ typedef struct {
    at chunk starts overflow the miss buffers; one row per row keeps the stream steady. Besides,
    AVX-512 builds fetch the whole K and V blocks PKV_PF_AHEAD chunks ahead into L2 at each chunk
    start (run_task; one prefetcht1 per line), so that these row prefetches find their lines in L2
-   rather than DRAM: 0.82-0.97x the time at 32k tokens on Zen 4 (benchmarks/perf/ab_decode_kernel.py). */
+   rather than DRAM (measured with benchmarks/perf/ab_decode_kernel.py: docs/performance.md). */
 #ifndef PKV_PF_AHEAD
 #ifdef PKV_AVX512
 #define PKV_PF_AHEAD 2
