@@ -11,7 +11,8 @@ import pytest
 
 from pagedkv.errors import ConfigError
 from pagedkv.eval.retrieval_stats import depth_bins, mcnemar_exact, paired_counts, wilson
-from pagedkv.eval.retrieval_tasks import (MULTIKEY_NEEDLE, PASSKEY_NEEDLE, computed_tokens, extract_answer,
+from pagedkv.eval.retrieval_tasks import (MULTIKEY_NEEDLE, MULTIKEY_OPENING, MULTIKEY_QUESTION, PASSKEY_NEEDLE,
+                                          computed_tokens, extract_answer,
                                           generate, is_correct, sharing_order)
 
 
@@ -63,6 +64,22 @@ def test_generators_are_deterministic_and_put_each_needle_where_they_say(task):
             assert all(t.needles == ts[0].needles for t in ts)
     assert generate(task, 3000, 3, C, bos=1, text_tokens=lambda: TEXT, depths=(0.25,))[2].depth == \
         pytest.approx(0.25, abs=0.03)
+
+
+def test_the_opening_cue_asks_with_the_needle_opening_and_changes_nothing_else():
+    question, opening = _trials("multikey"), _trials("multikey", cue="opening")
+    for q, o in zip(question, opening):
+        key = q.needles[q.queried].key
+        # the same needles, answers and contexts (the haystack takes the room the cue leaves)
+        assert [(n.key, n.value) for n in o.needles] == [(n.key, n.value) for n in q.needles]
+        assert (o.answer, o.context, o.queried, o.length) == (q.answer, q.context, q.queried, q.length)
+        assert len(o.prompt) <= o.length - o.max_new_tokens
+        assert C.decode(q.prompt).endswith(MULTIKEY_QUESTION.format(key=key))
+        assert C.decode(o.prompt).endswith(f"\nOne of the special magic numbers for {key} is:")
+        assert C.decode(o.prompt).endswith(MULTIKEY_OPENING.format(key=key))
+    assert _trials("passkey", cue="opening") == _trials("passkey")  # passkey always ends with its opening
+    with pytest.raises(ConfigError, match="--cue 'needle'.*question, opening"):
+        _trials("multikey", cue="needle")
 
 
 def test_trials_share_the_haystack_before_their_first_needle_in_sharing_order():
@@ -209,6 +226,7 @@ def test_workers_give_the_answers_of_one_process(tiny_folder):
     (["--lengths", "99999999k"], "--lengths"),
     (["--lengths", "9" * 5000], "--lengths"),
     (["--formats", "bf16,turbo9"], "turbo9"),
+    (["--cue", "answer"], "--cue"),
 ])
 def test_bad_arguments_fail_in_one_line_before_the_model_loads(tiny_folder, monkeypatch, capsys, argv, needle):
     import pagedkv.eval.model as em
@@ -228,7 +246,8 @@ def test_config_refuses_what_the_cli_would():
 
     assert parse_lengths("2k,4k,8k") == (2048, 4096, 8192) and parse_lengths("1500") == (1500,)
     assert parse_depths("0,0.5,1") == (0.0, 0.5, 1.0)
-    for bad in (dict(formats=()), dict(lengths=()), dict(depths=(-0.1,)), dict(trials=0), dict(keys=0)):
+    for bad in (dict(formats=()), dict(lengths=()), dict(depths=(-0.1,)), dict(trials=0), dict(keys=0),
+                dict(cue="answer")):
         with pytest.raises(ConfigError):
             RetrievalConfig(**bad)
     assert RetrievalConfig(formats=("turbo3", "bf16")).all_formats == ("bf16", "turbo3")

@@ -75,6 +75,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--depths", default=None, metavar="D,..",
                    help="retrieval: needle depths in 0..1 taken in turn (default: spread evenly over 0..1)")
     p.add_argument("--keys", type=int, default=4, help="multikey: needles per context (default 4)")
+    p.add_argument("--cue", default="question", metavar="CUE",
+                   help="multikey: how a trial asks for its key: question (default: RULER's question and the "
+                        "opening of its answer; suits an instruction model) or opening (the needle's own opening "
+                        "'One of the special magic numbers for KEY is:', as passkey ends; suits a base model)")
     p.add_argument("--seed", type=int, default=0, help="retrieval: the trials' seed (default 0)")
     p.add_argument("--quick", action="store_true",
                    help=f"retrieval: a few minutes' preset ({','.join(str(n) for n in QUICK_PRESET.lengths)} tokens, "

@@ -31,7 +31,7 @@ def config_from_args(args) -> RetrievalConfig:
     depths = parse_depths(args.depths) if args.depths else None
     units = len(tasks) * len(lengths) * (len(formats) + 1)
     return RetrievalConfig(tasks=tasks, formats=formats, lengths=lengths, trials=trials, depths=depths,
-                           keys=args.keys, seed=args.seed, model=args.model,
+                           keys=args.keys, cue=args.cue, seed=args.seed, model=args.model,
                            compute=compute_from_args(args, parallel_work=units),
                            approx=Approximation.parse(args.approx))
 
@@ -77,7 +77,7 @@ def run(args, log, minutes, cpu_seconds) -> int:
         return text_ids
 
     cells = {(task, n): generate(task, n, cfg.trials, codec, bos=bos_id(tokenizer), seed=cfg.seed,
-                                 depths=cfg.depths, keys=cfg.keys, text_tokens=text_tokens)
+                                 depths=cfg.depths, keys=cfg.keys, cue=cfg.cue, text_tokens=text_tokens)
              for task in cfg.tasks for n in cfg.lengths}
     units = rt.make_units(cells, choices)
     seconds, computed, total = rt.estimate(units, cfg.block_size, model_config, cfg.compute.workers)
@@ -109,7 +109,7 @@ def run(args, log, minutes, cpu_seconds) -> int:
     def show() -> None:
         if args.json:
             print_json({"model": source.label, "tasks": list(cfg.tasks), "lengths": list(cfg.lengths),
-                        "trials": cfg.trials, "seed": cfg.seed, "keys": cfg.keys, "rows": rows,
+                        "trials": cfg.trials, "seed": cfg.seed, "keys": cfg.keys, "cue": cfg.cue, "rows": rows,
                         "trials_detail": records})
         else:
             _print(rows, source.label, cfg)
@@ -155,7 +155,8 @@ def _print(rows, label: str, cfg: RetrievalConfig) -> None:
               f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", f"{r['bf16_accuracy']:.2f}", r["lost"], r["gained"],
               f"{r['mcnemar_p']:.3g}", "" if r["informative"] else "not informative (bf16 < 80%)"]
              for r in rows]
-    multikey = (f"; multikey: {cfg.keys} needles per context, each queried once (those trials are correlated)"
+    multikey = (f"; multikey: {cfg.keys} needles per context, each queried once (those trials are correlated), "
+                f"asked by the {cfg.cue} cue"
                 if "multikey" in cfg.tasks else "")
     print_table(f"{label}: retrieval, {cfg.trials} paired trials per task and length (seed {cfg.seed}), greedy "
                 f"exact match; bits/elem as stored at that length; lost / gained: trials bf16 got right and the "

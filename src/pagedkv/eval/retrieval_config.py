@@ -13,7 +13,7 @@ from ..defaults import BLOCK_SIZE
 from ..errors import ConfigError
 from .compute import Compute
 from .config import REFERENCE_FORMAT
-from .retrieval_tasks import KEYS, TASKS
+from .retrieval_tasks import KEYS, TASKS, check_cue
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class RetrievalConfig:
     trials: int = DEFAULT_PRESET.trials
     depths: Optional[tuple[float, ...]] = None
     keys: int = 4
+    cue: str = "question"
     seed: int = 0
     block_size: int = BLOCK_SIZE
     model: Optional[str] = None
@@ -105,6 +106,7 @@ class RetrievalConfig:
                                      ("--block-size", self.block_size, 1, 1 << 16), ("--seed", self.seed, 0, 1 << 63)):
             if isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most:
                 raise ConfigError(f"{name} must be an integer in [{least}, {most}], got {v!r}")
+        check_cue(self.cue)
         if self.depths is not None and (not self.depths or any(not 0 <= d <= 1 for d in self.depths)):
             raise ConfigError(f"--depths must be fractions in 0..1, got {self.depths!r}")
         if not self.approx.exact:

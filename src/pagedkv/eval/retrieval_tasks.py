@@ -13,6 +13,10 @@ same token ids, so every KV format sees exactly the same trials (paired).
   (`pydoc_data.topics`) with `keys` needles "One of the special magic numbers for KEY is:
   NNNNNNN." (distinct keys, 7-digit values); each needle is queried once ("What is the special
   magic number for KEY mentioned in the provided text? ... is"), the others being its distractors.
+  `cue="opening"` asks instead with the needle's own opening ("One of the special magic numbers
+  for KEY is:"), as the passkey task does: a base model (Gemma-3-270M) completes that where it
+  does not answer RULER's question; an instruction model (SmolLM2-135M-Instruct) answers the
+  question better at 4k (docs/long-context.md).
   The queries of one context share it, so those trials are correlated (they are not independent
   draws: the interval and the test treat them as if they were). A context's needles take
   neighbouring depths of the spread, so each trial's depth is its own needle's.
@@ -52,6 +56,9 @@ MULTIKEY_INTRO = ("Some special magic numbers are hidden within the following te
 MULTIKEY_NEEDLE = "\nOne of the special magic numbers for {key} is: {value}.\n"
 MULTIKEY_QUESTION = ("\nWhat is the special magic number for {key} mentioned in the provided text? "
                      "The special magic number for {key} mentioned in the provided text is")
+MULTIKEY_OPENING = "\nOne of the special magic numbers for {key} is:"
+# how a multikey trial asks for its key: RULER's question (default) or the needle's own opening
+MULTIKEY_CUES = {"question": MULTIKEY_QUESTION, "opening": MULTIKEY_OPENING}
 # distinct, common, single words: the keys of the multikey needles
 KEYS = ("apple", "river", "candle", "tiger", "window", "garden", "silver", "pencil", "castle", "rocket",
         "orange", "forest", "hammer", "violin", "planet", "bridge", "dragon", "mirror", "island", "jacket",
@@ -137,19 +144,27 @@ def max_new_tokens(digits: int) -> int:
 
 
 def generate(task: str, length: int, trials: int, codec, *, bos: Optional[int], seed: int = 0,
-             depths: Optional[Sequence[float]] = None, keys: int = 4,
+             depths: Optional[Sequence[float]] = None, keys: int = 4, cue: str = "question",
              text_tokens: Optional[Callable[[], list[int]]] = None) -> list[Trial]:
     """The `trials` trials of `task` at `length` tokens (see the module docstring).
 
     codec: encode / decode (`TextCodec`); bos: the BOS id put first, or None; keys: needles per
-    multikey context (its queries); text_tokens: the default text's token ids, called once for
-    multikey. ConfigError when the length leaves no room for the haystack."""
+    multikey context (its queries); cue: how multikey asks (`MULTIKEY_CUES`); text_tokens: the
+    default text's token ids, called once for multikey. ConfigError when the length leaves no room
+    for the haystack."""
     if task not in TASKS:
         raise ConfigError(f"--task {task!r}: accepted tasks are {', '.join(TASKS)} (or kl)")
+    check_cue(cue)
     targets = spread_depths(trials, depths)
     if task == "passkey":
         return _passkey(length, targets, codec, bos, seed)
-    return _multikey(length, targets, codec, bos, seed, keys, text_tokens)
+    return _multikey(length, targets, codec, bos, seed, keys, MULTIKEY_CUES[cue], text_tokens)
+
+
+def check_cue(cue) -> None:
+    if cue not in MULTIKEY_CUES:
+        raise ConfigError(f"--cue {cue!r}: accepted are {', '.join(MULTIKEY_CUES)} (how multikey asks for a key: "
+                          "RULER's question or the needle's own opening)")
 
 
 def _rng(task: str, seed: int, length: int, context: int) -> random.Random:
@@ -226,7 +241,7 @@ def _passkey(length: int, targets: list[float], codec, bos: Optional[int], seed:
 
 
 def _multikey(length: int, targets: list[float], codec, bos: Optional[int], seed: int, keys: int,
-              text_tokens) -> list[Trial]:
+              question_form: str, text_tokens) -> list[Trial]:
     if not 1 <= keys <= len(KEYS):
         raise ConfigError(f"--keys must be between 1 and {len(KEYS)}, got {keys!r}")
     head = _head(codec, bos, MULTIKEY_INTRO)
@@ -241,7 +256,7 @@ def _multikey(length: int, targets: list[float], codec, bos: Optional[int], seed
         values = [str(rng.randrange(10 ** (MULTIKEY_DIGITS - 1), 10 ** MULTIKEY_DIGITS)) for _ in members]
         needles = [(k, v, codec.encode(MULTIKEY_NEEDLE.format(key=k, value=v)), targets[t])
                    for k, v, t in zip(names, values, members)]
-        questions = [codec.encode(MULTIKEY_QUESTION.format(key=k)) for k in names]
+        questions = [codec.encode(question_form.format(key=k)) for k in names]
         used = len(head) + sum(len(x[2]) for x in needles) + max(len(q) for q in questions) + max_new
         n = _room(length, used, "multikey")
         if len(text) < n:
