@@ -76,6 +76,19 @@ def attention_hook(model, name: str, see):
             model.set_attn_implementation(before)
 
 
+def logit_rows(model, rows) -> dict:
+    """The forward keyword that computes the LM head at `rows` only (an int: the last rows; a
+    1-D index tensor: those positions), where the model's forward takes transformers'
+    `logits_to_keep`; else none (all rows). The capture needs no logits and the needle gradient
+    a few: the whole head of a long window is the largest tensor of the forward (16k positions
+    of Gemma-3's 262k-word vocabulary: 17 GB in float32)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": rows} if "logits_to_keep" in params else {}
+
+
 def capture_attention(model, ids: torch.Tensor) -> list[tuple]:
     """(q [B, Hq, T, D], k [B, H, T, D], v [B, H, T, D] float32, sliding window or None, softmax
     scale or None, as the layer's module has them) of every attention layer of a loaded
@@ -91,7 +104,7 @@ def capture_attention(model, ids: torch.Tensor) -> list[tuple]:
         return key, value
 
     with attention_hook(model, CAPTURE, record), torch.no_grad():
-        model(ids.to(model.device), use_cache=False)
+        model(ids.to(model.device), use_cache=False, **logit_rows(model, 1))
     if not seen:
         raise ConfigError("the model ran no attention layer through transformers' attention interface")
     return [seen[i] for i in sorted(seen)]

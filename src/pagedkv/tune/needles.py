@@ -88,7 +88,7 @@ def needle_gradients(model, window: Sequence[int], rows: Sequence[int]) -> list[
     one backward through the model's own sdpa; its attention implementation is restored)."""
     import torch
 
-    from ..integrations.capture import attention_hook
+    from ..integrations.capture import attention_hook, logit_rows
 
     seen: dict = {}
 
@@ -104,7 +104,9 @@ def needle_gradients(model, window: Sequence[int], rows: Sequence[int]) -> list[
                 torch.enable_grad():  # also when called under inference mode
             ids = torch.tensor([list(window)], device=model.device)
             at = torch.tensor(list(rows), device=model.device)
-            logits = model(ids, use_cache=False).logits[0, at].float()
+            head = logit_rows(model, at)  # the LM head at the answer rows only, where the model allows
+            logits = model(ids, use_cache=False, **head).logits[0]
+            logits = (logits if head else logits[at]).float()
             nll = -torch.log_softmax(logits, -1).gather(-1, ids[0, at + 1, None]).sum()
             nll.backward()
     finally:
