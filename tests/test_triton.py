@@ -66,10 +66,16 @@ STORED = [n for n in CODECS if n not in refused_codecs(SUPPORT, store=True)]
 
 
 def test_rows_the_kernels_do_not_implement_run_on_the_reference():
-    """f16, fp8_e5m2, turbo5 and turbo2g64 (groups of 64) are not in `spec.SUPPORT`: the
-    dispatcher declines them."""
-    assert set(refused_codecs(SUPPORT, store=True)) == {"f16", "fp8_e5m2", "turbo5", "turbo2g64"}
-    assert set(refused_codecs(SUPPORT)) == {"f16", "turbo5", "turbo2g64"}
+    """f16 (and fp8_e5m2's store) are not in `spec.SUPPORT`: the dispatcher declines them. Every
+    other row, turbo5 (5-bit codes, 32 levels) and turbo2g64 (groups of 64) included, runs on the
+    kernels."""
+    assert set(refused_codecs(SUPPORT, store=True)) == {"f16", "fp8_e5m2"}
+    assert set(refused_codecs(SUPPORT)) == {"f16"}
+    for name in ("turbo5", "turbo2g64"):
+        layer = make_layer(CODECS[name], CODECS[name], 2, 16, 1, 64, device=DEVICE)
+        for op, params in ((Op.STORE, None), (Op.DECODE, AttentionParams(scale=0.1)),
+                           (Op.PREFILL, AttentionParams(scale=0.1))):
+            assert select_backend(op, layer.k_pool.device, layer, params, backend=BACKEND) is BACKEND
     for name in refused_codecs(SUPPORT, store=True):
         layer = make_layer(CODECS[name], CODECS[name], 2, 16, 1, 64, device=DEVICE)
         with pytest.raises(InvalidInput, match="not implemented"):
@@ -140,6 +146,28 @@ def test_head_dims_that_are_not_powers_of_two():
              CheckCase("turbo8", "q8_0", seq_lens=(9,), head_dim=96),
              CheckCase("nvfp4", "turbo4", seq_lens=(17, 2), head_dim=80, group=1)]
     check_backend(**ATTN, cases=cases, device=DEVICE, **TOL)
+
+
+def test_groups_of_64_and_5_bit_codes_on_wider_rows():
+    """turbo2g64 and turbo5 through the Triton store and attention at head_dim 192 (three groups
+    of 64 in a row tile padded to 256) and 128 (two), with GQA, a window, sinks and the transform."""
+    cases = [CheckCase("turbo2g64", "turbo5", seq_lens=(21, 4), head_dim=192, group=2),
+             CheckCase("turbo5", "turbo2g64", seq_lens=(30, 6), head_dim=128, group=4, sliding_window=12,
+                       sinks=True, transform=True)]
+    check_backend(**ATTN, store=tr.store, cases=cases, device=DEVICE, **TOL)
+
+
+def test_a_5_bit_table_without_odd_symmetry_selects_over_all_32_levels(monkeypatch):
+    """turbo5's table is odd symmetric, so the kernels select over its lower 16 levels and flip
+    the sign (spec.VAL_TABLE_ODD); a 5-bit table that is not takes the 32-level select tree,
+    forced here for turbo5 (the same values either way)."""
+    from pagedkv.ops.triton import spec
+
+    assert spec.codec_spec(CODECS["turbo5"], 16, 1, 64).values == spec.VAL_TABLE_ODD
+    assert spec.codec_spec(CODECS["turbo4"], 16, 1, 64).values == spec.VAL_TABLE
+    monkeypatch.setattr(spec, "_values", lambda codec: spec._VALUES[codec.traits.decode])
+    assert spec.codec_spec(CODECS["turbo5"], 16, 1, 64).values == spec.VAL_TABLE
+    check_backend(**ATTN, cases=[_tiny("turbo5", "turbo5")], device=DEVICE, **TOL)
 
 
 def test_store_then_attend():
@@ -243,7 +271,7 @@ def test_bench_dry_run():
 
 @pytest.mark.parametrize("name,norm_on,rope_kind", [
     ("turbo3", True, "partial"), ("q4_0", True, "full"), ("fp8", False, "partial"),
-    ("turbo4", True, None), ("q8_0", True, "multimodal"),
+    ("turbo4", True, None), ("q8_0", True, "multimodal"), ("turbo2g64", True, "full"),
 ])
 def test_fused_norm_rope_store_k(name, norm_on, rope_kind):
     """The fused K kernel returns the reference's fp32 keys (to the last bit or so) and stores

@@ -2,7 +2,7 @@
 
 Every non-bf16 codec decodes as `value_table[code] * scale` (docs/internals.md), so one reader
 serves the whole catalogue: the row's bytes are unpacked in registers into codes (2-, 3-, 4-,
-8-bit layouts, or raw bf16), the value comes from the codec's table (a tiny cached tensor) or
+5-, 8-bit layouts, or raw bf16), the value comes from the codec's table (a tiny cached tensor) or
 from arithmetic (E4M3, int8, int4), the scale from the row's scale bytes, the layer's fp32
 tensor scale, or nothing. The rounding helpers reproduce torch's conversions
 bit for bit with integer arithmetic (round to nearest even, E4M3 saturating at 448) so the store
@@ -14,12 +14,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .spec import SCALE_BF16, SCALE_E4M3, SCALE_FP16, SCALE_TENSOR, VAL_E4M3, VAL_INT4, VAL_INT8, VAL_TABLE
+from .spec import (SCALE_BF16, SCALE_E4M3, SCALE_FP16, SCALE_TENSOR, VAL_E4M3, VAL_INT4, VAL_INT8, VAL_TABLE,
+                   VAL_TABLE_ODD)
 
 _VAL_E4M3 = tl.constexpr(VAL_E4M3)
 _VAL_INT8 = tl.constexpr(VAL_INT8)
 _VAL_INT4 = tl.constexpr(VAL_INT4)
 _VAL_TABLE = tl.constexpr(VAL_TABLE)
+_VAL_TABLE_ODD = tl.constexpr(VAL_TABLE_ODD)
 _SCALE_TENSOR = tl.constexpr(SCALE_TENSOR)
 _SCALE_E4M3 = tl.constexpr(SCALE_E4M3)
 _SCALE_BF16 = tl.constexpr(SCALE_BF16)
@@ -51,8 +53,9 @@ def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
     row_off / scale_off: int64 [N] byte offsets of each row's codes / scales in the pool;
     row_ok: bool [N] (masked rows read nothing). Elements d >= D and masked rows decode to 0.
     The row's bytes are read contiguously (one lane per byte) and unpacked in registers: a
-    4-bit byte gives codes 2i, 2i+1, a 2-bit byte 4i..4i+3, three 3-bit bytes 8i..8i+7 (joined
-    back into element order), so no byte is loaded twice. VALUES: value-table gather or
+    4-bit byte gives codes 2i, 2i+1, a 2-bit byte 4i..4i+3, three 3-bit (five 5-bit) bytes
+    8i..8i+7 (joined back into element order), so no byte is loaded twice. GROUP divides D
+    (the catalogue's head_dim rule), so BLOCK_D // GROUP >= 1. VALUES: value-table gather or
     arithmetic decode (spec.VAL_*); E4M3 scales are decoded arithmetically.
     """
     N: tl.constexpr = row_off.shape[0]
@@ -70,16 +73,24 @@ def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
             even = tl.join(b & 3, (b >> 4) & 3)
             odd = tl.join((b >> 2) & 3, (b >> 6) & 3)
             code = tl.reshape(tl.join(even, odd), (N, BLOCK_D))
-        else:  # 3 bits: 8 codes in 3 bytes, w = b0 | b1 << 8 | b2 << 16, code j = (w >> 3j) & 7
-            tl.static_assert(BITS == 3, "load_rows unpacks 2/3/4/8-bit codes and bf16 (spec.SUPPORT)")
+        else:  # 3 or 5 bits: 8 codes in BITS bytes, w = b0 | b1 << 8 | ..., code j = (w >> BITS*j) & MASK
+            tl.static_assert(BITS == 3 or BITS == 5, "load_rows unpacks 2/3/4/5/8-bit codes and bf16 (spec.SUPPORT)")
             NW: tl.constexpr = BLOCK_D // 8
-            w = (_load_bytes(pool_ptr, row_off, row_ok, 0, NW, 3, D // 8)
-                 | (_load_bytes(pool_ptr, row_off, row_ok, 1, NW, 3, D // 8) << 8)
-                 | (_load_bytes(pool_ptr, row_off, row_ok, 2, NW, 3, D // 8) << 16))
-            c04 = tl.join(w & 7, (w >> 12) & 7)
-            c26 = tl.join((w >> 6) & 7, (w >> 18) & 7)
-            c15 = tl.join((w >> 3) & 7, (w >> 15) & 7)
-            c37 = tl.join((w >> 9) & 7, (w >> 21) & 7)
+            MASK: tl.constexpr = (1 << BITS) - 1
+            w = _load_bytes(pool_ptr, row_off, row_ok, 0, NW, BITS, D // 8)
+            for k in tl.static_range(1, min(BITS, 4)):  # the first 4 bytes as an int32
+                w = w | (_load_bytes(pool_ptr, row_off, row_ok, k, NW, BITS, D // 8) << (8 * k))
+            if BITS == 5:  # codes 6, 7 take bits 30-39: from the word's top 2 bits and byte 4
+                b4 = _load_bytes(pool_ptr, row_off, row_ok, 4, NW, BITS, D // 8)
+                c6 = ((w >> 30) & 3) | ((b4 & 7) << 2)
+                c7 = b4 >> 3
+            else:
+                c6 = (w >> (6 * BITS)) & MASK
+                c7 = (w >> (7 * BITS)) & MASK
+            c04 = tl.join(w & MASK, (w >> (4 * BITS)) & MASK)
+            c26 = tl.join((w >> (2 * BITS)) & MASK, c6)
+            c15 = tl.join((w >> BITS) & MASK, (w >> (5 * BITS)) & MASK)
+            c37 = tl.join((w >> (3 * BITS)) & MASK, c7)
             code = tl.reshape(tl.join(tl.join(c04, c26), tl.join(c15, c37)), (N, BLOCK_D))
         if VALUES == _VAL_E4M3:
             val = e4m3_value(code)
@@ -87,6 +98,10 @@ def load_rows(pool_ptr, table_ptr, tensor_scale, row_off, scale_off, row_ok,
             val = ((code ^ 0x80) - 0x80).to(tl.float32)
         elif VALUES == _VAL_INT4:  # offset integer: code - 2**(BITS - 1)
             val = (code - (1 << (BITS - 1))).to(tl.float32)
+        elif VALUES == _VAL_TABLE_ODD:  # table[c] = -table[c ^ MASK]: the lower half's tree, signed
+            upper = code >= (1 << (BITS - 1))
+            low = table_value(tl.where(upper, code ^ ((1 << BITS) - 1), code), table_ptr, BITS - 1)
+            val = tl.where(upper, -low, low)
         else:
             tl.static_assert(VALUES == _VAL_TABLE, "unknown VALUES constexpr (spec.py derives it)")
             val = table_value(code, table_ptr, BITS)
@@ -121,8 +136,13 @@ def _lut3(code, t_ptr, BASE: tl.constexpr):
 
 
 @triton.jit
+def _lut4(code, t_ptr, BASE: tl.constexpr):
+    return tl.where((code & 8) != 0, _lut3(code, t_ptr, BASE + 8), _lut3(code, t_ptr, BASE))
+
+
+@triton.jit
 def table_value(code, table_ptr, BITS: tl.constexpr):
-    """float32 table[code] for int32 codes of a 2-, 3- or 4-bit table codec (Lloyd-Max levels,
+    """float32 table[code] for int32 codes of a 2- to 5-bit table codec (Lloyd-Max levels,
     E2M1), as a tree of selects over the table's 2**BITS scalars instead of a per-element gather
     `tl.load(table + code)`, which was the one difference between the table codecs' decode and
     q4_0's when the first GPU run timed them far slower (docs/gpu.md). Other widths gather."""
@@ -131,7 +151,9 @@ def table_value(code, table_ptr, BITS: tl.constexpr):
     elif BITS == 3:
         return _lut3(code, table_ptr, 0)
     elif BITS == 4:
-        return tl.where((code & 8) != 0, _lut3(code, table_ptr, 8), _lut3(code, table_ptr, 0))
+        return _lut4(code, table_ptr, 0)
+    elif BITS == 5:
+        return tl.where((code & 16) != 0, _lut4(code, table_ptr, 16), _lut4(code, table_ptr, 0))
     else:
         return tl.load(table_ptr + code)
 

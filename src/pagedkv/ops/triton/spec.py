@@ -43,7 +43,7 @@ _ENCODE = {
 
 # How the attention kernels turn a code into its value before the scale (constexpr VALUES):
 # a gather from the value table, or arithmetic for E4M3 / int8 / offset ints (no dependent load).
-VAL_TABLE, VAL_E4M3, VAL_INT8, VAL_INT4 = 0, 1, 2, 3
+VAL_TABLE, VAL_E4M3, VAL_INT8, VAL_INT4, VAL_TABLE_ODD = 0, 1, 2, 3, 4
 _VALUES = {
     DecodeKind.RAW_BF16: VAL_TABLE,  # unused: BITS == 16 decodes the halves
     DecodeKind.E4M3: VAL_E4M3,
@@ -52,20 +52,35 @@ _VALUES = {
     DecodeKind.TABLE: VAL_TABLE,
 }
 
-# What the kernels implement (`common.load_rows` unpacks 2/3/4/8-bit codes and bf16 halves; the
-# store packs any width but is tested at these); the dispatcher refuses every other row.
-_WIDTHS = (2, 3, 4, 8)
+# What the kernels implement (`common.load_rows` unpacks 2/3/4/5/8-bit codes and bf16 halves; the
+# store packs any width but is tested at these); the dispatcher refuses every other row. A group
+# of 64 needs head_dim a multiple of 64, which the catalogue requires of such a row
+# (`Codec.check_head_dim`), so a row tile always holds whole groups.
+_WIDTHS = (2, 3, 4, 5, 8)
 _ENCODE_DIRECT = (pairs(EncodeRule.ROUND_BF16, (16,)) | pairs(EncodeRule.E4M3_TENSOR, (8,))
                   | pairs(EncodeRule.E4M3_GROUP, (8,)) | pairs(EncodeRule.INT_AMAX, (8,))
                   | pairs(EncodeRule.INT_SIGNED_MAX, (4,)))
 SUPPORT = CodecSupport(
     decode=(pairs(DecodeKind.RAW_BF16, (16,)) | pairs(DecodeKind.E4M3, (8,)) | pairs(DecodeKind.INT8, (8,))
             | pairs(DecodeKind.INT_OFFSET, (4,)) | pairs(DecodeKind.TABLE, _WIDTHS)),
-    encode=_ENCODE_DIRECT | pairs(EncodeRule.TABLE_SEARCH, (2, 3, 4)),
-    groups=frozenset({0, 16, 32}),
+    encode=_ENCODE_DIRECT | pairs(EncodeRule.TABLE_SEARCH, (2, 3, 4, 5)),
+    groups=frozenset({0, 16, 32, 64}),
 )
 
 MAX_HEAD_DIM = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _values(codec: Codec) -> int:
+    """The VALUES constexpr of `codec`: VAL_TABLE_ODD for a 5-bit table (turbo5) that is odd
+    symmetric, table[c] = -table[2**bits - 1 - c] (the Lloyd-Max codebooks), so the kernels
+    select over its 16 lower levels and flip the sign instead of holding all 32."""
+    kind = _VALUES[codec.traits.decode]
+    if kind == VAL_TABLE and codec.code_bits == 5:
+        table = codec.value_table()
+        if torch.equal(table.flip(0), -table):
+            return VAL_TABLE_ODD
+    return kind
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,7 @@ def codec_spec(codec: Codec, block_size: int, num_kv_heads: int, head_dim: int, 
         data_end=block_size * num_kv_heads * codec.row_data_bytes(head_dim),
         block_bytes=codec.block_bytes(block_size, num_kv_heads, head_dim),
         levels=t.levels,
-        values=_VALUES[t.decode],
+        values=_values(codec),
     )
 
 

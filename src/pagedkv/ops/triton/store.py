@@ -8,8 +8,9 @@ encoder's (`pagedkv.codecs.reference`), written with integer rounding helpers so
 
 - bf16: round to nearest even; fp8: E4M3 of x / tensor_scale; turbo8: bf16 scale amax/448, E4M3
   of x / scale; q8_0 / q4_0: llama.cpp rules with fp16 scales;
-- nvfp4, turbo2/3/4: the same E4M3 scale search (10 candidates around amax / max|level|, least
-  squared error of the group, first on ties) and nearest level (ties go down).
+- nvfp4, turbo2/3/4/5 (groups of 16, 32 or 64): the same E4M3 scale search (10 candidates around
+  amax / max|level|, least squared error of the group, first on ties) and nearest level (ties go
+  down: the count of midpoints below the value, up to 31 of them for turbo5's 32 levels).
 
 The WHT runs in the kernel for head_dim <= 128 (a [D, D] fp32 operand: 64 KiB of shared memory
 at 128) as a 3xTF32 tensor-core matmul (fp32-accurate; exact fp32 FMAs of that tile spill
@@ -143,7 +144,7 @@ def _store_kernel(x_ptr, slot_ptr, pool_ptr, centre_ptr, rot_ptr, levels_ptr, mi
             u = tl.minimum(tl.maximum(u, 0.0), 2.0 * HALFQ - 1.0)
             code = tl.reshape(u.to(tl.int32), (BLOCK_T, BLOCK_D))
         sbits = fp16_bits(dq)
-    else:  # nearest level with the E4M3 group-scale search (nvfp4, turbo2/3/4)
+    else:  # nearest level with the E4M3 group-scale search (nvfp4, turbo2/3/4/5)
         tl.static_assert(ENCODE == _ENC_TABLE, "unknown ENCODE constexpr (spec.py derives it)")
         xg = tl.reshape(x, (BLOCK_T, NG, GROUP))
         amax = tl.max(tl.abs(xg), axis=2)
