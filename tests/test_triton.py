@@ -116,7 +116,7 @@ def _tiny(k: str, v: str) -> CheckCase:
 
 
 def test_decode_every_pair():
-    """All 81 (K, V) pairs on one tiny ragged batch (GQA 2, a length-1 sequence)."""
+    """Every (K, V) pair of the codecs the backend declares on one tiny ragged batch (GQA 2, a length-1 sequence)."""
     assert len(PAIRS) >= 100
     rows = check_backend(decode_attention=tr.decode_attention, cases=[_tiny(k, v) for k, v in PAIRS],
                          device=DEVICE, **TOL)
