@@ -144,15 +144,18 @@ def test_a_plan_with_needles_records_them_and_keeps_its_budget():
     assert model.config._attn_implementation == "sdpa"  # restored
 
 
-def test_the_capture_and_the_needle_gradient_run_the_lm_head_only_where_they_read_it():
+def test_the_capture_and_the_needle_gradient_compute_only_what_they_read():
     """The LM head of a long window is the forward's largest tensor (Gemma-3 at 16k: 17 GB): the
-    capture reads no logits and the needle gradient those of its answer rows only."""
+    capture reads no logits and the needle gradient those of its answer rows only, and no
+    weight's gradient."""
     from pagedkv.tune.sensitivity import capture
 
     model = peaked_llama(pagedkv_attention=False, num_hidden_layers=2, max_position_embeddings=1024)
     model.set_attn_implementation("sdpa")
     window, rows = nd.needle_window(encode, [1] + [50 + i % 40 for i in range(799)], needles=2)
     seen = []
+    mark = torch.ones_like(model.lm_head.weight)
+    model.lm_head.weight.grad = mark.clone()  # a user's gradient: neither added to nor cleared
     hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
     try:
         layers = capture(model, torch.tensor([window]))
@@ -161,3 +164,7 @@ def test_the_capture_and_the_needle_gradient_run_the_lm_head_only_where_they_rea
         hook.remove()
     assert len(layers) == 2 and layers[0][1].shape[1] == len(window)
     assert seen == [(1, 1, model.config.hidden_size), (1, len(rows), model.config.hidden_size)]
+    # nor a weight gradient: the weights are left as they were (trainable, no .grad)
+    assert all(p.requires_grad for p in model.parameters())
+    assert torch.equal(model.lm_head.weight.grad, mark)
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "lm_head.weight")

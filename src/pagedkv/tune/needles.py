@@ -99,7 +99,11 @@ def needle_gradients(model, window: Sequence[int], rows: Sequence[int]) -> list[
         seen[int(module.layer_idx)] = (query.detach(), key.detach(), value.detach(), dk, dv)
         return key + dk, value + dv
 
+    # the weights need no gradient (only the K/V offsets do): no weight gradient is computed or held
+    frozen = [p for p in model.parameters() if p.requires_grad]
     try:
+        for p in frozen:
+            p.requires_grad_(False)
         with attention_hook(model, NEEDLE_LABEL, record), torch.inference_mode(False), \
                 torch.enable_grad():  # also when called under inference mode
             ids = torch.tensor([list(window)], device=model.device)
@@ -110,7 +114,8 @@ def needle_gradients(model, window: Sequence[int], rows: Sequence[int]) -> list[
             nll = -torch.log_softmax(logits, -1).gather(-1, ids[0, at + 1, None]).sum()
             nll.backward()
     finally:
-        model.zero_grad(set_to_none=True)
+        for p in frozen:
+            p.requires_grad_(True)
     return [tuple(x[0].float() for x in seen[i][:3]) + tuple(x.grad[0].float() for x in seen[i][3:])
             for i in sorted(seen)]
 
