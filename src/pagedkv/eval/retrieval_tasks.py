@@ -13,13 +13,13 @@ same token ids, so every KV format sees exactly the same trials (paired).
   (`pydoc_data.topics`) with `keys` needles "One of the special magic numbers for KEY is:
   NNNNNNN." (distinct keys, 7-digit values); each needle is queried once ("What is the special
   magic number for KEY mentioned in the provided text? ... is"), the others being its distractors.
+  The queries of one context share it, so those trials are correlated (they are not independent
+  draws: the interval and the test treat them as if they were). A context's needles take
+  neighbouring depths of the spread, so each trial's depth is its own needle's.
   `cue="opening"` asks instead with the needle's own opening ("One of the special magic numbers
   for KEY is:"), as the passkey task does: a base model (Gemma-3-270M) completes that where it
   does not answer RULER's question; an instruction model (SmolLM2-135M-Instruct) answers the
   question better at 4k (docs/long-context.md).
-  The queries of one context share it, so those trials are correlated (they are not independent
-  draws: the interval and the test treat them as if they were). A context's needles take
-  neighbouring depths of the spread, so each trial's depth is its own needle's.
 
 Lengths count every token the model sees, the answer it writes included: a prompt has
 `length - max_new_tokens` tokens at most (the BOS, an instruction line, the haystack, the needles,
@@ -162,6 +162,7 @@ def generate(task: str, length: int, trials: int, codec, *, bos: Optional[int], 
 
 
 def check_cue(cue) -> None:
+    """ConfigError unless `cue` names one of MULTIKEY_CUES."""
     if cue not in MULTIKEY_CUES:
         raise ConfigError(f"--cue {cue!r}: accepted are {', '.join(MULTIKEY_CUES)} (how multikey asks for a key: "
                           "RULER's question or the needle's own opening)")
