@@ -206,7 +206,7 @@ def _make_plan(codec: Codec, block_size: int, num_heads: int, head_dim: int) -> 
     why = STORE_SUPPORT.refusal(codec, store=True)
     if why is None and head_dim > MAX_HEAD_DIM:
         why = f"head_dim {head_dim} > {MAX_HEAD_DIM}"
-    saturable = codec.traits.encode in (EncodeRule.INT_AMAX, EncodeRule.INT_SIGNED_MAX)
+    saturable = _int_scaled(codec)
     rotation_t = wht.rotation_matrix(head_dim).T if codec.rotated else None
     if why is not None:
         return _SidePlan(why, saturable, rotation_t, None)
@@ -233,12 +233,17 @@ def _pool_refusal(pool: torch.Tensor) -> Optional[str]:
     return None
 
 
+def _int_scaled(codec: Codec) -> bool:
+    """An integer codec (q8_0, q4_0): its half-precision group scale grows with |x| and can saturate."""
+    return codec.traits.encode in (EncodeRule.INT_AMAX, EncodeRule.INT_SIGNED_MAX)
+
+
 def _scale_would_saturate(codec: Codec, x: torch.Tensor, centre: Optional[torch.Tensor]) -> bool:
     """True when an integer codec's fp16 group scale could pass 65504 for these rows: the
     reference encoder saturates it (store_kernel.c does not), so such a call runs the reference
     store. One min/max pass over x; conservative (|x| + |centre|), identical bytes either way."""
     t = codec.traits
-    if t.encode not in (EncodeRule.INT_AMAX, EncodeRule.INT_SIGNED_MAX) or x.numel() == 0:
+    if not _int_scaled(codec) or x.numel() == 0:
         return False
     limit = torch.finfo(torch.float16 if t.scale is ScaleType.FP16 else torch.bfloat16).max
     limit *= (1 << (t.bits - 1)) - 1 if t.encode is EncodeRule.INT_AMAX else (1 << (t.bits - 1))
