@@ -107,6 +107,8 @@ CASES = [  # (argv with {file} placeholders, a word the one line must contain)
     (["eval", "--plot", "plot.txt"], ".png"),
     (["eval", "--plot", "{dir}"], ".png"),
     (["eval", "--device", "nonsense"], "nonsense"),
+    (["eval", "--task", "passkey", "--device", "tpu", "--workers", "2"], "tpu"),
+    (["generate", "hi", "--device", "cuda:x"], "cuda:x"),
     (["eval", "--windows", "x"], "invalid int"),
     (["eval", "--no-such-flag"], "unrecognized"),
     (["codecs", "--bench", "--vectors", "0"], "--vectors"),

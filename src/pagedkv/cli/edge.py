@@ -21,12 +21,13 @@ def add_compute_arguments(p: argparse.ArgumentParser, workers: bool = False) -> 
 
 
 def on_gpu(device: Optional[str]) -> bool:
-    """Whether a --device value names a CUDA device ("auto" where one is available)."""
-    if device == "auto":
-        import torch
+    """Whether a --device value names a CUDA device ("auto" where one is available): the one
+    device rule (`eval.model.resolve_device`), so a bad value fails here, before anything loads."""
+    if not device:
+        return False
+    from ..eval.model import resolve_device
 
-        return torch.cuda.is_available()
-    return bool(device) and str(device).startswith("cuda")
+    return resolve_device(device).type == "cuda"
 
 
 def compute_from_args(args, parallel_work: int = 1):
