@@ -80,7 +80,8 @@ def run(args, log, minutes, cpu_seconds) -> int:
                                  depths=cfg.depths, keys=cfg.keys, cue=cfg.cue, text_tokens=text_tokens)
              for task in cfg.tasks for n in cfg.lengths}
     units = rt.make_units(cells, choices)
-    seconds, computed, total = rt.estimate(units, cfg.block_size, model_config, cfg.compute.workers)
+    costing = rt.cost_model(model_config)
+    seconds, computed, total = rt.estimate(units, cfg.block_size, costing, cfg.compute.workers)
     log(f"{source.label}: {', '.join(cfg.tasks)} at {', '.join(map(str, cfg.lengths))} tokens, {cfg.trials} trials "
         f"each, {len(choices)} formats ({len(units)} runs); prefix caching computes {computed} of {total} prompt "
         f"tokens; " + ("not estimated on a GPU (the estimate is fitted to CPU prefills)" if gpu else
@@ -94,9 +95,7 @@ def run(args, log, minutes, cpu_seconds) -> int:
     resolved = resolve_tuned(lm.model, tokenizer, choices, max(cfg.lengths))
     if resolved != choices:
         units = rt.make_units(cells, resolved)
-    scale = rt.model_scale(model_config)
-    reuse = not rt.has_sliding_layers(model_config)
-    costs = [rt.unit_seconds(u, cfg.block_size, scale, reuse) for u in units]
+    costs = [rt.unit_seconds(u, cfg.block_size, costing) for u in units]
     t_run, cpu_run = time.perf_counter(), cpu_seconds()
     def done(unit, result) -> str:
         right = sum(is_correct(codec.decode(g), t.answer) for t, g in zip(unit.trials, result["generated"]))

@@ -60,37 +60,72 @@ _CODEC_FACTOR = 1.5
 _SMOLLM2 = (30 * 576 * 576, 30 * 9 * 64)
 
 
-def model_scale(config) -> tuple[float, float]:
-    """(weights, attention) cost of `config` relative to SmolLM2-135M."""
+@dataclass(frozen=True)
+class CostModel:
+    """What the estimate knows of a model: its weights and attention width relative to
+    SmolLM2-135M, each layer's sliding window (None: global), and whether its caches take prefix
+    hits (a model with sliding layers takes none, see `has_sliding_layers`)."""
+    weights: float
+    attention: float
+    windows: tuple = ()
+    reuse: bool = True
+
+    def reach(self, start: int, end: int) -> float:
+        """Mean over layers and over positions (start, end] of the tokens one attends to: the
+        position on a global layer, at most the window on a sliding one (a decode step at `end`:
+        start == end)."""
+        if not self.windows:
+            return (start + end) / 2
+        return sum(_mean_min(start, end, w) for w in self.windows) / len(self.windows)
+
+
+def _mean_min(start: int, end: int, window: Optional[int]) -> float:
+    """Mean of min(p, window) over p in [start, end] (window None: no cap)."""
+    if window is None or end <= window:
+        return (start + end) / 2
+    if start >= window:
+        return float(window)
+    return ((window * window - start * start) / 2 + window * (end - window)) / (end - start)
+
+
+def cost_model(config) -> CostModel:
+    """The `CostModel` of a Hugging Face config."""
     text = getattr(config, "text_config", None) or config
     layers = getattr(text, "num_hidden_layers", 30)
     hidden = getattr(text, "hidden_size", 576)
     heads = getattr(text, "num_attention_heads", 9)
     head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
-    return layers * hidden * hidden / _SMOLLM2[0], layers * heads * head_dim / _SMOLLM2[1]
+    windows = tuple(layer_windows(config))
+    return CostModel(layers * hidden * hidden / _SMOLLM2[0], layers * heads * head_dim / _SMOLLM2[1],
+                     windows, not any(w is not None for w in windows))
+
+
+def layer_windows(config) -> list:
+    """Each layer's sliding window as the cache lays them out (None: global); [] for a model
+    the K/V layout does not cover (latent MLA layers: none slide)."""
+    from ..errors import ConfigError
+    from ..integrations.hf_common import _layer_layout
+
+    try:
+        return _layer_layout(config)[1]
+    except ConfigError:
+        return []
 
 
 def has_sliding_layers(config) -> bool:
     """Whether some layer of `config` slides (as the cache lays them out): such caches take no
     prefix hits (`PagedKVCache.begin`), so every prompt is computed whole."""
-    from ..errors import ConfigError
-    from ..integrations.hf_common import _layer_layout
-
-    try:
-        return any(w is not None for w in _layer_layout(config)[1])
-    except ConfigError:  # latent (MLA) layers: none slide
-        return False
+    return any(w is not None for w in layer_windows(config))
 
 
-def unit_seconds(unit: Unit, block_size: int, scale: tuple[float, float], reuse: bool) -> float:
+def unit_seconds(unit: Unit, block_size: int, model: CostModel) -> float:
     """Estimated CPU seconds of a unit on one core (see the constants above): each trial's
     computed prompt tokens (the rest are prefix hits) at their positions, then its decode steps."""
-    weights, attention = scale
     total = 0.0
-    for t, c in zip(unit.trials, computed_tokens(unit.trials, block_size, reuse)):
+    for t, c in zip(unit.trials, computed_tokens(unit.trials, block_size, model.reuse)):
         end = len(t.prompt)
-        total += c * (weights * _TOKEN_S + attention * _TOKEN_POSITION_S * (end - c / 2))
-        total += t.max_new_tokens * (weights * _STEP_S + attention * _STEP_POSITION_S * end)
+        total += c * (model.weights * _TOKEN_S + model.attention * _TOKEN_POSITION_S * model.reach(end - c, end))
+        total += t.max_new_tokens * (model.weights * _STEP_S + model.attention * _STEP_POSITION_S * model.reach(end, end))
     return total * (1.0 if _is_bf16(unit.choice) else _CODEC_FACTOR)
 
 
@@ -100,14 +135,13 @@ def _is_bf16(choice) -> bool:
         and not getattr(choice, "high_precision_layers", 0)
 
 
-def estimate(units: Sequence[Unit], block_size: int, config, workers: int) -> tuple[float, int, int]:
+def estimate(units: Sequence[Unit], block_size: int, model: CostModel, workers: int) -> tuple[float, int, int]:
     """(estimated wall seconds with `workers` idle cores, prompt tokens computed, prompt tokens)."""
-    scale, reuse = model_scale(config), not has_sliding_layers(config)
-    costs = [unit_seconds(u, block_size, scale, reuse) for u in units]
+    costs = [unit_seconds(u, block_size, model) for u in units]
     loads = [0.0] * max(1, workers)
     for c in sorted(costs, reverse=True):  # the order the workers take them
         loads[loads.index(min(loads))] += c
-    computed = sum(sum(computed_tokens(u.trials, block_size, reuse)) for u in units)
+    computed = sum(sum(computed_tokens(u.trials, block_size, model.reuse)) for u in units)
     return max(loads), computed, sum(len(t.prompt) for u in units for t in u.trials)
 
 
