@@ -42,7 +42,7 @@ if not cpu.available():
 def takes_integer_path(codec) -> bool:
     t = codec.traits
     return (cpu.kernel_info().get("variant") in ("avx2", "avx512") and t.decode in (DecodeKind.TABLE, DecodeKind.INT_OFFSET)
-            and t.bits <= 4 and t.per_group_scale)
+            and t.bits <= 5 and t.per_group_scale)
 
 
 def level_image(codec) -> torch.Tensor:

@@ -33,14 +33,14 @@ def _check(cases, **kw):
 
 def test_every_codec_pair_and_settings_grid():
     """Every pair the kernel declares on a ragged batch + the helper's settings grid (window,
-    cap, sinks, sparse); the rows it does not read (f16, turbo5) fall back to the reference."""
+    cap, sinks, sparse); the row it does not read (f16) falls back to the reference."""
     from pagedkv.ops.cpu.attention import ATTENTION_SUPPORT
 
     pairs = all_pairs(ATTENTION_SUPPORT)
     results = _check(default_cases(pairs))
-    assert len(results) >= len(pairs) >= 81
+    assert len(results) >= len(pairs) >= 196
     assert max(r["decode_max_err"] for r in results) < 2e-4
-    assert set(refused_codecs(ATTENTION_SUPPORT)) == {"f16", "turbo5"}
+    assert set(refused_codecs(ATTENTION_SUPPORT)) == {"f16"}
     for name in refused_codecs(ATTENTION_SUPPORT):
         layer = CheckCase(name, "turbo3").build().layer
         assert select_backend(Op.DECODE, layer.k_pool.device, layer, AttentionParams(scale=0.1)).name == "reference"
@@ -76,6 +76,37 @@ SHAPES = [
 def test_gqa_head_dim_block_size(pair, h, g, d, bs):
     cc = CheckCase(*pair, seq_lens=(45, 1, 17, 64), num_kv_heads=h, group=g, head_dim=d, block_size=bs)
     _check([cc])
+
+
+@pytest.mark.parametrize("pair", [("turbo5", "turbo5"), ("turbo5", "bf16"), ("fp8", "turbo5")])
+def test_turbo5_pairs_run_on_the_c_kernel(pair):
+    """5-bit table codes (turbo5) on either side are read by the C kernel: the dispatcher picks the
+    "cpu" backend for decode and prefill, not the reference ops (which ran them before)."""
+    layer = CheckCase(*pair).build().layer
+    for op in (Op.DECODE, Op.PREFILL):
+        assert select_backend(op, layer.k_pool.device, layer, AttentionParams(scale=0.125)).name == "cpu", op
+
+
+TURBO5_CASES = [
+    # 5-bit codes fill 5 bytes per 8 (codes straddle bytes, as 3-bit ones do): turbo5 as K, as V and
+    # both, decode and prefill (the tile, and the general kernel for rows of at most 8 query vectors);
+    # decode K of <= 4 query vectors takes the tokens-in-lanes scores (AVX-512), more the dot path
+    (("turbo5", "turbo5"), dict(num_kv_heads=2, group=3, q_lens=(30, 1, 12))),
+    (("turbo5", "fp8"), dict(num_kv_heads=1, group=8, sliding_window=20)),  # GQA 8, window
+    (("bf16", "turbo5"), dict(soft_cap=20.0, sinks=True, q_lens=(30, 1, 12))),
+    (("turbo5", "nvfp4"), dict(head_dim=80, group=6)),  # D not a multiple of 64: a 16-dim remainder pass
+    (("turbo3", "turbo5"), dict(head_dim=128, group=4, centre=True, k_offset=4.0, transform=True)),
+    (("turbo5", "turbo2g64"), dict(head_dim=192, block_size=24, group=2, seq_lens=(70, 1, 45))),
+    (("fp8_e5m2", "turbo5"), dict(head_dim=48, group=7)),  # rows shorter than a 64-dim pass; 1-vector V passes
+    (("turbo5", "turbo4"), dict(num_kv_heads=3, group=1, head_dim=256, soft_cap=10.0, sliding_window=9)),
+    (("turbo5", "turbo5"), dict(group=3, sinks=True, soft_cap=20.0, transform=True, seq_lens=(40, 0, 9))),
+    (("turbo5", "turbo5"), dict(group=3, sparse_v_threshold=1e-2, q_lens=(30, 1, 12))),  # prefill: the general kernel
+]
+
+
+@pytest.mark.parametrize("pair,extra", TURBO5_CASES)
+def test_turbo5_pairs_match_the_reference(pair, extra):
+    _check([CheckCase(*pair, **extra)])
 
 
 @pytest.mark.parametrize("pair,extra", [
@@ -220,7 +251,10 @@ def test_portable_variants(variant):
                                            (("fp8", "q4_0"), 9, 20.0, True),
                                            (("turbo8", "nvfp4"), None, None, True),
                                            (("q8_0", "turbo2"), 5, None, False),
-                                           (("bf16", "bf16"), None, 30.0, False)]]
+                                           (("bf16", "bf16"), None, 30.0, False),
+                                           (("turbo5", "turbo5"), 7, 15.0, True),
+                                           (("turbo5", "fp8"), None, None, False),
+                                           (("q4_0", "turbo5"), None, None, False)]]
         _check(cases)
     finally:
         cpu.load(kbuild.KernelConfig(variant=loaded))
@@ -281,23 +315,23 @@ def test_fp8_subnormals_exact_even_with_flush_denormal():
     assert (got - want).abs().max() < 2e-4
 
 
-def _five_bit(name: str):
+def _six_bit(name: str):
     import dataclasses
 
-    return dataclasses.replace(CODECS[name], name=f"{name}_5bit", code_bits=5)
+    return dataclasses.replace(CODECS[name], name=f"{name}_6bit", code_bits=6)
 
 
 @pytest.mark.parametrize("side", ["k", "v"])
 def test_unknown_code_width_is_refused_not_decoded_as_another(side):
-    """Issue 17: a 5-bit row (no kernel decodes 5-bit codes) is an error naming the codec, never a
-    silent 2-bit decode; the kernel is called directly, past any `supports` policy."""
+    """Issue 17: a 6-bit row (no kernel decodes 6-bit codes) is an error naming the codec, never a
+    silent decode as another width; the kernel is called directly, past any `supports` policy."""
     from pagedkv.errors import InvalidInput
     from pagedkv.ops import make_layer
 
-    odd, ok = _five_bit("turbo3"), CODECS["turbo3"]
+    odd, ok = _six_bit("turbo3"), CODECS["turbo3"]
     layer = make_layer(odd if side == "k" else ok, odd if side == "v" else ok, 2, 16, 1, 64)
     q = torch.randn(1, 2, 64)
-    with pytest.raises(InvalidInput, match="does not implement codec 'turbo3_5bit'"):
+    with pytest.raises(InvalidInput, match="does not implement codec 'turbo3_6bit'"):
         cpu.attention(q, layer, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
                       torch.arange(2, dtype=torch.int32), AttentionParams(scale=0.125))
 

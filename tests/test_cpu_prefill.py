@@ -83,6 +83,9 @@ SETTINGS = [
     # keys) with 32 dims; chunks of 96 (64 + 32 keys) with 112 dims (64 + 48)
     (("turbo4", "fp8"), dict(block_size=80, head_dim=32, group=2)),
     (("fp8", "nvfp4"), dict(block_size=96, head_dim=112, sliding_window=100)),
+    # 5-bit codes (turbo5) as K and as V: window, cap and sinks; D = 80 (a 16-dim remainder pass)
+    (("turbo5", "turbo4"), dict(sliding_window=50, soft_cap=8.0, sinks=True)),
+    (("nvfp4", "turbo5"), dict(block_size=24, head_dim=80, group=4, num_kv_heads=2)),
 ]
 
 
@@ -96,7 +99,7 @@ def test_settings_long_chunk(pair, extra, tile_calls):
 
 
 @needs_tile
-@pytest.mark.parametrize("pair", [("turbo3", "turbo3"), ("turbo4", "turbo4"), ("fp8", "turbo3")])
+@pytest.mark.parametrize("pair", [("turbo3", "turbo3"), ("turbo4", "turbo4"), ("fp8", "turbo3"), ("turbo5", "turbo5")])
 def test_tile_matches_general_kernel(pair):
     """The tile and the general kernel's prefill path agree to fp32 rounding, lse and key_start too."""
     case = CheckCase(*pair, seq_lens=(333, 40), q_lens=(300, 40), num_kv_heads=3, group=3).build()

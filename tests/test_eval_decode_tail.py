@@ -101,7 +101,7 @@ def _full_window_nll(model, window, tail):
 
 
 def test_int8_scores_move_the_decode_tail_only():
-    """int8_scores is a decode path of the CPU kernel (2/3/4-bit table keys): with a decode tail
+    """int8_scores is a decode path of the CPU kernel (2/3/4/5-bit table keys): with a decode tail
     turbo3's KL changes (the path was taken), without one it is bit-identical to the exact run
     (the prefill stays exact), and the bf16 reference is the same exact one in both settings."""
     from pagedkv.ops import cpu

@@ -197,7 +197,8 @@ def test_split_decode_is_the_reference_for_every_tail_codec(tail, monkeypatch):
     (("q4_0", "turbo3"), "bf16", dict(centre=True, k_offset=3.0)),
     (("fp8", "turbo4"), "q8_0", dict(k_scale=3.0, v_scale=0.5)),  # tensor-scaled K
     (("turbo2g64", "fp8"), "f16", {}),  # a tail the kernel does not read: decoded in torch
-    (("bf16", "bf16"), "turbo5", dict(transform=True)),  # the same, with the transform
+    (("bf16", "bf16"), "f16", dict(transform=True)),  # the same, with the transform
+    (("bf16", "bf16"), "turbo5", dict(transform=True)),  # a rotated 5-bit tail, read by the kernel
 ])
 @pytest.mark.parametrize("setting", ["plain", "soft-cap", "sink logits"])
 @pytest.mark.parametrize("recent, sinks", [(16, 16), (64, 20), (1, 0), (7, 1)])

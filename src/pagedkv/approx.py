@@ -1,7 +1,7 @@
 """The opt-in approximate attention paths as one setting that every front door carries.
 
 `AttentionParams` has three switches that trade exactness for speed (each off by default, each
-with a stated, tested bound: see its docstring): `int8_scores` (integer q.k on 2/3/4-bit table
+with a stated, tested bound: see its docstring): `int8_scores` (integer q.k on 2/3/4/5-bit table
 keys, decode), `bf16_dots` (bf16 products: the CPU prefill tile, and decode scores over bf16 /
 fp8 keys) and `sparse_v_threshold`
 (skip V rows whose weight is below it). A front door builds its own AttentionParams per call

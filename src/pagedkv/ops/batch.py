@@ -69,7 +69,7 @@ class AttentionParams:
     sparse_v_threshold: 0.0 is exact; when > 0, positions whose softmax weight is below it skip
     the V read.
     int8_scores: False is exact; True permits a backend an approximate q.k in integers (the CPU
-    kernel's AVX2 and AVX-512 decode paths for 2/3/4-bit table codes with group scales: the query quantized
+    kernel's AVX2 and AVX-512 decode paths for 2/3/4/5-bit table codes with group scales: the query quantized
     to int8 per vector, levels to 7 bits; the score error bound is in ops/cpu/attention_i8.h).
     Backends without such a path compute exactly.
     bf16_dots: False is exact; True permits a backend bf16 products (u = 2^-8: the relative

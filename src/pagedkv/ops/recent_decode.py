@@ -11,7 +11,7 @@ the pages, j < min(S, n - R) and n - R <= j < n from the tail. Two calls of the 
 merged by log-sum-exp: o = sum_i e^{l_i} o_i / sum_i e^{l_i}. Each part's output is normalised
 within its own keys (value centres included: a part's weights sum to 1), so the merge is exact;
 sink logits (`params.sinks`) join the pages' call only, once. A tail codec the kernel does not
-read (f16, turbo5), or S > R, is decoded in torch instead (`_tail_rows`: at most cdiv(S, bt) + cdiv(R, bt) + 1
+read (f16), or S > R, is decoded in torch instead (`_tail_rows`: at most cdiv(S, bt) + cdiv(R, bt) + 1
 blocks per sequence, one masked softmax). The same arithmetic as the reference up to fp32
 rounding (tests/test_ops_recent.py). Applies (`split_applies`) where the automatic backend of
 the pages is the C kernel, without sparse V (its threshold is on the merged weights), a sliding

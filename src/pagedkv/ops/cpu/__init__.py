@@ -15,16 +15,18 @@ attention` and an A/B of two builds in one process before changing one):
   updated, and the V rows still needed are decoded into register accumulators (fixed-size arrays:
   variable-length arrays and gcc's stack-kept accumulators each cost a store-to-load round trip
   per FMA).
-- Decoding (AVX-512): a 2/3/4-bit code reaches its own 32-bit lane by one byte permute (vpermb)
-  and a variable shift, then becomes a value through vpermps used as a 16-entry table (sub-byte
-  tables replicated, so upper bits need no mask); E4M3 by moving its bits into an fp16 and
-  converting (the 2^8 exponent offset folded into q, the output or the group scales; never by
-  multiplying fp32 denormals, which costs a microcode assist per multiply); int8 by sign
-  extension, other 8-bit tables by a gather, bf16 by a shift. AVX2 mirrors this with 8 lanes (a
-  4-byte broadcast load + vpsrlvd + vpermps per code group, 4-bit as two tables blended on bit 3).
+- Decoding (AVX-512): a 2/3/4/5-bit code reaches its own 32-bit lane by one byte permute
+  (vpermb) and a variable shift, then becomes a value through vpermps used as a 16-entry table
+  (sub-byte tables replicated, so upper bits need no mask; 5-bit codes: vpermt2ps over 32
+  entries); E4M3 by moving its bits into an fp16 and converting (the 2^8 exponent offset folded
+  into q, the output or the group scales; never by multiplying fp32 denormals, which costs a
+  microcode assist per multiply); int8 by sign extension, other 8-bit tables by a gather, bf16
+  by a shift. AVX2 mirrors this with 8 lanes (a 4-byte broadcast load + vpsrlvd + vpermps per
+  code group, 4-bit as two tables blended on bit 3; 5-bit: an 8-byte broadcast and a byte
+  shuffle first, four tables blended on bits 3 and 4).
   Scalar unpacking and torch-level dequantisation are several times slower: hence SIMD decode
   fused with the dot products.
-- Exact scores over 2/3/4-bit table keys with group scales (AVX-512, head_dim a multiple of 64,
+- Exact scores over 2/3/4/5-bit table keys with group scales (AVX-512, head_dim a multiple of 64,
   <= 4 query vectors, `scores_lut_t` in attention_i8.h) use the integer path's tokens-in-lanes
   layout: 16 tokens' code bytes transposed as dwords, one shift + vpermps per dim, one FMA per
   query, no reduction tree.
@@ -37,7 +39,7 @@ attention` and an A/B of two builds in one process before changing one):
   partly visible chunks masked); sparse V and int8 scores keep the general kernel's prefill tiles
   (~96 query vectors per task, K decoded into a transposed tile).
 - Exact fp32 by default (|out - reference| ~1e-6). Opt-in approximations, each with a derived
-  bound tested for every codec pair it takes: `AttentionParams.int8_scores` (2/3/4-bit table keys
+  bound tested for every codec pair it takes: `AttentionParams.int8_scores` (2/3/4/5-bit table keys
   as 7-bit levels against an int8 query: vpdpbusd with 16 tokens' scores in 16 lanes on VNNI,
   vpmaddubsw + vpmaddwd on AVX2, the K group scales transposed once per chunk) and
   `AttentionParams.bf16_dots` (AVX-512 BF16: the prefill tile's products, and decode scores over

@@ -76,12 +76,13 @@ class SideDesc:
 
 
 # What the C kernel reads (PKV_DISPATCH in attention_kernel.c: bf16, E4M3 and int8 by arithmetic,
-# 2/3/4/8-bit codes through the value table; scales per 16-element chunk, so groups of 16k).
+# 2/3/4/5/8-bit table codes and 2/3/4-bit offset ints through the value table; scales per
+# 16-element chunk, so groups of 16k).
 # Declared to the dispatcher with the store's (`write.STORE_SUPPORT`) by the backend
 # (`__init__.SUPPORT`), so the dispatcher never hands the kernel another row.
 ATTENTION_SUPPORT = CodecSupport(
     decode=(pairs(DecodeKind.RAW_BF16, (16,)) | pairs(DecodeKind.E4M3, (8,)) | pairs(DecodeKind.INT8, (8,))
-            | pairs(DecodeKind.INT_OFFSET, (2, 3, 4)) | pairs(DecodeKind.TABLE, (2, 3, 4, 8))),
+            | pairs(DecodeKind.INT_OFFSET, (2, 3, 4)) | pairs(DecodeKind.TABLE, (2, 3, 4, 5, 8))),
     groups=frozenset({0, 16, 32, 64}),
 )
 _KIND = {DecodeKind.RAW_BF16: EK_BF16, DecodeKind.E4M3: EK_E4M3, DecodeKind.INT8: EK_I8,

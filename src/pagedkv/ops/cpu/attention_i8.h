@@ -3,7 +3,7 @@
  * EXACT decode scores over the same table keys in the same tokens-in-lanes layout (scores_lut_t,
  * the default path for them, below).
  *
- * Only for K sides whose codes are 2/3/4-bit table lookups with per-group scales (turbo*, q4_0,
+ * Only for K sides whose codes are 2/3/4/5-bit table lookups with per-group scales (turbo*, q4_0,
  * ...), head_dim a multiple of 32, few query vectors per task (decode). What changes:
  * - each query vector q (fp32, already scaled) is quantized once per call: q8 = round(q / sq),
  *   sq = max|q| / 127;
@@ -11,9 +11,10 @@
  *   ls = max|level| / 63 (ls = 1, exact, when the levels are integers within +-63);
  * - AVX2: a K row's 32 codes become 32 bytes (a byte shuffle puts each code's 16-bit window in a
  *   word, a multiply by a power of two and a shift isolate it, a pack and a shuffle look the
- *   level up); vpmaddubsw (u8 levels x s8 query: pairs <= 2 * 127 * 127, no saturation) and
- *   vpmaddwd with ones give 8 int32 sums of 4 products (lanes 0-3: the first 16 dims, 4-7: the
- *   next 16);
+ *   level up; 5-bit codes: 20 bytes, each 128-bit lane loads its own 16, and two shuffles blended
+ *   on bit 4 look up the 32 levels); vpmaddubsw (u8 levels x s8 query: pairs <= 2 * 127 * 127,
+ *   no saturation) and vpmaddwd with ones give 8 int32 sums of 4 products (lanes 0-3: the first
+ *   16 dims, 4-7: the next 16);
  * - AVX-512: 64 codes become 64 bytes in three ops (vpermb moves the bytes holding codes 8Q ..
  *   8Q+7 into qword Q, vpmultishiftqb puts code j's bits at the bottom of byte j, vpermb looks the
  *   level up in a 64-entry replicated table); 16 tokens' level rows are transposed as dwords
@@ -29,10 +30,10 @@
 /* The 7-bit image of a side's levels: lut[e] = round(table[e] / ls) + 64 for the 64 first entries
    of the replicated table, *ls the value of one unit. 0: this side has no integer path. */
 static int i8_levels(const pkv_side *sd, int D, float *ls, uint8_t lut[64]) {
-    if (sd->kind != EK_LUT || sd->bits > 4 || !sd->group || D % 32) return 0;
+    if (sd->kind != EK_LUT || sd->bits > 5 || !sd->group || D % 32) return 0;
     float amax = 0.0f;
     int integral = 1;
-    for (int e = 0; e < 16; e++) {
+    for (int e = 0; e < 32; e++) {  /* every level (tables are replicated: entry e = code e mod 2^bits) */
         float v = fabsf(sd->table[e]);
         amax = v > amax ? v : amax;
         integral &= sd->table[e] == rintf(sd->table[e]);
@@ -69,13 +70,16 @@ static void i8_prepare_queries(float ls, const float *q, int n, int D, int8_t *q
 #ifdef PKV_AVX2
 typedef struct {
     __m256i lut8;         /* 16-entry u8 level table (levels / ls + 64), both lanes */
-    __m256i idx_a, idx_b;  /* byte shuffles: word k of lane L <- the window of code 16L + k (+8 for b) */
+    __m256i lut8hi;       /* 5-bit codes: entries 16-31, both lanes */
+    __m256i idx_a, idx_b;  /* byte shuffles: word k of lane L <- the window of code 16L + k (+8 for b);
+                             5-bit codes: lane 1 holds the chunk's bytes from I8_LANE1_5 on */
     __m256i mul_a, mul_b;  /* 2^(16 - bits - shift) per word */
     __m128i tail;         /* dword mask of a chunk's 4 * bits bytes (the row's last chunk) */
     float ls;             /* value of one level unit */
     int ok;               /* 1: this side takes the integer path */
 } i8_ctx;
 
+#define I8_LANE1_5 4  /* 5-bit codes: lane 1 loads bytes 4-19 of the chunk's 20 (codes 16-31 are in 10-19) */
 static void i8_ctx_init(i8_ctx *c, const pkv_side *sd, int H, int D) {
     (void)H;
     memset(c, 0, sizeof *c);
@@ -86,13 +90,16 @@ static void i8_ctx_init(i8_ctx *c, const pkv_side *sd, int H, int D) {
     for (int L = 0; L < 2; L++)
         for (int k = 0; k < 8; k++)
             for (int half = 0; half < 2; half++) {
-                const int j = 16 * L + 8 * half + k, p = (bits * j) / 8, s = (bits * j) % 8;
+                const int j = 16 * L + 8 * half + k, s = (bits * j) % 8;
+                const int p = (bits * j) / 8 - (bits == 5 && L ? I8_LANE1_5 : 0);
                 uint8_t *ix = half ? ib : ia;
                 int16_t *mu = half ? mb : ma;
                 ix[16 * L + 2 * k] = (uint8_t)p;
                 ix[16 * L + 2 * k + 1] = s + bits > 8 ? (uint8_t)(p + 1) : 0x80;
                 mu[8 * L + k] = (int16_t)(1 << (16 - bits - s));
             }
+    c->lut8hi = _mm256_loadu_si256((const __m256i *)(lut + 16));  /* before lut[16..31] is overwritten */
+    c->lut8hi = _mm256_permute2x128_si256(c->lut8hi, c->lut8hi, 0x00);
     memcpy(lut + 16, lut, 16);
     c->lut8 = _mm256_loadu_si256((const __m256i *)lut);
     c->idx_a = _mm256_loadu_si256((const __m256i *)ia);
@@ -107,12 +114,23 @@ static void i8_ctx_init(i8_ctx *c, const pkv_side *sd, int H, int D) {
 /* 32 codes (chunk c of a row of rd bytes) -> 32 u8 levels */
 PKV_INLINE __m256i i8_levels32(const int bits, const i8_ctx *c, const uint8_t *drow, int ch, int rd) {
     const int off = 4 * bits * ch;
-    const __m128i x = off + 16 <= rd ? _mm_loadu_si128((const __m128i *)(drow + off))
-                                     : _mm_maskload_epi32((const int *)(drow + off), c->tail);
-    const __m256i w = _mm256_broadcastsi128_si256(x);
+    __m256i w;
+    if (bits == 5) {  /* 20 bytes: lane 0 loads bytes 0-15, lane 1 bytes 4-19 (nothing past the chunk) */
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)(drow + off));
+        const __m128i x1 = _mm_loadu_si128((const __m128i *)(drow + off + I8_LANE1_5));
+        w = _mm256_inserti128_si256(_mm256_castsi128_si256(x0), x1, 1);
+    } else {
+        const __m128i x = off + 16 <= rd ? _mm_loadu_si128((const __m128i *)(drow + off))
+                                         : _mm_maskload_epi32((const int *)(drow + off), c->tail);
+        w = _mm256_broadcastsi128_si256(x);
+    }
     const __m256i a = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(w, c->idx_a), c->mul_a), 16 - bits);
     const __m256i b = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(w, c->idx_b), c->mul_b), 16 - bits);
-    return _mm256_shuffle_epi8(c->lut8, _mm256_packus_epi16(a, b));
+    const __m256i codes = _mm256_packus_epi16(a, b);
+    if (bits < 5) return _mm256_shuffle_epi8(c->lut8, codes);
+    /* 32 levels: vpshufb reads 4 index bits; bit 4 (moved to bit 7 of its byte) picks the half */
+    return _mm256_blendv_epi8(_mm256_shuffle_epi8(c->lut8, codes), _mm256_shuffle_epi8(c->lut8hi, codes),
+                              _mm256_slli_epi16(codes, 3));
 }
 
 /* Raw scores S[m][i] ~ q_m . k_i of the nt rows of a chunk (M <= SMALL_M query vectors), as
@@ -172,6 +190,7 @@ static void scores_i8(const pkv_side *sd, const i8_ctx *c, const pkv_rows *rw, i
     switch (sd->bits) {
     case 2: scores_i8_t(2, sd, c, rw, h, nt, H, D, M, q8, qc, qmul, part, S, BSP); break;
     case 3: scores_i8_t(3, sd, c, rw, h, nt, H, D, M, q8, qc, qmul, part, S, BSP); break;
+    case 5: scores_i8_t(5, sd, c, rw, h, nt, H, D, M, q8, qc, qmul, part, S, BSP); break;
     default: scores_i8_t(4, sd, c, rw, h, nt, H, D, M, q8, qc, qmul, part, S, BSP); break;
     }
 }
@@ -258,11 +277,11 @@ static void i8_scales_t(const pkv_side *sd, const i8_ctx *c, pkv_rows *rows, int
 
 /* 64 codes (dims 64p .. 64p+63 of a row; n <= 64 of them read, the rest of the bytes zero) -> 64
    bytes, byte j's low bits holding code j (the next code's bits above): 8 * bits bytes loaded
-   (n = 32: 4 * bits), vpermb + vpmultishiftqb (a vpermb through c->lut then gives the 7-bit
-   levels: see the file comment). */
+   (n = 32: 4 * bits; load_codes), vpermb + vpmultishiftqb (a vpermb through c->lut then gives the
+   7-bit levels: see the file comment; its 64 entries repeat every 2^bits, so the next code's bits
+   above a code's are harmless there too). */
 PKV_INLINE __m512i i8_codes64(const int bits, const i8_ctx *c, const uint8_t *drow, int p, int n) {
-    const __mmask32 k = (__mmask32)((1ull << (n / 8 * bits)) - 1u);
-    const __m512i x = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(k, drow + 8 * bits * p));
+    const __m512i x = load_codes(bits, n / 8 * bits, drow + 8 * bits * p);
     return _mm512_multishift_epi64_epi8(c->mshift, _mm512_permutexvar_epi8(c->spread, x));
 }
 
@@ -344,7 +363,7 @@ PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, co
     }
 }
 
-/* EXACT fp32 scores over the same keys (2/3/4-bit table codes with group scales, head_dim a multiple
+/* EXACT fp32 scores over the same keys (2/3/4/5-bit table codes with group scales, head_dim a multiple
    of 64, MM <= 4 query vectors; the default path, not an approximation), with the integer path's
    layout: the 16 tokens' code bytes of a 64-dim pass (i8_pass16: byte j holds code j in its low
    bits, the next code's bits above) transposed as dwords, so register k holds dims 4k .. 4k+3 of
@@ -353,8 +372,9 @@ PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, co
    broadcast adds them to 16 tokens' partial scores at once; per 16-dim group, one FMA with the 16
    tokens' scales (rows->sclt) adds the group to the scores. vpermps reads the index's low 4 bits
    only: the code's, with the next code's bits above bit `bits`, which the table replicated to 16
-   entries ignores. Against scores_dot_t (decode64, a scale multiply per 16 values, partial vectors
-   per token and a 16-token reduction tree): no horizontal sums, no partial stores, the scale
+   entries ignores (5-bit codes: vpermt2ps reads 5 bits over the 32-entry table, lut16). Against
+   scores_dot_t (decode64, a scale multiply per 16 values, partial vectors per token and a
+   16-token reduction tree): no horizontal sums, no partial stores, the scale
    once per 16 tokens. Sums in another order than scores_dot_t's: exact fp32 both. Two
    accumulators per query (the 16-dim group's even and odd registers) halve the FMA chains
    (measured with benchmarks/perf/ab_decode_kernel.py: docs/performance.md). */
@@ -364,7 +384,7 @@ PKV_INLINE void scores_i8_t(const int bits, const int MM, const pkv_side *sd, co
 PKV_INLINE void scores_lut_t(const int bits, const int MM, const pkv_side *sd, const i8_ctx *ic, const pkv_rows *rw,
                              int h, int nt, int D, const float *qv, float *S, int BSP) {
     const i8_ctx c = *ic;  /* a local copy, kept in registers (see scores_dot_t) */
-    const __m512 table = _mm512_loadu_ps(sd->table);
+    const __m512 table = _mm512_loadu_ps(sd->table), table_hi = _mm512_loadu_ps(sd->table + 16);
     const int np = D >> 6, nc = D >> 4, rd = sd->row_data_bytes, ld = rw->sclt_ld;
     const int64_t hoff = (int64_t)h * rd;
     for (int g0 = 0; g0 < nt; g0 += 16) {
@@ -385,10 +405,10 @@ PKV_INLINE void scores_lut_t(const int bits, const int MM, const pkv_side *sd, c
                     for (int m = 0; m < MM; m++) acc[u][m] = _mm512_setzero_ps();
                 for (int k = 0; k < 4; k++) {
                     const __m512i w = L[4 * z + k];
-                    const __m512 v[4] = {_mm512_permutexvar_ps(w, table),
-                                         _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8), table),
-                                         _mm512_permutexvar_ps(_mm512_srli_epi32(w, 16), table),
-                                         _mm512_permutexvar_ps(_mm512_srli_epi32(w, 24), table)};
+                    const __m512 v[4] = {lut16(bits, w, table, table_hi),
+                                         lut16(bits, _mm512_srli_epi32(w, 8), table, table_hi),
+                                         lut16(bits, _mm512_srli_epi32(w, 16), table, table_hi),
+                                         lut16(bits, _mm512_srli_epi32(w, 24), table, table_hi)};
                     const int d = 64 * p + 16 * z + 4 * k, u = PKV_LUT_ACC2 ? k & 1 : 0;
                     for (int b = 0; b < 4; b++)
                         for (int m = 0; m < MM; m++)
@@ -417,6 +437,7 @@ static void scores_lut(const pkv_side *sd, const i8_ctx *c, const pkv_rows *rw, 
     switch (sd->bits) {
     case 2: PKV_LUT_M(2) break;
     case 3: PKV_LUT_M(3) break;
+    case 5: PKV_LUT_M(5) break;
     default: PKV_LUT_M(4) break;
     }
 }
@@ -439,6 +460,7 @@ static void scores_i8(const pkv_side *sd, const i8_ctx *c, const pkv_rows *rw, i
     switch (sd->bits) {
     case 2: PKV_I8_M(2) break;
     case 3: PKV_I8_M(3) break;
+    case 5: PKV_I8_M(5) break;
     default: PKV_I8_M(4) break;
     }
 }

@@ -20,9 +20,11 @@
  * passes the k_centre term as a per-query bias, and un-rotates the output (rotated V).
  *
  * Code paths: compiled with AVX-512 F/BW/VL/VBMI the decode uses byte permutes (vpermb) to move
- * each code into a 32-bit lane, a variable shift, and vpermps as a 16-entry table lookup;
- * with AVX2 + FMA + F16C the same technique on 8 lanes (a broadcast word + variable shift per
- * 8 codes, vpermps as an 8-entry table, two for 4-bit codes); otherwise portable C.
+ * each code into a 32-bit lane, a variable shift, and vpermps as a 16-entry table lookup
+ * (vpermt2ps over 32 entries for 5-bit codes); with AVX2 + FMA + F16C the same technique on 8
+ * lanes (a broadcast word + variable shift per 8 codes, vpermps as an 8-entry table, two for 4-bit
+ * codes; 5-bit codes, 8 in 5 bytes: a broadcast qword, a byte shuffle, the shift, four tables);
+ * otherwise portable C.
  * Opt-in approximate integer scores for the AVX2 and AVX-512 decode (args int8_scores): attention_i8.h.
  * Opt-in bf16 scores for the AVX-512 BF16 decode (args bf16_dots, K sides whose values are exact in
  * bf16 and carry no group scale: bf16, E4M3): scores_bf16_t.
@@ -57,13 +59,13 @@ typedef struct {
     const uint8_t *pool;      /* [num_blocks, block_stride] */
     int64_t block_stride;     /* bytes between consecutive blocks */
     int64_t scale_offset;     /* bytes of the data section (scales start here) */
-    int32_t bits;             /* 16, 8, 4, 3, 2 */
+    int32_t bits;             /* 16, 8, 5, 4, 3, 2 */
     int32_t kind;             /* EK_* */
     int32_t group;            /* elements per scale; 0 = no per-group scale */
     int32_t scale_kind;       /* SC_* */
     int32_t row_data_bytes;   /* bytes of one (token, head) row of codes */
     int32_t row_scale_bytes;  /* bytes of one (token, head) row of scales */
-    const float *table;       /* value of each code: 256 entries (<= 4 bits: replicated to 16) */
+    const float *table;       /* value of each code: 256 entries (< 8 bits: replicated, entry e = code e mod 2^bits) */
     const float *e4m3;        /* 256-entry E4M3 table for scales */
 } pkv_side;
 
@@ -199,16 +201,20 @@ static inline float group_scale(const pkv_side *sd, const uint8_t *srow, int g) 
     }
 }
 
+/* The 8 codes that fill `bits` (3, 5) bytes at p as one little-endian word: code k is bits
+   bits * k .. bits * k + bits - 1 (the row's LSB-first bit stream, codecs/packing.py). */
+static inline uint64_t word8(const uint8_t *p, int bits) {
+    uint64_t w = 0;
+    for (int k = 0; k < bits; k++) w |= (uint64_t)p[k] << (8 * k);
+    return w;
+}
+
 static inline uint32_t code_at(const uint8_t *row, int bits, int j) {
     switch (bits) {
     case 8: return row[j];
     case 4: return (row[j >> 1] >> ((j & 1) * 4)) & 15;
     case 2: return (row[j >> 2] >> ((j & 3) * 2)) & 3;
-    case 3: {
-        const uint8_t *p = row + 3 * (j >> 3);
-        uint32_t w = p[0] | (p[1] << 8) | ((uint32_t)p[2] << 16);
-        return (w >> (3 * (j & 7))) & 7;
-    }
+    case 3: case 5: return (word8(row + bits * (j >> 3), bits) >> (bits * (j & 7))) & ((1u << bits) - 1u);
     default: return 0;
     }
 }
@@ -237,9 +243,14 @@ __attribute__((unused)) static void decode_row_scalar(const pkv_side *sd, const 
         break;
     case 3:
         for (int i = 0; i < D / 8; i++) {
-            const uint8_t *p = drow + 3 * i;
-            uint32_t w = p[0] | (p[1] << 8) | ((uint32_t)p[2] << 16);
+            const uint64_t w = word8(drow + 3 * i, 3);
             for (int k = 0; k < 8; k++) dst[8 * i + k] = t[(w >> (3 * k)) & 7];
+        }
+        break;
+    case 5:
+        for (int i = 0; i < D / 8; i++) {
+            const uint64_t w = word8(drow + 5 * i, 5);
+            for (int k = 0; k < 8; k++) dst[8 * i + k] = t[(w >> (5 * k)) & 31];
         }
         break;
     default:
@@ -263,6 +274,7 @@ __attribute__((unused)) static void decode_row_scalar(const pkv_side *sd, const 
     case EK_LUT:                                                                 \
         switch ((sd)->bits) {                                                    \
         case 8: CALL(EK_LUT, 8); break;                                          \
+        case 5: CALL(EK_LUT, 5); break;                                          \
         case 4: CALL(EK_LUT, 4); break;                                          \
         case 3: CALL(EK_LUT, 3); break;                                          \
         case 2: CALL(EK_LUT, 2); break;                                          \
@@ -278,9 +290,10 @@ typedef struct {
     __m512i idx;    /* vpermb index: lane j <- bytes (j*bits)/8 .. +3 */
     __m512i shift;  /* lane j >> (j*bits)%8 */
     __m512 table;   /* 16-entry table (codes < 16) */
+    __m512 table_hi; /* entries 16-31: with `table`, the 32-entry table of 5-bit codes (lut16) */
     __mmask16 load_mask;
     __m512i idx4[4]; /* decode64: vpermb index of chunk z of a 64-value pass held in one register
-                        (2/3/4-bit: idx + 2 * bits * z; E4M3: byte 16z + j into the high byte of word j) */
+                        (2/3/4/5-bit: idx + 2 * bits * z; E4M3: byte 16z + j into the high byte of word j) */
 } lut_ctx;
 
 static void lut_ctx_init(lut_ctx *c, const pkv_side *sd) {
@@ -300,6 +313,7 @@ static void lut_ctx_init(lut_ctx *c, const pkv_side *sd) {
     c->idx = _mm512_loadu_si512(idx);
     c->shift = _mm512_loadu_si512(sh);
     c->table = _mm512_loadu_ps(sd->table);
+    c->table_hi = _mm512_loadu_ps(sd->table + 16);
     c->load_mask = (__mmask16)((1u << (2 * bits)) - 1u);
     for (int z = 0; z < 4; z++) c->idx4[z] = _mm512_loadu_si512(idx4[z]);
 }
@@ -315,6 +329,13 @@ PKV_INLINE __m512 e4m3x16(__m128i bytes) {
     __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
     __m256i sgn = _mm256_slli_epi16(w, 8);
     return _mm512_cvtph_ps(_mm256_ternarylogic_epi32(mag, sgn, _mm256_set1_epi16((short)0x8000), 0xD8));
+}
+
+/* The table values of 16 codes held in the low bits of each lane, whatever bits lie above them:
+   vpermps reads 4 index bits (tables of up to 16 entries, replicated); 5-bit codes take vpermt2ps,
+   which reads 5 over the table's two halves. */
+PKV_INLINE __m512 lut16(const int bits, __m512i w, __m512 lo, __m512 hi) {
+    return bits == 5 ? _mm512_permutex2var_ps(lo, w, hi) : _mm512_permutexvar_ps(w, lo);
 }
 
 /* 16 values (chunk c of a row) for a compile-time (kind, bits): see the file comment. */
@@ -333,15 +354,22 @@ PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, c
         __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(drow + 16 * c)));
         return _mm512_i32gather_ps(u, sd->table, 4);
     }
-    /* 2/3/4-bit codes: vpermb puts the bytes holding code j in lane j, a variable shift aligns
-       it, vpermps looks it up (table replicated to 16 entries, so upper bits are harmless) */
+    /* 2/3/4/5-bit codes: vpermb puts the bytes holding code j in lane j, a variable shift aligns
+       it, vpermps (vpermt2ps) looks it up (upper bits are harmless: lut16) */
     __m128i x = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * bits)) - 1u), drow + 2 * bits * c);
     __m512i w = _mm512_permutexvar_epi8(lc->idx, _mm512_zextsi128_si512(x));
     w = _mm512_srlv_epi32(w, lc->shift);
-    return _mm512_permutexvar_ps(w, lc->table);
+    return lut16(bits, w, lc->table, lc->table_hi);
 }
 
-/* Chunks c0 .. c0+3 (64 values) of a row into v[0..3]: for 2/3/4-bit tables and E4M3 the pass's
+/* The n (<= 8 * bits) bytes of sub-byte codes at p in one register, the bytes above zero (a masked
+   load: nothing past them is read); a ymm load up to 4 bits (32 bytes), a zmm load for 5 (40). */
+PKV_INLINE __m512i load_codes(const int bits, int n, const uint8_t *p) {
+    if (bits > 4) return _mm512_maskz_loadu_epi8((__mmask64)((1ull << n) - 1u), p);
+    return _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8((__mmask32)((1ull << n) - 1u), p));
+}
+
+/* Chunks c0 .. c0+3 (64 values) of a row into v[0..3]: for 2/3/4/5-bit tables and E4M3 the pass's
    code bytes are loaded once (one masked load of 8 * bits, or 64, bytes) and each chunk is a
    vpermb from that register (then the shift and vpermps table of decode16, or E4M3's fp16 bits:
    the permute leaves byte j in the high half of word j, an arithmetic shift and an and give
@@ -349,10 +377,10 @@ PKV_INLINE __m512 decode16(const int kind, const int bits, const pkv_side *sd, c
 PKV_INLINE void decode64(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
                          const uint8_t *drow, int c0, __m512 v[4]) {
     if (kind == EK_LUT && bits < 8) {
-        const __m512i x = _mm512_zextsi256_si512(
-            _mm256_maskz_loadu_epi8((__mmask32)((1ull << (8 * bits)) - 1u), drow + 2 * bits * c0));
+        const __m512i x = load_codes(bits, 8 * bits, drow + 2 * bits * c0);
         for (int z = 0; z < 4; z++)
-            v[z] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi8(lc->idx4[z], x), lc->shift), lc->table);
+            v[z] = lut16(bits, _mm512_srlv_epi32(_mm512_permutexvar_epi8(lc->idx4[z], x), lc->shift), lc->table,
+                         lc->table_hi);
     } else if (kind == EK_E4M3) {
         const __m512i x = _mm512_loadu_si512(drow + 16 * c0);
         for (int z = 0; z < 4; z++) {
@@ -917,24 +945,40 @@ static inline __m512 softcap512(__m512 s, float cap) {
 /* ---------------------------------------------------------------- AVX2 (8 lanes): the same
    technique as the AVX-512 path with 8-element chunks: a 2/3/4-bit code reaches its own 32-bit
    lane by a broadcast of the word that holds the 8 codes and a variable shift; vpermps looks it
-   up in an 8-entry table (4-bit codes: two tables, chosen by bit 3 via a blend on the sign);
-   E4M3 through fp16 bits and vcvtph2ps; 8-bit tables by a gather. */
+   up in an 8-entry table (4-bit codes: two tables, chosen by bit 3 via a blend on the sign;
+   5-bit codes, whose 8 fill 5 bytes: a broadcast qword and a byte shuffle first, then four
+   tables chosen by bits 3 and 4); E4M3 through fp16 bits and vcvtph2ps; 8-bit tables by a gather. */
 #define PKV_INLINE static inline __attribute__((always_inline))
 PKV_INLINE int imin4(int a, int b) { return a < b ? a : b; }
 
 typedef struct {
-    __m256i sh[2];   /* lane j >> j * bits; [1]: for a row's last 8 codes, loaded 4 - bits bytes early (lut8) */
+    __m256i sh[2];   /* lane j >> j * bits; [1]: for a row's last 8 codes, loaded 4 - bits bytes early (lut8);
+                        5-bit codes: lane j >> (5 j) % 8, after pick */
     __m256 tlo, thi; /* table entries 0-7 and 8-15 */
+    __m256i pick[2]; /* 5-bit codes: byte shuffle of a broadcast qword, lane j <- the bytes holding code j;
+                        [1]: for a row's last 8 codes, the qword loaded 3 bytes early (lut8_tab) */
+    __m256 t2, t3;   /* 5-bit codes: table entries 16-23 and 24-31 */
 } lut_ctx;
 
 static void lut_ctx_init(lut_ctx *c, const pkv_side *sd) {
     int32_t sh[8], st[8];
+    int8_t pk[2][32];
     int bits = sd->bits < 8 ? sd->bits : 4;
-    for (int j = 0; j < 8; j++) sh[j] = j * bits, st[j] = j * bits + 8 * (4 - bits);
+    for (int j = 0; j < 8; j++) {
+        sh[j] = j * bits, st[j] = j * bits + 8 * (4 - bits);
+        const int p = (5 * j) / 8, s = (5 * j) % 8;  /* 5-bit code j: byte p, bit s (and byte p + 1) */
+        for (int t = 0; t < 2; t++)
+            for (int k = 0; k < 4; k++)
+                pk[t][4 * j + k] = (int8_t)(k == 0 ? p + 3 * t : k == 1 && s + 5 > 8 ? p + 1 + 3 * t : -128);
+        if (bits == 5) sh[j] = st[j] = s;
+    }
     c->sh[0] = _mm256_loadu_si256((const __m256i *)sh);
     c->sh[1] = _mm256_loadu_si256((const __m256i *)st);
     c->tlo = _mm256_loadu_ps(sd->table);
     c->thi = _mm256_loadu_ps(sd->table + 8);
+    for (int t = 0; t < 2; t++) c->pick[t] = _mm256_loadu_si256((const __m256i *)pk[t]);
+    c->t2 = _mm256_loadu_ps(sd->table + 16);
+    c->t3 = _mm256_loadu_ps(sd->table + 24);
 }
 
 /* 8 E4M3 bytes -> fp32 values times 2^-8 (see e4m3x16): byte b in the high half of a word (b << 8),
@@ -954,9 +998,20 @@ PKV_INLINE uint32_t load_u32(const uint8_t *p) {
    codes (no scalar register on the way), a variable shift per lane, vpermps as the table (4-bit:
    two tables blended on bit 3). tail (0 or 1): these are the row's last 8 codes, whose 4-byte load
    starts 4 - bits bytes early so that it ends at the row's last byte (never past the pool); the
-   shift vector is chosen by indexing, so a runtime tail costs no branch. */
+   shift vector is chosen by indexing, so a runtime tail costs no branch. 5-bit codes (8 in 5
+   bytes, more than a word): an 8-byte broadcast load (tail: 3 bytes early), a byte shuffle puts
+   the one or two bytes holding code j in lane j (lc->pick), the shift aligns it, and four 8-entry
+   tables blended on bit 3, then on bit 4, look it up (tables as lc->t2 / t3 hold entries 16-31). */
 PKV_INLINE __m256 lut8_tab(const int bits, int tail, const lut_ctx *lc, __m256 tlo, __m256 thi,
                            const uint8_t *drow, int c) {
+    if (bits == 5) {
+        const __m256i q = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(drow + 5 * c - 3 * tail)));
+        const __m256i v = _mm256_srlv_epi32(_mm256_shuffle_epi8(q, lc->pick[tail]), lc->sh[0]);
+        const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 28));
+        const __m256 lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tlo, v), _mm256_permutevar8x32_ps(thi, v), b3);
+        const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lc->t2, v), _mm256_permutevar8x32_ps(lc->t3, v), b3);
+        return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 27)));
+    }
     const __m256i w = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(drow + bits * c - tail * (4 - bits))));
     const __m256i v = _mm256_srlv_epi32(w, lc->sh[tail]);
     const __m256 lo = _mm256_permutevar8x32_ps(tlo, v);
@@ -969,10 +1024,10 @@ PKV_INLINE __m256 lut8(const int bits, int tail, const lut_ctx *lc, const uint8_
     return lut8_tab(bits, tail, lc, lc->tlo, lc->thi, drow, c);
 }
 
-/* decode8 told whether these are the row's last 8 values (tail: 0 or 1; only 2/3-bit codes use it) */
+/* decode8 told whether these are the row's last 8 values (tail: 0 or 1; only 2/3/5-bit codes use it) */
 PKV_INLINE __m256 decode8t(const int kind, const int bits, int tail, const pkv_side *sd, const lut_ctx *lc,
                            const uint8_t *drow, int c) {
-    if (kind == EK_LUT && bits < 8) return lut8(bits, bits < 4 ? tail : 0, lc, drow, c);
+    if (kind == EK_LUT && bits < 8) return lut8(bits, bits != 4 ? tail : 0, lc, drow, c);
     if (kind == EK_BF16) {
         __m128i h = _mm_loadu_si128((const __m128i *)(drow + 16 * c));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -986,7 +1041,7 @@ PKV_INLINE __m256 decode8t(const int kind, const int bits, int tail, const pkv_s
 /* 8 values (elements 8c .. 8c+7 of a row, rd bytes of codes) for a compile-time (kind, bits) */
 PKV_INLINE __m256 decode8(const int kind, const int bits, const pkv_side *sd, const lut_ctx *lc,
                           const uint8_t *drow, int c, int rd) {
-    return decode8t(kind, bits, bits * c + 4 > rd, sd, lc, drow, c);
+    return decode8t(kind, bits, bits * c + (bits == 5 ? 8 : 4) > rd, sd, lc, drow, c);  /* the load's bytes */
 }
 
 /* Vectors c and c + 1 of a row (one 16-element scale group) times the group's scale *sp (NULL:
@@ -1921,7 +1976,7 @@ static int side_ok(const pkv_side *sd, int D) {
     switch (sd->kind) {
     case EK_BF16: width_ok = sd->bits == 16; break;
     case EK_E4M3: case EK_I8: width_ok = sd->bits == 8; break;
-    case EK_LUT: width_ok = sd->bits == 2 || sd->bits == 3 || sd->bits == 4 || sd->bits == 8; break;
+    case EK_LUT: width_ok = sd->bits == 2 || sd->bits == 3 || sd->bits == 4 || sd->bits == 5 || sd->bits == 8; break;
     default: width_ok = 0;
     }
     if (!width_ok || sd->scale_kind < SC_NONE || sd->scale_kind > SC_FP16) return 0;
