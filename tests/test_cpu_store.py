@@ -474,3 +474,18 @@ def test_shared_backend_check_every_pair_store_exact():
     results = check_backend(store=cpu.store, cases=default_cases())
     assert len(results) >= len(CODECS) ** 2
     assert max(r["store_max_diff"] for r in results) == 0
+
+
+def test_the_store_plan_cache_is_bounded():
+    """One cached store plan per (codec, geometry), cleared past `_MAX_PLANS`: a process that
+    meets many geometries never grows it without bound, and a plan after the clear is rebuilt."""
+    from types import SimpleNamespace
+
+    write = importlib.import_module("pagedkv.ops.cpu.write")
+    codec = CODECS["turbo3"]
+    write._PLANS.clear()
+    for bs in range(1, write._MAX_PLANS + 40):
+        write._side_plan(codec, SimpleNamespace(block_size=bs, num_kv_heads=1, head_dim=16))
+        assert len(write._PLANS) <= write._MAX_PLANS
+    again = write._side_plan(codec, SimpleNamespace(block_size=1, num_kv_heads=1, head_dim=16))
+    assert write._PLANS[(id(codec), 1, 1, 16)] == (codec, again) and again.why is None

@@ -189,6 +189,7 @@ class _SidePlan:
 
 
 _PLANS: dict = {}  # (id(codec), block size, H, D) -> (codec, _SidePlan)
+_MAX_PLANS = 256  # a handful in practice (codec x geometry); cleared past this, never unbounded
 
 
 def _side_plan(codec: Codec, layer: PagedLayer) -> _SidePlan:
@@ -198,6 +199,8 @@ def _side_plan(codec: Codec, layer: PagedLayer) -> _SidePlan:
     hit = _PLANS.get(key)
     if hit is None or hit[0] is not codec:
         hit = (codec, _make_plan(codec, *key[1:]))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
         _PLANS[key] = hit
     return hit[1]
 
