@@ -84,12 +84,8 @@ class DataPlane:
         self._checked[group] = (slot_mapping, version(slot_mapping), pool.version, epoch)
 
     def kv(self, layer: int) -> PagedLayer:
-        """Layer `layer`, a K/V layer (ConfigError naming the latent methods for a latent one)."""
-        pl = self.layer(layer)
-        if not isinstance(pl, PagedLayer):
-            raise ConfigError(f"layer {layer} is a latent (MLA) layer: use store_latent / "
-                              "latent_decode_attention / latent_prefill_attention / gather_latent")
-        return pl
+        """Layer `layer`, a K/V layer (`GroupStorage.kv`)."""
+        return self.storage.kv(layer)
 
     def store_slots(self, layer: int, slot_mapping):
         """(slots of layer `layer`'s group, the tail's slots or None) from what `store` takes,

@@ -180,6 +180,14 @@ class GroupStorage:
             raise ConfigError(f"layer must be an int in [0, {len(self.layers)}), got {layer!r}")
         return layer
 
+    def kv(self, layer: int) -> PagedLayer:
+        """Layer `layer`, a K/V layer (ConfigError naming the latent methods for a latent one)."""
+        pl = self.layers[self.index(layer)]
+        if not isinstance(pl, PagedLayer):
+            raise ConfigError(f"layer {layer} is a latent (MLA) layer: use store_latent / "
+                              "latent_decode_attention / latent_prefill_attention / gather_latent")
+        return pl
+
     def group_of(self, layer: int) -> int:
         """The block group of layer `layer`'s pages (index into `core.groups`)."""
         return self.layout.layer_group[self.index(layer)]

@@ -84,12 +84,11 @@ class PagedCache:
             raise ConfigError(f"PagedCache needs a CacheConfig, got {type(config).__name__}")
         self.config = config
         self.block_size, self.num_blocks, self.device = config.block_size, config.total_blocks, config.device
-        self.fit_first_chunk = bool(fit_first_chunk)
         self.tiers = None
         self.storage = GroupStorage(config)  # the block manager, layers, tails, block groups
         self.handouts = Handouts(len(self.core.groups))  # which slot tensors may still be written
         self.storage.moved = self.handouts.group_moved
-        self.transforms = LayerTransforms(self)  # the layers' transforms: set, fitted, shared
+        self.transforms = LayerTransforms(self.storage, config, fit_first_chunk)  # the layers' transforms: set, fitted, shared
         if offload is not None or swap_tier is not None or prefix_tier is not None:
             from ..offload.config import OffloadConfig
             from .tiering import CacheTiers
@@ -99,6 +98,9 @@ class PagedCache:
             self.storage.shows_swapped = True
         self.kv_plane = DataPlane(self.storage, self.handouts, self.transforms, self.tiers, config)
         self.latent_plane = LatentPlane(self.kv_plane)
+
+    fit_first_chunk = property(lambda self: self.transforms.fit_first_chunk,
+                               doc="whether a front door fits each K/V layer on its first chunk (`LayerTransforms`)")
 
     # ---- the storage's state (`groups.GroupStorage` owns it) ------------------------------------
     layers = property(lambda self: self.storage.layers, lambda self, new: setattr(self.storage, "layers", tuple(new)),

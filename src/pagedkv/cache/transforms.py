@@ -15,8 +15,8 @@ may change only while no stored row depends on it:
 - `reset`: back to the built transform.
 
 `LayerTransforms` owns which layers are fixed (`fitted`) and which were stored into since their
-last reset (`written`); the layers themselves are the cache's storage, replaced through
-`PagedCache.set_layers`.
+last reset (`written`); the layers themselves are the storage's (`groups.GroupStorage`, their one
+owner), replaced through its `set_layers`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ FIELDS = ("k_centre", "k_mult", "v_centre", "k_scale", "v_scale")
 
 
 class LayerTransforms:
-    """The transforms of `cache`'s layers (see the module doc)."""
+    """The transforms of the layers `storage` holds (see the module doc); `config` the cache's
+    `CacheConfig`; `fit_first_chunk` as `PagedCache` takes it."""
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, storage, config, fit_first_chunk: bool = False):
+        self.storage, self.config, self.fit_first_chunk = storage, config, bool(fit_first_chunk)
         self.fitted: frozenset = frozenset()  # layers whose transform is fixed (fitted or adopted)
         self.written: frozenset = frozenset()  # K/V layers stored into since their last reset
 
@@ -47,7 +48,7 @@ class LayerTransforms:
             self.written = self.written | {layer}
 
     def check_empty(self, what: str) -> None:
-        if any(g.pool.num_used or g.pool.num_cached for g in self.cache.core.groups):
+        if any(g.pool.num_used or g.pool.num_cached for g in self.storage.core.groups):
             raise ConfigError(
                 f"{what} needs an empty cache (stored blocks were encoded with the old "
                 "settings); call clear() first"
@@ -62,7 +63,7 @@ class LayerTransforms:
         centre (float32 [H, D]; see `PagedLayer`). Only while the cache holds no data (they
         change what stored bytes mean). The prefix keys' namespace then covers the transform
         (`storage.transform_namespace`): caches with different transforms share no prefix."""
-        self.cache.kv_plane.kv(layer)
+        self.storage.kv(layer)
         self.check_empty("configure_layer")
         self._set(layer, self.validated(layer, k_scale=k_scale, v_scale=v_scale, k_centre=k_centre,
                                         k_mult=k_mult, v_centre=v_centre), namespace=True)
@@ -70,13 +71,13 @@ class LayerTransforms:
     def validated(self, layer: int, k_scale=None, v_scale=None, k_centre=None, k_mult=None,
                   v_centre=None) -> dict:
         """The validated PagedLayer fields of a transform (ConfigError / InvalidInput)."""
-        c = self.cache
-        pl = c.kv_plane.kv(layer)
+        c = self.storage
+        pl = c.kv(layer)
         for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
             if val is not None and not (isinstance(val, (int, float)) and 0 < float(val) < float("inf")):
                 raise ConfigError(f"{name} must be a finite number > 0, got {val!r}")
         changes = {}
-        if k_centre is not None and not c.config.key_centring:
+        if k_centre is not None and not self.config.key_centring:
             raise ConfigError("k_centre needs CacheConfig(key_centring=True)")
         shape = (pl.num_kv_heads, pl.head_dim)
         for name, t in (("k_centre", k_centre), ("k_mult", k_mult), ("v_centre", v_centre)):
@@ -96,11 +97,11 @@ class LayerTransforms:
     def _set(self, layer: int, changes: dict, namespace: bool) -> None:
         """Replace layer `layer`'s transform fields (its tail follows); `namespace`: the prefix
         keys' namespace follows the transforms (only while no sequence holds a root)."""
-        c = self.cache
+        c = self.storage
         if changes:
             c.set_layers({layer: dataclasses.replace(c.layers[layer], **changes)})
         if namespace:
-            ns = storage.transform_namespace(c.config.fingerprint, c.layers)
+            ns = storage.transform_namespace(self.config.fingerprint, c.layers)
             for g in c.core.groups:  # empty (checked): no key was computed with the old one
                 g.keys.namespace = ns
 
@@ -112,10 +113,10 @@ class LayerTransforms:
         from ..options import CacheOptions, centres_values, scales_keys
         from .calibration import CalibrationOptions
 
-        c = self.cache
-        opts = options or c.config.options or CacheOptions()
-        fmt = c.config.layers[c.storage.index(layer)].format
-        return CalibrationOptions(key_centring=c.config.key_centring,
+        c = self.storage
+        opts = options or self.config.options or CacheOptions()
+        fmt = self.config.layers[c.index(layer)].format
+        return CalibrationOptions(key_centring=self.config.key_centring,
                                   key_scaling=scales_keys(fmt, opts.key_scaling),
                                   value_centring=centres_values(fmt, opts.value_centring, has_sinks))
 
@@ -123,9 +124,9 @@ class LayerTransforms:
         """(Calibration, validated layer fields) of a layer fitted to sample K/V/Q."""
         from . import calibration
 
-        pl = self.cache.kv_plane.kv(layer)
+        pl = self.storage.kv(layer)
         cal = calibration.calibrate(keys, values, queries, pl.k_codec.name, pl.v_codec.name,
-                                    self.options(layer, options, has_sinks), self.cache.device)
+                                    self.options(layer, options, has_sinks), self.storage.device)
         scale = {name: float(getattr(cal, name)) for name in ("k_scale", "v_scale") if getattr(cal, name) is not None}
         return cal, self.validated(layer, scale.get("k_scale"), scale.get("v_scale"),
                                    cal.k_centre, cal.k_mult, cal.v_centre)
@@ -136,7 +137,7 @@ class LayerTransforms:
         [B, H, T, D]) and queries ([B, Hq, T, D] or None), as the transformers drop-in fits its
         first chunk (`calibration.calibrate`, with `options`). Only while the cache holds no data
         (`configure`). Returns the Calibration."""
-        self.cache.kv_plane.kv(layer)
+        self.storage.kv(layer)
         self.check_empty("calibrate_layer")
         cal, changes = self._fit(layer, keys, values, queries, options, has_sinks)
         self._set(layer, changes, namespace=True)
@@ -150,7 +151,7 @@ class LayerTransforms:
         nothing since the cache was built or `reset`. The prefix keys' namespace stays (the
         sequences hold their roots; a shared prefix store's keys cover the transform through the
         record layout). Raises before any change. Returns the Calibration."""
-        self.cache.kv_plane.kv(layer)
+        self.storage.kv(layer)
         if layer in self.fitted or layer in self.written:
             raise ConfigError(f"layer {layer} already stores data under its transform; "
                               "fit_layer fits a layer before its first store (reset_transforms() first)")
@@ -164,12 +165,12 @@ class LayerTransforms:
         zero key centre with key centring, unit fp8 scales), to be fitted again. layers=None:
         every layer, only while the cache holds no data (the namespace back to the
         fingerprint); else those layers, each only while it has stored nothing."""
-        c = self.cache
+        c = self.storage
         if layers is None:
             self.check_empty("reset_transforms")
             todo = list(range(len(c.layers)))
         else:
-            todo = [c.storage.index(i) for i in layers]
+            todo = [c.index(i) for i in layers]
             stored = [i for i in todo if i in self.written]
             if stored:
                 raise ConfigError(f"layers {stored} store data under their transform; "
@@ -187,7 +188,7 @@ class LayerTransforms:
         c.set_layers(new)
         if layers is None:
             for g in c.core.groups:
-                g.keys.namespace = c.config.fingerprint
+                g.keys.namespace = self.config.fingerprint
         self.fitted = self.fitted - frozenset(todo)
         self.written = self.written - frozenset(todo)
 
@@ -196,24 +197,24 @@ class LayerTransforms:
         """What this cache publishes as the store's transform record once every layer's is fixed
         (latent layers: their fp8 scales; a `fit_first_chunk` cache: the K/V transforms), else
         None (nothing yet, or a cache that fits nothing itself)."""
-        c = self.cache
-        if len(self.fitted) < len(c.layers) or not (c.config.latent is not None or c.fit_first_chunk):
+        c = self.storage
+        if len(self.fitted) < len(c.layers) or not (self.config.latent is not None or self.fit_first_chunk):
             return None
-        if c.config.latent is not None:
+        if self.config.latent is not None:
             return [latent_transform(pl) for pl in c.layers]
         return [{name: getattr(pl, name) for name in FIELDS} for pl in c.layers]
 
     def adoptable_shapes(self) -> Optional[list]:
         """The record's shapes when this cache would adopt a stored transform now (it fits its
         own and has fixed none; a latent cache also holds no block), else None."""
-        c = self.cache
+        c = self.storage
         if self.fitted:
             return None
-        if c.config.latent is not None:
+        if self.config.latent is not None:
             if any(g.pool.num_used or g.pool.num_cached for g in c.core.groups):
                 return None
             return [dict(LATENT_TRANSFORM_SHAPES) for _ in c.layers]
-        if not c.fit_first_chunk:
+        if not self.fit_first_chunk:
             return None
         return [{"k_centre": hd, "k_mult": hd, "v_centre": hd, "k_scale": (1,), "v_scale": (1,)}
                 for hd in ((pl.num_kv_heads, pl.head_dim) for pl in c.layers)]
@@ -221,7 +222,7 @@ class LayerTransforms:
     def adopt(self, transforms: Sequence[dict]) -> None:
         """Fix every layer's transform to a stored one (a prefix store's, written by the cache
         that fitted it) instead of fitting it: only while `adoptable_shapes()` is not None."""
-        c = self.cache
+        c = self.storage
         assert self.adoptable_shapes() is not None and len(transforms) == len(c.layers)
         new = {}
         for i, (pl, t) in enumerate(zip(c.layers, transforms)):
