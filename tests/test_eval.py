@@ -195,6 +195,8 @@ def test_a_gpu_run_stays_in_one_process(monkeypatch):
 
     monkeypatch.setattr(compute, "usable_cpus", lambda: 16)
     monkeypatch.setattr(compute.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a machine with two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert compute_from_args(Namespace(threads=None, workers=None, device="cuda"), parallel_work=12).workers == 1
     assert compute_from_args(Namespace(threads=None, workers=None, device="cuda:1"), parallel_work=12).workers == 1
     assert compute_from_args(Namespace(threads=None, workers=None, device="cpu"), parallel_work=12).workers == 12
