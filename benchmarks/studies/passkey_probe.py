@@ -1,4 +1,4 @@
-"""Teacher-forced pass-key probe: what a KV format costs the answer, per trial, in one prefill.
+"""Teacher-forced retrieval probe: what a KV format costs the answer, per trial, in one prefill.
 
 `pagedkv eval --task passkey` scores greedy generations (right or wrong). To compare many
 candidate formats or plans quickly, this probe feeds each trial's prompt followed by its answer
@@ -10,6 +10,7 @@ does not. It ran the layer-group and window diagnostics of docs/long-context.md.
 
     PYTHONPATH=src python benchmarks/studies/passkey_probe.py --length 2048 --trials 30 \\
         --formats bf16,turbo3g32+r32s16q8_0,turbo3g32+r32q8_0 [--pick 0,4,8] [--out probe.json]
+        [--task multikey --keys 1 --cue question]   # the eval's multikey trials instead
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", default="passkey", help="passkey or multikey (the eval's tasks)")
+    p.add_argument("--keys", type=int, default=4, help="multikey: needles per context (as the eval's --keys)")
+    p.add_argument("--cue", default="question", help="multikey: question or opening (as the eval's --cue)")
     p.add_argument("--out", default=None, help="JSON: per format, per trial [log-prob, right]")
     a = p.parse_args()
 
@@ -38,14 +42,15 @@ def main() -> None:
     from pagedkv.eval.model import load_model, load_tokenizer, resolve_model_source
     from pagedkv.eval.retrieval_tasks import TextCodec, generate, sharing_order
     from pagedkv.eval.runner import cache_for, layout_numbers, parse_choice
-    from pagedkv.eval.text import bos_id
+    from pagedkv.eval.text import bos_id, read_text, tokenize
     from pagedkv.integrations.hf_compat import with_cache
     from pagedkv.integrations.transformers import enable
 
     source = resolve_model_source(a.model)
     tok = load_tokenizer(source)
     codec = TextCodec(tok)
-    trials = generate("passkey", a.length, a.trials, codec, bos=bos_id(tok), seed=a.seed)
+    trials = generate(a.task, a.length, a.trials, codec, bos=bos_id(tok), seed=a.seed, keys=a.keys, cue=a.cue,
+                      text_tokens=lambda: tokenize(tok, read_text(None)).tolist())
     if a.pick:
         keep = {int(x) for x in a.pick.split(",")}
         trials = [t for t in trials if t.index in keep]
