@@ -2,7 +2,7 @@
 
 `pagedkv eval --task passkey` scores greedy generations (right or wrong). To compare many
 candidate formats or plans quickly, this probe feeds each trial's prompt followed by its answer
-(" NNNNN") through the compressed cache, in the same trials and order as the eval (seeded,
+(the pass key's 5 digits, or with `--task multikey` the needle's 7-digit value) through the compressed cache, in the same trials and order as the eval (seeded,
 `sharing_order`, prefix caching, statistics fixed by the first trial), and prints per format the
 trials whose every answer token is the model's argmax (the greedy answer, up to what follows the
 digits), the mean log-probability of the answer, and which trials bf16 gets right and the format
