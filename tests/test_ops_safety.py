@@ -47,6 +47,44 @@ def test_a_slot_past_the_pool_is_refused_without_checks(backend):
     assert bool((kbuf[:2] == 0x5A).all())  # nothing was written: refused before any write
 
 
+def _cpu_available() -> bool:
+    try:
+        from pagedkv.ops import cpu
+    except ImportError:
+        return False
+    return cpu.available()
+
+
+BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(not _cpu_available(),
+                                                                      reason="CPU kernel unavailable"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("checks", [True, False])
+def test_a_bad_slot_is_refused_by_name_before_any_write(backend, checks):
+    """The slot checks have one owner (`validate.check_store`, run before the backend's store):
+    a slot past the pool (always) or written twice (with checks) raises InvalidInput naming it,
+    on the reference and the C store alike, and no byte of either pool or of the guard rows past
+    it changes. A negative slot is not bad: it means skip, its row is not written."""
+    layer, kbuf, vbuf = _guarded(CODECS["turbo3"], CODECS["q8_0"])  # a rotated K, a C-encoded V
+    x = torch.randn(3, 1, 64)
+    before_k, before_v = kbuf.clone(), vbuf.clone()
+    bad = [(torch.tensor([3, 32, 4]), "holds slot 32 "), (torch.tensor([3, 4, 1 << 40]), f"holds slot {1 << 40} ")]
+    if checks:  # a value check: skipped with checks off
+        bad.append((torch.tensor([5, -1, 5]), r"same slot twice \(slot 5\)"))
+    for slots, match in bad:
+        with pytest.raises(InvalidInput, match=match):
+            api.store(layer, x, x, slots, backend=backend, checks=checks)
+        assert torch.equal(kbuf, before_k) and torch.equal(vbuf, before_v), slots.tolist()
+    api.store(layer, x, x, torch.tensor([-1, -7, -1]), backend=backend, checks=checks)
+    assert torch.equal(kbuf, before_k) and torch.equal(vbuf, before_v)  # every row skipped
+    api.store(layer, x, x, torch.tensor([-1, 17, -3]), backend=backend, checks=checks)
+    want, wk, wv = _guarded(CODECS["turbo3"], CODECS["q8_0"])
+    api.store(want, x[1:2], x[1:2], torch.tensor([17]), backend="reference")
+    assert torch.equal(kbuf, wk) and torch.equal(vbuf, wv)  # row 1 alone, at slot 17 (block 1)
+    assert torch.equal(kbuf[0], before_k[0]) and _guards_intact(kbuf, vbuf)
+
+
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_block_ids_and_lengths_past_the_tables_are_refused_without_checks(mode):
     layer, _, _ = _guarded(CODECS["turbo3"], CODECS["turbo3"])

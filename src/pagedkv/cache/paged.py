@@ -93,8 +93,8 @@ class PagedCache:
             from ..offload.config import OffloadConfig
             from .tiering import CacheTiers
 
-            self.tiers = CacheTiers(self, OffloadConfig() if offload is None else offload,
-                                    swap_tier, prefix_tier)
+            self.tiers = CacheTiers(self.storage, self.transforms, config,
+                                    OffloadConfig() if offload is None else offload, swap_tier, prefix_tier)
             self.storage.shows_swapped = True
         self.kv_plane = DataPlane(self.storage, self.handouts, self.transforms, self.tiers, config)
         self.latent_plane = LatentPlane(self.kv_plane)

@@ -54,19 +54,23 @@ def _loadable(tokens, salt: Salt) -> Optional[list]:
 class CacheTiers:
     """The policies of one engine cache (see the module doc): it holds `policies` (`CoreTiers`:
     swap and prefix store over every block group) and `transform` (`SharedTransform`: the
-    layers' transform as the prefix store's side record) and calls them with this cache's
-    members and transforms. swap_tier / prefix_tier: tiers to use instead of those `offload`
-    describes (tests, one tier shared by caches)."""
+    layers' transform as the prefix store's side record) and calls them with the cache's
+    members and transforms. Given the parts it reads, never the cache: `storage`
+    (`groups.GroupStorage`: the block manager, layers, tails, block groups), `transforms`
+    (`transforms.LayerTransforms`) and the `CacheConfig`. swap_tier / prefix_tier: tiers to use
+    instead of those `offload` describes (tests, one tier shared by caches)."""
 
-    def __init__(self, cache, offload: OffloadConfig, swap_tier=None, prefix_tier=None):
+    def __init__(self, storage, transforms, config, offload: OffloadConfig, swap_tier=None,
+                 prefix_tier=None):
         if not isinstance(offload, OffloadConfig):
             raise ConfigError(f"offload must be an OffloadConfig, got {type(offload).__name__}")
         self.offload = offload
-        self.cache = cache
-        swap, prefix, self.close = build_tiers(cache, cache.config, offload, swap_tier, prefix_tier,
-                                               len(cache.core.groups))
-        self.policies = CoreTiers(cache.core, self._members, swap, offload.resident_blocks_per_seq,
-                                  prefix, group_tags(cache.groups))
+        self.storage, self.transforms = storage, transforms
+        # the private swap directory goes with these tiers (close(), or when they are collected)
+        swap, prefix, self.close = build_tiers(self, config, offload, swap_tier, prefix_tier,
+                                               len(storage.core.groups))
+        self.policies = CoreTiers(storage.core, self._members, swap, offload.resident_blocks_per_seq,
+                                  prefix, group_tags(storage.layout))
         self.transform = SharedTransform(prefix)
         self.tier_hit_tokens = 0
         self.loaded_blocks = 0  # blocks brought up from the prefix store
@@ -83,22 +87,22 @@ class CacheTiers:
         """Group g's members now, pools sized to its block pool, as records see them (a latent
         layer: `storage.record_member`); None for a layer whose transform the front door has
         still to fit (`fit_first_chunk`: the tiers wait)."""
-        c = self.cache
-        c.storage.sync_sizes()
-        fitted = c.transforms.fitted
-        wait = c.fit_first_chunk and len(fitted) < len(c.layers)
+        st = self.storage
+        st.sync_sizes()
+        fitted = self.transforms.fitted
+        wait = self.transforms.fit_first_chunk and len(fitted) < len(st.layers)
         return [None if wait and i not in fitted else
-                record_member(c.layers[i]) if kind == "main" else c.tails[i]
-                for kind, i in c.groups.members[g]]
+                record_member(st.layers[i]) if kind == "main" else st.tails[i]
+                for kind, i in st.layout.members[g]]
 
     def _adopt(self) -> None:
         """Adopt the store's transform when this cache fits its own and has fixed none yet: a
         latent cache's fp8 scales, a `fit_first_chunk` cache's K/V transforms."""
-        shapes = self.cache.transforms.adoptable_shapes()
+        shapes = self.transforms.adoptable_shapes()
         if shapes is not None:
             got = self.transform.stored_transform(shapes)
             if got is not None:
-                self.cache.transforms.adopt(got)
+                self.transforms.adopt(got)
 
     def before_add(self, seqs, tokens, salt: Salt, seq_id: Optional[Hashable]):
         """(tokens to admit, hit blocks in memory before loading). Loaded blocks stay cached
@@ -118,7 +122,7 @@ class CacheTiers:
         `fit_first_chunk` the K/V transforms; once every layer's is fixed), then the blocks
         (`CoreTiers.after_commit`)."""
         if self.store is not None:
-            transforms = self.cache.transforms.shared()
+            transforms = self.transforms.shared()
             if transforms is not None:
                 self.transform.publish_transform(transforms)
         self.policies.after_commit(ids)
@@ -128,5 +132,5 @@ class CacheTiers:
         """(member with the batch's swapped blocks of group g read back, tables) or None."""
         if self.space is None:
             return None
-        index = self.cache.groups.members[g].index((kind, layer))
+        index = self.storage.layout.members[g].index((kind, layer))
         return self.policies.view(g, index, seq_ids, device, epoch)

@@ -5,15 +5,12 @@ lazy subclassing that keeps `import pagedkv` free of transformers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from ..errors import ConfigError
 from .model_config import text_config
-
-if TYPE_CHECKING:
-    from .transformers import PagedKVCache
 
 ATTN_IMPLEMENTATION = "pagedkv"
 _TAG = "_pagedkv_layer"
@@ -77,24 +74,25 @@ def _model_identity(model_or_config) -> str:
 class GroupView:
     """Read-only view of one block group of a PagedKVCache (tests, accounting): its window,
     layers (whose pages it holds), tails (layers whose recent-window tail it holds), and per row
-    its table (-1 = released by the window) and released count."""
+    its table (-1 = released by the window) and released count. Given the engine's block manager
+    `core` and the drop-in's `BatchRows` (`rows.ids`: each row's sequence), never the cache."""
 
-    def __init__(self, cache: "PagedKVCache", index: int, window: Optional[int], layers: list[int],
+    def __init__(self, core, rows, index: int, window: Optional[int], layers: list[int],
                  tails: Optional[list[int]] = None):
-        self.cache, self.index, self.window, self.layers = cache, index, window, layers
+        self.core, self.rows, self.index, self.window, self.layers = core, rows, index, window, layers
         self.tails = tails or []
 
     @property
     def seqs(self):
-        return self.cache.core.groups[self.index]
+        return self.core.groups[self.index]
 
     @property
     def tables(self) -> list[list[int]]:
-        return [list(self.seqs.table(s)) for s in self.cache._rows]
+        return [list(self.seqs.table(s)) for s in self.rows.ids]
 
     @property
     def dead(self) -> list[int]:
-        return [self.seqs.dead(s) for s in self.cache._rows]
+        return [self.seqs.dead(s) for s in self.rows.ids]
 
     @property
     def used(self) -> int:

@@ -130,14 +130,14 @@ class PagedKVCache:  # the transformers base class is mixed in lazily, see __new
         self.approx, self.backend, self.checks = opts.approx, opts.backend, opts.checks
         tiers = {} if offload is None else dict(offload=offload, swap_tier=swap_tier, prefix_tier=prefix_tier)
         self.engine = PagedCache(self.config, fit_first_chunk=True, **tiers)
+        self.rows = BatchRows(self.engine)  # batch rows <-> the engine's sequences, columns
         layout = self.engine.groups
-        self.groups = [GroupView(self, i, w, [j for kind, j in m if kind == "main"],
+        self.groups = [GroupView(self.engine.core, self.rows, i, w, [j for kind, j in m if kind == "main"],
                                  [j for kind, j in m if kind == "tail"])
                        for i, (w, m) in enumerate(zip(layout.windows, layout.members))]
         self.blocks = self.groups[0]  # the global group (the first sliding one when all slide)
         self.tail_group = None if layout.tail_group is None else self.groups[layout.tail_group]
         self._group_of = {i: g for g in self.groups for i in g.layers}
-        self.rows = BatchRows(self.engine)  # batch rows <-> the engine's sequences, columns
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         layers = [layer_class(self, spec) for spec in self.config.layers]

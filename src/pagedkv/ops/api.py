@@ -30,11 +30,11 @@ def store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor
     slot_mapping: int64 [T], slot = block_id * block_size + offset, negative = skip.
     Raises InvalidInput (naming the argument) before any write.
     """
-    validate.check_store(layer, k, v, slot_mapping, checks)
+    every = validate.check_store(layer, k, v, slot_mapping, checks)
     if not checks and layer.device.type == "cpu":
         # The CPU encoders reject NaN/Inf while writing: scanned first (one cheap pass, no device
         # sync on CPU) so that a store stays all-or-nothing with checks off too.
-        validate.check_store_finite(k, v, slot_mapping)
+        validate.check_store_finite(k, v, slot_mapping, every)
     impl = select_backend(Op.STORE, layer.device, layer, None, backend)
     impl.store(layer, k, v, slot_mapping)
 

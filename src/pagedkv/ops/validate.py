@@ -93,7 +93,12 @@ def index_checks(values: bool, device: torch.device) -> bool:
 
 
 def check_store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-                slot_mapping: torch.Tensor, values: bool) -> None:
+                slot_mapping: torch.Tensor, values: bool) -> Optional[bool]:
+    """Refuse a bad store before anything is written: the layer, k / v, and the slots (int64
+    [T]; with the index checks every slot below the pools' capacity, negative = skip; with
+    `values` no slot twice and k / v finite where stored). Returns whether no slot is negative
+    (None where the index checks did not run), read once with the range, for
+    `check_store_finite`."""
     check_layer(layer, values)
     dev = layer.device
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), dim=1, device=dev)
@@ -105,8 +110,10 @@ def check_store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.
         check_tensor(name, x, dtypes=FLOAT_DTYPES, dim=3, device=dev)
         if tuple(x.shape) != shape:
             raise InvalidInput(f"{name} must have shape [T, num_kv_heads, head_dim] = {list(shape)}, got {list(x.shape)}")
+    every = None  # no negative (skipped) slot; read once here, with the range
     if t and index_checks(values, dev):
-        hi = _min_max(slot_mapping)[1]
+        lo, hi = _min_max(slot_mapping)
+        every = lo >= 0
         capacity = layer.num_blocks * layer.block_size
         if hi >= capacity:
             raise InvalidInput(
@@ -114,15 +121,21 @@ def check_store(layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.
                 f"({layer.num_blocks} blocks x {layer.block_size}); negative slots mean skip"
             )
     if values:
-        check_store_finite(k, v, slot_mapping)
+        check_store_finite(k, v, slot_mapping, every)
         if t:
-            used = slot_mapping[slot_mapping >= 0]
+            used = slot_mapping if every else slot_mapping[slot_mapping >= 0]
             if used.unique().numel() != used.numel():
-                raise InvalidInput("slot_mapping writes the same slot twice; each new token needs its own slot")
+                slots, counts = used.unique(return_counts=True)
+                raise InvalidInput(f"slot_mapping writes the same slot twice (slot {int(slots[counts > 1][0])}); "
+                                   "each new token needs its own slot")
+    return every
 
 
-def check_store_finite(k: Optional[torch.Tensor], v: Optional[torch.Tensor], slot_mapping: torch.Tensor) -> None:
-    """NaN/Inf in a row that will be stored; rows with a negative slot (padding) are skipped, not scanned.
+def check_store_finite(k: Optional[torch.Tensor], v: Optional[torch.Tensor], slot_mapping: torch.Tensor,
+                       every: Optional[bool] = None) -> None:
+    """NaN/Inf in a row that will be stored; rows with a negative slot (padding) are skipped, not
+    scanned. every: whether no slot is negative, when the caller has read it (`check_store`);
+    None: read here.
 
     Each side is first summed (fp32): a finite sum proves every element finite (NaN and +-Inf
     survive any order of additions), and one reduction costs a fraction of `isfinite` + `all` at

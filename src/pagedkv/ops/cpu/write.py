@@ -314,8 +314,11 @@ def store_side(lib, layer: PagedLayer, codec: Codec, pool: torch.Tensor, scale: 
 
 def store(lib, layer: PagedLayer, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
           slot_mapping: torch.Tensor) -> None:
-    """Reference-signature store (plus the loaded library): K side first, then V. The slots are
-    made int64 and contiguous, and checked for negatives (padding), once for both sides."""
+    """Reference-signature store (plus the loaded library): K side first, then V. The slots were
+    checked before (`validate.check_store`, the one owner of the slot checks: int64 [T], below the
+    pool's capacity, no slot twice; negative = skip), as the C store trusts them; here they are
+    made int64 (a direct call's) and contiguous for the C call, and read for negatives once for
+    both sides, which picks the rows to encode (as the reference's keep mask does), not a check."""
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
     every = slots.numel() == 0 or int(slots.min()) >= 0
