@@ -165,7 +165,9 @@ def _spy(monkeypatch):
     real = recent_decode.split_decode
     from pagedkv.ops import recent as rec
 
-    monkeypatch.setattr(rec, "split_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spy = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(rec, "split_decode", spy)  # the prefill op's decode rows
+    monkeypatch.setattr(recent_decode, "split_decode", spy)  # the decode op (`split_rows`)
     return calls
 
 

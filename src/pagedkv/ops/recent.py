@@ -47,7 +47,7 @@ from ..spec import MAX_WINDOW_TOKENS, RecentWindow, check_window_count as _check
 from ..spec import split_window_suffix, window_from_label  # noqa: F401 (their old home)
 from . import transform
 from .batch import AttentionParams, PagedLayer
-from .recent_decode import original_basis, sink_blocks, split_applies, split_decode
+from .recent_decode import original_basis, sink_blocks, split_applies, split_decode, split_rows
 from .recent_prefill import split_prefill, split_prefill_applies
 from .reference.attention import attention_logits, gather_rows, masked_softmax, varlen_query_chunks
 from .validate import check_decode, check_prefill
@@ -250,6 +250,22 @@ def _attend_fast(q: torch.Tensor, kv: tuple, tail_kv: tuple, q_pos: torch.Tensor
     return out
 
 
+def prepare_split_decode(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, params: AttentionParams, *, recent: int, checks: bool = True,
+                         tail_block_tables: Optional[torch.Tensor] = None, sinks: int = 0) -> Optional[torch.Tensor]:
+    """Where the split decode (`recent_decode.py`) runs `recent_decode_attention`'s arguments:
+    validated (as that op validates them), the tables the tail is read through; else None (no
+    row, or a case the split does not compute: the op's other paths run). A front door that calls
+    the op for many layers of one step over the same tables (vLLM's attention group) validates
+    once with this and calls `split_rows` for the others."""
+    if not q.shape[0] or not split_applies(layer, params):
+        return None
+    _check_tail(layer, tail, recent, tail_block_tables is not None, sinks)
+    check_decode(q, layer, block_tables, seq_lens, params, checks)
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)  # a query per row (empty rows: skipped)
+    return _tail_tables(tail, tail_block_tables, block_tables, seq_lens, qsl, recent, checks, sinks)
+
+
 @torch.no_grad()
 def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, params: AttentionParams, *, recent: int,
@@ -259,19 +275,11 @@ def recent_decode_attention(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer
     """`decode_attention` (q [B, Hq, D], one query per sequence at seq_lens[b] - 1; length-0
     rows give zeros) with the last `recent` keys read from `tail` (through `tail_block_tables`
     when given, see `recent_prefill_attention`)."""
-    if not reference and q.shape[0] and split_applies(layer, params):  # recent_decode.py
-        _check_tail(layer, tail, recent, tail_block_tables is not None, sinks)
-        check_decode(q, layer, block_tables, seq_lens, params, checks)
-        qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)  # a query per row (empty rows: skipped)
-        tail_tables = _tail_tables(tail, tail_block_tables, block_tables, seq_lens, qsl, recent, checks, sinks)
-        keep = seq_lens > 0
-        if bool(keep.all()):
-            return split_decode(q, layer, tail, block_tables, seq_lens, tail_tables, params, recent, sinks).to(q.dtype)
-        out = torch.zeros_like(q)
-        if bool(keep.any()):
-            out[keep] = split_decode(q[keep], layer, tail, block_tables[keep], seq_lens[keep], tail_tables[keep],
-                                     params, recent, sinks).to(q.dtype)
-        return out
+    tail_tables = None if reference else prepare_split_decode(
+        q, layer, tail, block_tables, seq_lens, params, recent=recent, checks=checks,
+        tail_block_tables=tail_block_tables, sinks=sinks)
+    if tail_tables is not None:
+        return split_rows(q, layer, tail, block_tables, seq_lens, tail_tables, params, recent, sinks)
     counts = (seq_lens > 0).to(torch.int32)
     qsl = torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     qsl[1:] = torch.cumsum(counts, 0)

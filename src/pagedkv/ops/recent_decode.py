@@ -160,3 +160,19 @@ def split_decode(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tab
     else:  # a tail codec the kernel does not read, or more sinks than recent tokens
         parts.append(_torch_tail(qf, tail, tail_tables, n, params, recent, sinks))
     return _merge(parts)
+
+
+@torch.no_grad()
+def split_rows(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, tail_tables: torch.Tensor, params: AttentionParams,
+               recent: int, sinks: int) -> torch.Tensor:
+    """`split_decode` over the rows that have a key (a length-0 row gives zeros), in q's dtype;
+    inputs validated by the caller (`recent.prepare_split_decode`)."""
+    keep = seq_lens > 0
+    if bool(keep.all()):
+        return split_decode(q, layer, tail, block_tables, seq_lens, tail_tables, params, recent, sinks).to(q.dtype)
+    out = torch.zeros_like(q)
+    if bool(keep.any()):
+        out[keep] = split_decode(q[keep], layer, tail, block_tables[keep], seq_lens[keep], tail_tables[keep],
+                                 params, recent, sinks).to(q.dtype)
+    return out

@@ -36,8 +36,9 @@ class PagedKVMetadata:
     Rows 0..num_decodes-1 are decodes (one query each, tokens 0..num_decodes-1); the prefill
     rows follow, their queries at tokens num_decodes.. with prefill_query_start from 0.
     `checked`: filled by the step's first layer (`impl.attend`): the ops backend that validated
-    these tensors, per op; the group's other layers (same tensors, same page geometry) then call
-    it directly instead of validating the same tables again.
+    these tensors, per op (with a recent window, `impl.attend_recent`: the tail tables it
+    validated); the group's other layers (same tensors, same page geometry) then call it directly
+    instead of validating the same tables again.
     """
 
     num_actual_tokens: int

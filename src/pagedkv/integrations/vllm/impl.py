@@ -41,6 +41,7 @@ from .settings import VllmSettings
 from .tail import TailMetadata
 
 log = logging.getLogger("vllm.pagedkv")  # under vLLM's logger: its handlers print it
+RECENT_DECODE = "recent_decode"  # `PagedKVMetadata.checked` key: (the tail tables given, those validated)
 
 
 def _refuse(what: str, value, accepted: str) -> None:
@@ -217,13 +218,29 @@ def attend_recent(paged, tail, tail_tables: torch.Tensor, recent, params: Attent
                   out: torch.Tensor, m: PagedKVMetadata, *, checks: bool = False) -> None:
     """`attend` with the recent window: keys p - R < j <= p read from the tail (through the tail
     group's tables, rows in the step's order: decodes first), older keys from the pages."""
-    from ...ops.recent import recent_decode_attention, recent_prefill_attention
+    from ...ops.recent import prepare_split_decode, recent_decode_attention, recent_prefill_attention
+    from ...ops.recent_decode import split_rows
 
     n, nd = m.num_actual_tokens, m.num_decodes
     kw = dict(recent=recent.tokens, sinks=recent.sinks, checks=checks)
     if nd:
-        out[:nd] = recent_decode_attention(q[:nd], paged, tail, m.decode_block_tables, m.decode_seq_lens, params,
-                                           tail_block_tables=tail_tables[:nd], **kw)
+        # validated once per step, as `attend`: the step's first layer checks the tables and
+        # records the tail tables it reads through; the group's other layers (the same tables, one
+        # format) run the split directly. With `checks`, or where the split does not apply, every
+        # layer calls the public op.
+        q_dec, tables, lens = q[:nd], m.decode_block_tables, m.decode_seq_lens
+        seen = None if checks else m.checked.get(RECENT_DECODE)
+        if seen is not None and seen[0] is tail_tables:
+            out[:nd] = split_rows(q_dec, paged, tail, tables, lens, seen[1], params, recent.tokens, recent.sinks)
+        else:
+            ready = prepare_split_decode(q_dec, paged, tail, tables, lens, params, tail_block_tables=tail_tables[:nd],
+                                         **kw)
+            if ready is None:
+                out[:nd] = recent_decode_attention(q_dec, paged, tail, tables, lens, params,
+                                                   tail_block_tables=tail_tables[:nd], **kw)
+            else:
+                out[:nd] = split_rows(q_dec, paged, tail, tables, lens, ready, params, recent.tokens, recent.sinks)
+                m.checked[RECENT_DECODE] = (tail_tables, ready)
     if n > nd:
         out[nd:n] = recent_prefill_attention(q[nd:n], paged, tail, m.prefill_block_tables, m.prefill_seq_lens,
                                              m.prefill_query_start, params, tail_block_tables=tail_tables[nd:],
