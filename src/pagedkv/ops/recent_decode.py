@@ -22,6 +22,7 @@ kernel leaves that case to the reference); elsewhere `recent.py`'s paths run.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -69,6 +70,14 @@ def split_applies(layer: PagedLayer, params: AttentionParams) -> bool:
 
 def _kernel_reads(layer: PagedLayer, params: AttentionParams) -> bool:
     return select_backend(Op.DECODE, layer.device, layer, params).name == "cpu"
+
+
+def tail_in_kernel(tail: PagedLayer, params: AttentionParams) -> bool:
+    """Whether `split_decode` reads `tail`'s rows with the C kernel (its codec on its device; sink
+    logits join the pages' call only). Constant over the layers of one attention group: a front
+    door that runs many layers per step passes it to `split_rows` instead of a backend choice per
+    call."""
+    return _kernel_reads(tail, dataclasses.replace(params, sinks=None))
 
 
 def _tail_rows(tail: PagedLayer, tables: torch.Tensor, n: torch.Tensor, recent: int, sinks: int):
@@ -139,17 +148,20 @@ def _torch_tail(q: torch.Tensor, tail: PagedLayer, tables: torch.Tensor, n: torc
 
 def split_decode(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, tail_tables: torch.Tensor, params: AttentionParams,
-                 recent: int, sinks: int) -> torch.Tensor:
+                 recent: int, sinks: int, tail_kernel: Optional[bool] = None) -> torch.Tensor:
     """Decode attention of q float [B, Hq, D] (every seq_lens[b] >= 1, inputs validated by the
     caller) with keys n - R <= j and j < S read from `tail` through `tail_tables`, the others
-    from `layer`'s pages. Returns float32 [B, Hq, D]."""
+    from `layer`'s pages. tail_kernel: `tail_in_kernel(tail, params)` when the caller has it
+    (None: decided here). Returns float32 [B, Hq, D]."""
     n = seq_lens.long()
     longest = int(n.max())  # no query reads past its length: the tail rows are built per step
     sinks, recent = min(sinks, longest), min(recent, longest)
     qf = q.float().contiguous()
     parts = [_kernel_part(qf, layer, block_tables, (n - recent).clamp(min=0), params, sinks)]
     plain = dataclasses.replace(params, sinks=None)  # sink logits: counted once, in the pages' call
-    if sinks <= recent and _kernel_reads(tail, plain):
+    if tail_kernel is None:
+        tail_kernel = _kernel_reads(tail, plain)
+    if sinks <= recent and tail_kernel:
         # one call, 2B rows: keys [n - R, n) (window R), then the sinks before them, [0, min(S, n - R))
         # (a query at min(S, n - R) - 1 <= R - 1 sees them all through the window)
         b = q.shape[0]
@@ -165,14 +177,15 @@ def split_decode(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tab
 @torch.no_grad()
 def split_rows(q: torch.Tensor, layer: PagedLayer, tail: PagedLayer, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, tail_tables: torch.Tensor, params: AttentionParams,
-               recent: int, sinks: int) -> torch.Tensor:
+               recent: int, sinks: int, tail_kernel: Optional[bool] = None) -> torch.Tensor:
     """`split_decode` over the rows that have a key (a length-0 row gives zeros), in q's dtype;
     inputs validated by the caller (`recent.prepare_split_decode`)."""
     keep = seq_lens > 0
     if bool(keep.all()):
-        return split_decode(q, layer, tail, block_tables, seq_lens, tail_tables, params, recent, sinks).to(q.dtype)
+        return split_decode(q, layer, tail, block_tables, seq_lens, tail_tables, params, recent, sinks,
+                            tail_kernel).to(q.dtype)
     out = torch.zeros_like(q)
     if bool(keep.any()):
         out[keep] = split_decode(q[keep], layer, tail, block_tables[keep], seq_lens[keep], tail_tables[keep],
-                                 params, recent, sinks).to(q.dtype)
+                                 params, recent, sinks, tail_kernel).to(q.dtype)
     return out

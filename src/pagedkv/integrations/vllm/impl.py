@@ -41,7 +41,7 @@ from .settings import VllmSettings
 from .tail import TailMetadata
 
 log = logging.getLogger("vllm.pagedkv")  # under vLLM's logger: its handlers print it
-RECENT_DECODE = "recent_decode"  # `PagedKVMetadata.checked` key: (the tail tables given, those validated)
+RECENT_DECODE = "recent_decode"  # `PagedKVMetadata.checked` key: (tail tables given, validated, tail_in_kernel)
 
 
 def _refuse(what: str, value, accepted: str) -> None:
@@ -219,7 +219,7 @@ def attend_recent(paged, tail, tail_tables: torch.Tensor, recent, params: Attent
     """`attend` with the recent window: keys p - R < j <= p read from the tail (through the tail
     group's tables, rows in the step's order: decodes first), older keys from the pages."""
     from ...ops.recent import prepare_split_decode, recent_decode_attention, recent_prefill_attention
-    from ...ops.recent_decode import split_rows
+    from ...ops.recent_decode import split_rows, tail_in_kernel
 
     n, nd = m.num_actual_tokens, m.num_decodes
     kw = dict(recent=recent.tokens, sinks=recent.sinks, checks=checks)
@@ -231,7 +231,8 @@ def attend_recent(paged, tail, tail_tables: torch.Tensor, recent, params: Attent
         q_dec, tables, lens = q[:nd], m.decode_block_tables, m.decode_seq_lens
         seen = None if checks else m.checked.get(RECENT_DECODE)
         if seen is not None and seen[0] is tail_tables:
-            out[:nd] = split_rows(q_dec, paged, tail, tables, lens, seen[1], params, recent.tokens, recent.sinks)
+            out[:nd] = split_rows(q_dec, paged, tail, tables, lens, seen[1], params, recent.tokens, recent.sinks,
+                                  seen[2])
         else:
             ready = prepare_split_decode(q_dec, paged, tail, tables, lens, params, tail_block_tables=tail_tables[:nd],
                                          **kw)
@@ -239,8 +240,10 @@ def attend_recent(paged, tail, tail_tables: torch.Tensor, recent, params: Attent
                 out[:nd] = recent_decode_attention(q_dec, paged, tail, tables, lens, params,
                                                    tail_block_tables=tail_tables[:nd], **kw)
             else:
-                out[:nd] = split_rows(q_dec, paged, tail, tables, lens, ready, params, recent.tokens, recent.sinks)
-                m.checked[RECENT_DECODE] = (tail_tables, ready)
+                reads = tail_in_kernel(tail, params)
+                out[:nd] = split_rows(q_dec, paged, tail, tables, lens, ready, params, recent.tokens, recent.sinks,
+                                      reads)
+                m.checked[RECENT_DECODE] = (tail_tables, ready, reads)
     if n > nd:
         out[nd:n] = recent_prefill_attention(q[nd:n], paged, tail, m.prefill_block_tables, m.prefill_seq_lens,
                                              m.prefill_query_start, params, tail_block_tables=tail_tables[nd:],
