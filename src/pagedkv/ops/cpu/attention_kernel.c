@@ -134,6 +134,29 @@ static inline void prefetch_next(const pkv_rows *rw, int i, int64_t hoff, int rd
     }
 }
 
+/* prefetch_next for the 16 rows g0 .. g0+15 (the tokens-in-lanes score paths): one range test per
+   group instead of one per row. */
+static inline __attribute__((always_inline)) void prefetch16(const pkv_rows *rw, int g0, int64_t hoff, int rdb) {
+    const int npf = rw->pf_nt - g0 < 16 ? rw->pf_nt - g0 : 16;
+    const uint8_t *const *pd = rw->pf_data + g0, *const *ps = rw->pf_sraw + g0;
+    if (npf == 16) {
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) {
+            const uint8_t *d = pd[t] + hoff;
+            __builtin_prefetch(d, 0, 3);
+            __builtin_prefetch(d + rdb - 1, 0, 3);
+            __builtin_prefetch(ps[t], 0, 3);
+        }
+    } else {
+        for (int t = 0; t < npf; t++) {
+            const uint8_t *d = pd[t] + hoff;
+            __builtin_prefetch(d, 0, 3);
+            __builtin_prefetch(d + rdb - 1, 0, 3);
+            __builtin_prefetch(ps[t], 0, 3);
+        }
+    }
+}
+
 /* Factor the fast decode leaves out of a side's values (folded elsewhere): 2^8 for E4M3 values. */
 static inline float value_mult(const pkv_side *sd) {
 #ifdef PKV_SIMD
@@ -639,14 +662,15 @@ PKV_INLINE void scores_e4m3_t(const int MM, const pkv_side *sd, const pkv_rows *
             for (int m = 0; m < MM; m++) acc[u][m] = _mm512_setzero_ps();
         for (int p = 0; p < np; p++) {
             __m512 X[16];
+            if (p == 0) prefetch16(rw, g0, hoff, rd);
+            const uint8_t *const *dp = rw->data + g0;
+            if (n16 == 16) {  /* a full group: no per-row test */
 #pragma GCC unroll 16
-            for (int t = 0; t < 16; t++) {
-                if (t < n16) {
-                    if (p == 0) prefetch_next(rw, g0 + t, hoff, rd);
-                    X[t] = _mm512_castsi512_ps(_mm512_loadu_si512(rw->data[g0 + t] + hoff + 64 * p));
-                } else {
-                    X[t] = _mm512_setzero_ps();
-                }
+                for (int t = 0; t < 16; t++) X[t] = _mm512_castsi512_ps(_mm512_loadu_si512(dp[t] + hoff + 64 * p));
+            } else {
+#pragma GCC unroll 16
+                for (int t = 0; t < 16; t++)
+                    X[t] = t < n16 ? _mm512_castsi512_ps(_mm512_loadu_si512(dp[t] + hoff + 64 * p)) : _mm512_setzero_ps();
             }
             transpose16_regs(X);
 #pragma GCC unroll 16
