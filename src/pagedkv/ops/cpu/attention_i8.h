@@ -306,17 +306,26 @@ PKV_INLINE void transpose16i(__m512i x[16]) {
 /* The 16 rows g0 .. g0+15 of a 64-dim pass (n dims read), transposed as dwords: L[k] lane t holds
    dims 4k .. 4k+3 of row g0 + t, as code bytes (levels = 0: byte j's low bits hold code j, the
    next code's bits above) or as their 7-bit levels (levels = 1); rows past n16 are zero and read
-   nothing; the first pass prefetches the next chunk's rows, one per row. */
+   nothing; the first pass prefetches the next chunk's 16 rows (prefetch16). */
 PKV_INLINE void i8_pass16(const int bits, const int levels, const i8_ctx *c, const pkv_rows *rw, int g0, int n16,
                           int64_t hoff, int rd, int p, int n, __m512i L[16]) {
+    if (p == 0) prefetch16(rw, g0, hoff, rd);
+    const uint8_t *const *dp = rw->data + g0;
+    if (n16 == 16) {  /* a full group: no per-row test */
 #pragma GCC unroll 16
-    for (int t = 0; t < 16; t++) {
-        if (t < n16) {
-            if (p == 0) prefetch_next(rw, g0 + t, hoff, rd);
-            const __m512i x = i8_codes64(bits, c, rw->data[g0 + t] + hoff, p, n);
+        for (int t = 0; t < 16; t++) {
+            const __m512i x = i8_codes64(bits, c, dp[t] + hoff, p, n);
             L[t] = levels ? _mm512_permutexvar_epi8(x, c->lut) : x;
-        } else {
-            L[t] = _mm512_setzero_si512();
+        }
+    } else {
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) {
+            if (t < n16) {
+                const __m512i x = i8_codes64(bits, c, dp[t] + hoff, p, n);
+                L[t] = levels ? _mm512_permutexvar_epi8(x, c->lut) : x;
+            } else {
+                L[t] = _mm512_setzero_si512();
+            }
         }
     }
     transpose16i(L);

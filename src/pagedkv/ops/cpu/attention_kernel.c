@@ -50,6 +50,9 @@
 
 #define PKV_ABI_VERSION 6
 #define SMALL_M 8
+#ifndef PKV_LAZY_T
+#define PKV_LAZY_T 8.0f  /* AVX-512 online softmax: the running max moves when exceeded by more than this */
+#endif
 
 
 enum { EK_BF16 = 0, EK_LUT = 1, EK_E4M3 = 2, EK_I8 = 3 };
@@ -128,6 +131,29 @@ static inline void prefetch_next(const pkv_rows *rw, int i, int64_t hoff, int rd
         __builtin_prefetch(d, 0, 3);
         __builtin_prefetch(d + rdb - 1, 0, 3);
         __builtin_prefetch(rw->pf_sraw[i], 0, 3);
+    }
+}
+
+/* prefetch_next for the 16 rows g0 .. g0+15 (the tokens-in-lanes score paths): one range test per
+   group instead of one per row. */
+static inline __attribute__((always_inline)) void prefetch16(const pkv_rows *rw, int g0, int64_t hoff, int rdb) {
+    const int npf = rw->pf_nt - g0 < 16 ? rw->pf_nt - g0 : 16;
+    const uint8_t *const *pd = rw->pf_data + g0, *const *ps = rw->pf_sraw + g0;
+    if (npf == 16) {
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) {
+            const uint8_t *d = pd[t] + hoff;
+            __builtin_prefetch(d, 0, 3);
+            __builtin_prefetch(d + rdb - 1, 0, 3);
+            __builtin_prefetch(ps[t], 0, 3);
+        }
+    } else {
+        for (int t = 0; t < npf; t++) {
+            const uint8_t *d = pd[t] + hoff;
+            __builtin_prefetch(d, 0, 3);
+            __builtin_prefetch(d + rdb - 1, 0, 3);
+            __builtin_prefetch(ps[t], 0, 3);
+        }
     }
 }
 
@@ -636,14 +662,15 @@ PKV_INLINE void scores_e4m3_t(const int MM, const pkv_side *sd, const pkv_rows *
             for (int m = 0; m < MM; m++) acc[u][m] = _mm512_setzero_ps();
         for (int p = 0; p < np; p++) {
             __m512 X[16];
+            if (p == 0) prefetch16(rw, g0, hoff, rd);
+            const uint8_t *const *dp = rw->data + g0;
+            if (n16 == 16) {  /* a full group: no per-row test */
 #pragma GCC unroll 16
-            for (int t = 0; t < 16; t++) {
-                if (t < n16) {
-                    if (p == 0) prefetch_next(rw, g0 + t, hoff, rd);
-                    X[t] = _mm512_castsi512_ps(_mm512_loadu_si512(rw->data[g0 + t] + hoff + 64 * p));
-                } else {
-                    X[t] = _mm512_setzero_ps();
-                }
+                for (int t = 0; t < 16; t++) X[t] = _mm512_castsi512_ps(_mm512_loadu_si512(dp[t] + hoff + 64 * p));
+            } else {
+#pragma GCC unroll 16
+                for (int t = 0; t < 16; t++)
+                    X[t] = t < n16 ? _mm512_castsi512_ps(_mm512_loadu_si512(dp[t] + hoff + 64 * p)) : _mm512_setzero_ps();
             }
             transpose16_regs(X);
 #pragma GCC unroll 16
@@ -1421,6 +1448,7 @@ typedef struct {
     float *kt;      /* [BSP/16][D][16] transposed K */
     float *s;       /* [M, BSP] scores then probabilities */
     uint8_t *need;  /* [BSP] V row needed */
+    float *lv;      /* [hpt, M, 16] AVX-512: lane sums of the softmax denominator (added to st_l at the end) */
     float *alpha;   /* [M] */
     int8_t *q8;     /* [hpt, M, D] int8 queries, or NULL: exact scores (AVX2 integer path only) */
     int32_t *qc;    /* [hpt, M, D/4] */
@@ -1577,6 +1605,48 @@ static void chunk_head(const pkv_args *a, const pkv_side *ks, const pkv_side *vs
     if (thr > 0) memset(sc->need, 0, BSP);
     int any_row = 0;
     float *alpha = sc->alpha;  /* [M] rescale factors of this chunk */
+#ifdef PKV_AVX512
+    if (thr <= 0) {
+        /* Lazy max, lane sums: the running max moves only when a chunk's score exceeds it by more
+           than PKV_LAZY_T (p <= e^T otherwise: no overflow; any offset gives the same softmax in
+           exact arithmetic and the same relative rounding), and the denominator is kept as 16
+           lane sums (sc->lv) reduced once at the task's end: in the common case no horizontal
+           max, no expf and no horizontal sum per chunk and query. */
+        float *lv = sc->lv + (int64_t)hh * M * 16;
+        for (int m = 0; m < M; m++) {
+            float *sr = S + (int64_t)m * BSP;
+            const float mo = st_m[m];
+            __m512 vm = _mm512_load_ps(sr);
+            for (int g = 1; g < ng; g++) vm = _mm512_max_ps(vm, _mm512_load_ps(sr + 16 * g));
+            __m512 lm = _mm512_load_ps(lv + 16 * m);
+            float mx = mo;
+            if (mo == -INFINITY || _mm512_cmp_ps_mask(vm, _mm512_set1_ps(mo + PKV_LAZY_T), _CMP_GT_OQ)) {
+                mx = _mm512_reduce_max_ps(vm);
+                if (mx == -INFINITY) {  /* nothing visible yet for this query */
+                    alpha[m] = 1.0f;
+                    for (int i = 0; i < BSP; i++) sr[i] = 0.0f;
+                    continue;
+                }
+                alpha[m] = mo == -INFINITY ? 0.0f : expf(mo - mx);
+                lm = _mm512_mul_ps(lm, _mm512_set1_ps(alpha[m]));
+                st_l[m] *= alpha[m];
+                st_m[m] = mx;
+            } else {
+                alpha[m] = 1.0f;
+            }
+            const __m512 vmx = _mm512_set1_ps(mx);
+            for (int g = 0; g < ng; g++) {
+                __m512 s = _mm512_load_ps(sr + 16 * g);
+                __mmask16 fin = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                __m512 p = _mm512_maskz_mov_ps(fin, exp512(_mm512_sub_ps(s, vmx)));
+                lm = _mm512_add_ps(lm, p);
+                _mm512_store_ps(sr + 16 * g, p);
+            }
+            _mm512_store_ps(lv + 16 * m, lm);
+            any_row = 1;
+        }
+    } else
+#endif
     for (int m = 0; m < M; m++) {
         float *sr = S + (int64_t)m * BSP;
         float mx = st_m[m];
@@ -1820,9 +1890,10 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
     float *st_m = xalloc(sizeof(float) * (size_t)hpt * M);
     float *st_l = xalloc(sizeof(float) * (size_t)hpt * M);
     float *st_acc = xalloc(sizeof(float) * (size_t)hpt * M * D);
+    sc.lv = xalloc(sizeof(float) * (size_t)hpt * M * 16);
     int rc = 0;
     if (!sc.q || !sc.bias || !sc.pos || !sc.rows || !sc.kt || !sc.s || !sc.need || !sc.alpha || !st_m || !st_l ||
-        !st_acc || (a->sinks && !sinkv) || !rows_ok) {
+        !st_acc || !sc.lv || (a->sinks && !sinkv) || !rows_ok) {
         rc = -1;
         goto done;
     }
@@ -1949,6 +2020,9 @@ static int run_task(const pkv_args *a, const pkv_side *ks, const pkv_side *vs, c
 #ifdef PKV_SIMD
     _mm_setcsr(csr);
 #endif
+#ifdef PKV_AVX512
+    for (int i = 0; i < hpt * M; i++) st_l[i] += _mm512_reduce_add_ps(_mm512_load_ps(sc.lv + 16 * i));
+#endif
     for (int i = 0; i < hpt * M; i++) {
         float *row = part_out + (size_t)i * (D + 2);
         row[0] = st_m[i];
@@ -1961,7 +2035,7 @@ done:
 #ifdef PKV_BF16DOT
     free(sc.qb);
 #endif
-    free(sinkv); free(st_m); free(st_l); free(st_acc);
+    free(sinkv); free(st_m); free(st_l); free(st_acc); free(sc.lv);
     for (int z = 0; z < 2; z++) {
         free(krs[z].data); free(krs[z].sraw); free(krs[z].scl); free(krs[z].sclt);
         free(vrs[z].data); free(vrs[z].sraw); free(vrs[z].scl);
