@@ -90,7 +90,7 @@ def test_every_layer_of_a_step_gives_the_public_ops_result_validated_once(checks
     assert own == (len(pairs) if checks else 1)
 
 
-def test_a_bad_table_is_refused_on_the_steps_first_layer(monkeypatch):
+def test_a_bad_table_is_refused_on_the_steps_first_layer():
     pairs, tables, tail_tables = _layers(1)
     lens = torch.tensor(LENS, dtype=torch.int32)
     bad = tables.clone()
@@ -115,3 +115,20 @@ def test_another_tail_table_is_validated_again(monkeypatch):
         impl.attend_recent(main.layer, tail.layer, tt, WINDOW, AttentionParams(scale=0.125), main.q_decode,
                            out, m, checks=False)
     assert len(calls) == 2
+
+
+def test_where_the_split_does_not_apply_every_layer_runs_the_public_op():
+    """Sparse V (the split's threshold would apply to partial weights): the step records that the
+    split does not apply, and every layer gets the public op's result."""
+    pairs, tables, tail_tables = _layers(2)
+    _same_tables(pairs, tables, tail_tables)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    params = AttentionParams(scale=0.125, sparse_v_threshold=1e-3)
+    m = _metadata(tables, lens)
+    for main, tail in pairs:
+        out = torch.full_like(main.q_decode, float("nan"))
+        impl.attend_recent(main.layer, tail.layer, tail_tables, WINDOW, params, main.q_decode, out, m)
+        want = rec.recent_decode_attention(main.q_decode, main.layer, tail.layer, tables, lens, params,
+                                           recent=WINDOW.tokens, sinks=WINDOW.sinks, tail_block_tables=tail_tables)
+        assert torch.equal(out, want)
+    assert m.checked[impl.RECENT_DECODE][1] is None

@@ -41,7 +41,7 @@ from .settings import VllmSettings
 from .tail import TailMetadata
 
 log = logging.getLogger("vllm.pagedkv")  # under vLLM's logger: its handlers print it
-RECENT_DECODE = "recent_decode"  # `PagedKVMetadata.checked` key: (tail tables given, validated, tail_in_kernel)
+RECENT_DECODE = "recent_decode"  # `PagedKVMetadata.checked` key: (tail tables given, validated or None, tail_in_kernel)
 
 
 def _refuse(what: str, value, accepted: str) -> None:
@@ -225,25 +225,22 @@ def attend_recent(paged, tail, tail_tables: torch.Tensor, recent, params: Attent
     kw = dict(recent=recent.tokens, sinks=recent.sinks, checks=checks)
     if nd:
         # validated once per step, as `attend`: the step's first layer checks the tables and
-        # records the tail tables it reads through; the group's other layers (the same tables, one
-        # format) run the split directly. With `checks`, or where the split does not apply, every
-        # layer calls the public op.
+        # records the tail tables it reads through (None: the split does not apply, the public op
+        # runs); the group's other layers (the same tables, one format) reuse the record. With
+        # `checks` every layer validates.
         q_dec, tables, lens = q[:nd], m.decode_block_tables, m.decode_seq_lens
         seen = None if checks else m.checked.get(RECENT_DECODE)
-        if seen is not None and seen[0] is tail_tables:
-            out[:nd] = split_rows(q_dec, paged, tail, tables, lens, seen[1], params, recent.tokens, recent.sinks,
-                                  seen[2])
-        else:
+        if seen is None or seen[0] is not tail_tables:
             ready = prepare_split_decode(q_dec, paged, tail, tables, lens, params, tail_block_tables=tail_tables[:nd],
                                          **kw)
-            if ready is None:
-                out[:nd] = recent_decode_attention(q_dec, paged, tail, tables, lens, params,
-                                                   tail_block_tables=tail_tables[:nd], **kw)
-            else:
-                reads = tail_in_kernel(tail, params)
-                out[:nd] = split_rows(q_dec, paged, tail, tables, lens, ready, params, recent.tokens, recent.sinks,
-                                      reads)
-                m.checked[RECENT_DECODE] = (tail_tables, ready, reads)
+            seen = (tail_tables, ready, None if ready is None else tail_in_kernel(tail, params))
+            m.checked[RECENT_DECODE] = seen
+        if seen[1] is None:
+            out[:nd] = recent_decode_attention(q_dec, paged, tail, tables, lens, params,
+                                               tail_block_tables=tail_tables[:nd], **kw)
+        else:
+            out[:nd] = split_rows(q_dec, paged, tail, tables, lens, seen[1], params, recent.tokens, recent.sinks,
+                                  seen[2])
     if n > nd:
         out[nd:n] = recent_prefill_attention(q[nd:n], paged, tail, m.prefill_block_tables, m.prefill_seq_lens,
                                              m.prefill_query_start, params, tail_block_tables=tail_tables[nd:],
